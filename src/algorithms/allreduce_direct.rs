@@ -1,0 +1,27 @@
+//! Direct all-reduce = direct reduce-scatter + direct all-gather. The tensor of `n` elements is
+//! cut into `size` near-equal *chunks*; rank r owns chunk r. First every rank reduces its chunk
+//! from all ranks' inputs (reduce_scatter_direct.rs, scaling fused), then sends the finished
+//! chunk to every peer and receives theirs in place. Each byte crosses the network twice, as in
+//! a ring, but in two steps of latency instead of 2(size-1); each chunk's value is computed on
+//! one rank only, so every rank ends with identical bits.
+
+use super::reduce_scatter_direct::{chunk, reduce_blocks};
+use super::Step;
+use crate::error::Result;
+use crate::op::Op;
+
+pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
+    let (rank, size) = (step.rank(), step.size());
+    let esz = step.dtype.size();
+    let buf = op.outputs[0];
+    let n = buf.len() / esz;
+    let chunks: Vec<_> = (0..size).map(|i| chunk(buf, n, size, i, esz)).collect();
+    reduce_blocks(step, &op.reduction(size), &chunks, chunks[rank])?;
+
+    let mut phase = step.phase();
+    for peer in (0..size).filter(|&p| p != rank) {
+        phase.send(peer, chunks[rank], step.count);
+        phase.recv(peer, chunks[peer], step.count);
+    }
+    step.run(phase)
+}

@@ -1,0 +1,21 @@
+//! Direct broadcast: the root sends its tensor to every peer at once (the transport interleaves
+//! the sockets); each peer receives straight into its tensor, no staging.
+
+use super::Step;
+use crate::error::Result;
+use crate::op::Op;
+
+pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
+    let (rank, size) = (step.rank(), step.size());
+    let root = op.root as usize;
+    let buf = op.outputs[0];
+    let mut phase = step.phase();
+    if rank == root {
+        for peer in (0..size).filter(|&p| p != rank) {
+            phase.send(peer, buf, step.count);
+        }
+    } else {
+        phase.recv(root, buf, step.count);
+    }
+    step.run(phase)
+}

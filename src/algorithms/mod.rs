@@ -1,0 +1,148 @@
+//! Collective algorithms, one per file. Each is written against [`Phase`]: it lists the sends
+//! and receives of one step and lets the transport complete them together. Today every
+//! algorithm is *direct*: a rank exchanges with each peer itself (the group is a full mesh), so
+//! a collective costs one or two steps of latency, and a reduction sums all ranks' inputs in one
+//! pass, in rank order, accumulating bf16/fp16 in fp32 with a single rounding — the same result
+//! on every rank and close to torch's own sum.
+
+pub mod allgather_direct;
+pub mod allreduce_direct;
+pub mod alltoall_pairwise;
+pub mod barrier_all;
+pub mod broadcast_direct;
+pub mod gather_direct;
+pub mod p2p;
+pub mod reduce_direct;
+pub mod reduce_scatter_direct;
+pub mod scatter_direct;
+
+use crate::error::Result;
+use crate::op::Op;
+use crate::transport::{Direction, Header, OpCtx, RawBuf, Transfer, Transport};
+use crate::transport::tcp::frame::FrameKind;
+use crate::types::DType;
+
+/// What an algorithm works with: the transport, the op's context, and reusable scratch memory.
+pub struct Step<'a> {
+    pub transport: &'a mut dyn Transport,
+    pub ctx: &'a OpCtx,
+    pub dtype: DType,
+    /// The `count` every frame of this op carries (see the frame docs): checked by receivers.
+    pub count: u64,
+    /// Root or tag, carried in every frame.
+    pub key: i64,
+    pub segment_bytes: usize,
+    pub scratch: &'a mut Vec<u8>,
+}
+
+impl Step<'_> {
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+    pub fn size(&self) -> usize {
+        self.transport.size()
+    }
+
+    /// Elements per segment of a reduction round.
+    pub fn segment_elems(&self) -> usize {
+        (self.segment_bytes / self.dtype.size()).max(1)
+    }
+
+    /// Scratch of at least `bytes` bytes (grown, never shrunk, so steady state allocates nothing).
+    pub fn scratch(&mut self, bytes: usize) -> RawBuf {
+        if self.scratch.len() < bytes {
+            self.scratch.resize(bytes, 0);
+        }
+        RawBuf::from_slice(&mut self.scratch[..bytes])
+    }
+
+    /// A fresh phase whose frames carry this op's header fields.
+    pub fn phase(&self) -> Phase {
+        Phase { header: self.header(0, 0), transfers: Vec::new() }
+    }
+
+    fn header(&self, count: u64, len: u64) -> Header {
+        Header {
+            kind: FrameKind::Data,
+            op: self.ctx.op as u8,
+            dtype: self.dtype as u8,
+            seq: self.ctx.seq,
+            count,
+            key: self.key,
+            payload_len: len,
+        }
+    }
+
+    pub fn run(&mut self, phase: Phase) -> Result<()> {
+        if phase.transfers.is_empty() {
+            return Ok(());
+        }
+        self.transport.exchange(&phase.transfers, self.ctx)
+    }
+}
+
+/// The transfers of one step.
+pub struct Phase {
+    header: Header,
+    pub transfers: Vec<Transfer>,
+}
+
+impl Phase {
+    /// Send `buf` to `peer`, announcing `count` elements (the op's agreed count).
+    pub fn send(&mut self, peer: usize, buf: RawBuf, count: u64) {
+        let header = Header { count, payload_len: buf.len() as u64, ..self.header };
+        self.transfers.push(Transfer { peer, dir: Direction::Send, header, buf });
+    }
+
+    /// Receive exactly `buf.len()` bytes from `peer`, which must announce `count` elements.
+    pub fn recv(&mut self, peer: usize, buf: RawBuf, count: u64) {
+        let header = Header { count, payload_len: buf.len() as u64, ..self.header };
+        self.transfers.push(Transfer { peer, dir: Direction::Recv, header, buf });
+    }
+}
+
+/// Splits `n` elements into `parts` near-equal consecutive ranges; returns range `i` as
+/// (start, len). The first `n % parts` ranges get one element more.
+pub fn split_range(n: usize, parts: usize, i: usize) -> (usize, usize) {
+    let base = n / parts;
+    let extra = n % parts;
+    let start = i * base + i.min(extra);
+    (start, base + usize::from(i < extra))
+}
+
+/// Runs one collective op (not point-to-point) to completion.
+pub fn run_collective(step: &mut Step<'_>, op: &Op) -> Result<()> {
+    use crate::types::OpKind::*;
+    match op.kind {
+        AllReduce => allreduce_direct::run(step, op),
+        Broadcast => broadcast_direct::run(step, op),
+        Reduce => reduce_direct::run(step, op),
+        AllGather => allgather_direct::run(step, op),
+        Gather => gather_direct::run(step, op),
+        Scatter => scatter_direct::run(step, op),
+        ReduceScatter => reduce_scatter_direct::run(step, op),
+        AllToAll => alltoall_pairwise::run(step, op),
+        Barrier => barrier_all::run(step),
+        Send | Recv | RecvAnySource => unreachable!("point-to-point ops run through p2p.rs"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_range;
+
+    #[test]
+    fn split_covers_everything() {
+        for n in [0usize, 1, 5, 7, 100, 1001] {
+            for parts in 1..6 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let (s, l) = split_range(n, parts, i);
+                    assert_eq!(s, next);
+                    next = s + l;
+                }
+                assert_eq!(next, n);
+            }
+        }
+    }
+}

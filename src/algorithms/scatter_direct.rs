@@ -1,0 +1,25 @@
+//! Direct scatter: the root sends view j of its input to rank j and copies its own view; every
+//! other rank receives straight into its output.
+
+use super::Step;
+use crate::error::Result;
+use crate::op::Op;
+
+pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
+    let (rank, size) = (step.rank(), step.size());
+    let root = op.root as usize;
+    let output = op.outputs[0];
+    let mut phase = step.phase();
+    if rank == root {
+        for peer in (0..size).filter(|&p| p != rank) {
+            phase.send(peer, op.inputs[peer], step.count);
+        }
+    } else {
+        phase.recv(root, output, step.count);
+    }
+    step.run(phase)?;
+    if rank == root {
+        op.inputs[rank].copy_to(output);
+    }
+    Ok(())
+}

@@ -1,0 +1,266 @@
+//! The communicator of one group: its rank and size, the connections, the sequence numbers and
+//! the progress thread. Callers submit *jobs* (one op, or a coalesced batch); the progress
+//! thread runs them strictly in submission order — the order every rank must agree on — and
+//! reports each through its completion callback. Different groups have different threads, so
+//! their operations run concurrently.
+//!
+//! A failure is final: the thread tells every peer (an abort frame, or closing the stream when
+//! a frame was cut), and every later job fails at once with the first error. That is NCCL's
+//! model too: after a collective fails, ranks can no longer agree on where the streams are.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::algorithms::p2p::{self, P2pCounters};
+use crate::algorithms::{Step, run_collective};
+use crate::config::Config;
+use crate::error::{CommError, ErrorKind, Result};
+use crate::op::{Completion, Op};
+use crate::rendezvous::{Store, agree_on_token};
+use crate::transport::tcp::TcpTransport;
+use crate::transport::{OpCtx, Transport};
+use crate::types::OpKind;
+
+/// Called once when a job finishes, on the progress thread.
+pub type OnDone = Box<dyn FnOnce(Result<Completion>) + Send>;
+
+enum Job {
+    Run { ops: Vec<Op>, done: OnDone },
+    /// This rank rejected its part of `op` locally: tell the peers and fail the communicator.
+    Abort { op: OpKind, message: String },
+}
+
+pub struct Communicator {
+    rank: usize,
+    size: usize,
+    queue: Mutex<Option<mpsc::Sender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    timeout_ms: Arc<AtomicU64>,
+    /// Collectives submitted so far: the number the next one will carry.
+    submitted: AtomicU64,
+}
+
+impl Communicator {
+    /// Connects to every rank of the group (blocks until all have joined, or the timeout) and
+    /// starts the progress thread.
+    pub fn new(store: &dyn Store, rank: usize, size: usize, config: Config) -> Result<Communicator> {
+        crate::config::init_logging();
+        if size == 0 || rank >= size {
+            return Err(CommError::invalid(format!("xccl_rs: rank {rank} is not in a group of size {size}")));
+        }
+        let token = agree_on_token(store, rank, config.timeout)?;
+        let transport = TcpTransport::connect(store, rank, size, token, config.socket_host.as_deref(), config.timeout)?;
+        tracing::info!(rank, size, "xccl_rs communicator connected");
+        let timeout_ms = Arc::new(AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64));
+        let (tx, rx) = mpsc::channel();
+        let mut worker = Worker {
+            transport: Box::new(transport),
+            config,
+            timeout_ms: timeout_ms.clone(),
+            seq: 0,
+            p2p: P2pCounters::new(size),
+            scratch: Vec::new(),
+            failed: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("xccl_rs-r{rank}"))
+            .spawn(move || worker.serve(rx))
+            .map_err(|e| CommError::io(format!("xccl_rs: cannot start the progress thread: {e}")))?;
+        Ok(Communicator {
+            rank,
+            size,
+            queue: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+            timeout_ms,
+            submitted: AtomicU64::new(0),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The sequence number the next collective will carry.
+    pub fn next_seq(&self) -> u64 {
+        self.submitted.load(Ordering::Relaxed)
+    }
+
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.timeout_ms.store(timeout.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+
+    /// Queues a job; `done` runs on the progress thread when it finishes. Layout errors are
+    /// returned here, before anything is queued.
+    pub fn submit(&self, ops: Vec<Op>, done: OnDone) -> Result<()> {
+        for op in &ops {
+            op.validate(self.rank, self.size).map_err(|e| {
+                CommError::new(e.kind, format!("xccl_rs: rank {}: {}", self.rank, e.message))
+            })?;
+        }
+        let collectives = ops.iter().filter(|op| !op.kind.is_p2p()).count() as u64;
+        self.submitted.fetch_add(collectives, Ordering::Relaxed);
+        self.send(Job::Run { ops, done })
+    }
+
+    /// Fails the communicator because this rank cannot take part in `op` (a local argument
+    /// error); peers waiting in that op fail at once with `message` instead of timing out.
+    pub fn abort(&self, op: OpKind, message: &str) {
+        let _ = self.send(Job::Abort { op, message: message.to_string() });
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        let queue = self.queue.lock();
+        let tx = queue.as_ref().ok_or_else(|| CommError::new(ErrorKind::Aborted, "xccl_rs: the communicator was shut down"))?;
+        tx.send(job).map_err(|_| CommError::new(ErrorKind::Aborted, "xccl_rs: the progress thread has exited"))
+    }
+
+    /// Finishes queued work, then stops the progress thread and closes the connections.
+    pub fn shutdown(&self) {
+        drop(self.queue.lock().take());
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The state the progress thread owns.
+struct Worker {
+    transport: Box<dyn Transport>,
+    config: Config,
+    timeout_ms: Arc<AtomicU64>,
+    /// The next collective's sequence number.
+    seq: u64,
+    p2p: P2pCounters,
+    scratch: Vec<u8>,
+    failed: Option<CommError>,
+}
+
+impl Worker {
+    fn serve(&mut self, rx: mpsc::Receiver<Job>) {
+        while let Ok(job) = rx.recv() {
+            match job {
+                Job::Run { ops, done } => {
+                    let result = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job(&ops))) {
+                        Ok(r) => r,
+                        Err(panic) => {
+                            let what = panic
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| panic.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "unknown panic".into());
+                            let e = CommError::io(format!("xccl_rs: internal error (please report): {what}"));
+                            self.fail(&self.ctx(OpKind::Barrier, self.seq), e.clone());
+                            Err(e)
+                        }
+                    };
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result)));
+                }
+                Job::Abort { op, message } => {
+                    let ctx = self.ctx(op, self.seq);
+                    self.fail(&ctx, CommError::new(ErrorKind::Aborted, message));
+                }
+            }
+        }
+    }
+
+    fn ctx(&self, op: OpKind, seq: u64) -> OpCtx {
+        let timeout = Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed));
+        OpCtx {
+            op,
+            seq,
+            rank: self.transport.rank(),
+            deadline: Instant::now().checked_add(timeout).unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40)),
+            timeout,
+        }
+    }
+
+    fn fail(&mut self, ctx: &OpCtx, e: CommError) {
+        if self.failed.is_none() {
+            tracing::error!(error = %e.message, "xccl_rs communicator failed");
+            self.transport.abort(ctx, &e.message);
+            self.failed = Some(e);
+        }
+    }
+
+    /// Runs a job's ops in order; consecutive sends/receives with known peers form one phase.
+    fn run_job(&mut self, ops: &[Op]) -> Result<Completion> {
+        if let Some(e) = &self.failed {
+            return Err(CommError::new(
+                ErrorKind::Aborted,
+                format!("xccl_rs: this group failed earlier and cannot be used any more; the first error was: {}", e.message),
+            ));
+        }
+        let mut completion = Completion { source_rank: -1 };
+        let mut i = 0;
+        while i < ops.len() {
+            let op = &ops[i];
+            let result = if matches!(op.kind, OpKind::Send | OpKind::Recv) {
+                let end = i + ops[i..].iter().take_while(|o| matches!(o.kind, OpKind::Send | OpKind::Recv)).count();
+                let ctx = self.ctx(op.kind, self.p2p_seq(op));
+                let r = p2p::run_batch(self.transport.as_mut(), &ops[i..end], &mut self.p2p, &ctx);
+                i = end;
+                r.map_err(|e| (ctx, e))
+            } else if op.kind == OpKind::RecvAnySource {
+                let ctx = self.ctx(op.kind, 0);
+                i += 1;
+                p2p::recv_any(self.transport.as_mut(), op, &mut self.p2p, &ctx)
+                    .map(|c| completion = c)
+                    .map_err(|e| (ctx, e))
+            } else {
+                let ctx = self.ctx(op.kind, self.seq);
+                self.seq += 1;
+                i += 1;
+                self.run_one(op, &ctx).map_err(|e| (ctx, e))
+            };
+            if let Err((ctx, e)) = result {
+                self.fail(&ctx, e.clone());
+                return Err(e);
+            }
+        }
+        Ok(completion)
+    }
+
+    fn p2p_seq(&self, op: &Op) -> u64 {
+        let peer = op.root as usize;
+        if op.kind == OpKind::Send { self.p2p.sent[peer] } else { self.p2p.received[peer] }
+    }
+
+    fn run_one(&mut self, op: &Op, ctx: &OpCtx) -> Result<()> {
+        let esz = op.dtype.size() as u64;
+        let elems = |b: Option<&crate::transport::RawBuf>| b.map_or(0, |b| b.len() as u64 / esz);
+        let count = match op.kind {
+            OpKind::AllGather | OpKind::Gather => elems(op.inputs.first()),
+            OpKind::AllToAll | OpKind::Barrier => 0,
+            _ => elems(op.outputs.first()),
+        };
+        let key = match op.kind {
+            OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter => op.root,
+            _ => 0,
+        };
+        let mut step = Step {
+            transport: self.transport.as_mut(),
+            ctx,
+            dtype: op.dtype,
+            count,
+            key,
+            segment_bytes: self.config.segment_bytes,
+            scratch: &mut self.scratch,
+        };
+        run_collective(&mut step, op)
+    }
+}

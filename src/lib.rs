@@ -1,0 +1,25 @@
+//! xccl_rs: a torch.distributed backend. This crate is the core (it knows nothing of torch):
+//! communicators, transports, collective algorithms and reduction kernels. With the `bridge`
+//! feature it also holds the C++ bridge and is the Python extension module `xccl_rs._C`.
+//! See docs/architecture.md.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+pub mod algorithms;
+pub mod comm;
+pub mod config;
+pub mod error;
+pub mod op;
+pub mod reduce;
+pub mod rendezvous;
+pub mod transport;
+pub mod types;
+
+pub use comm::Communicator;
+pub use config::Config;
+pub use error::{CommError, ErrorKind};
+pub use op::{Completion, Op};
+pub use rendezvous::{MemoryStore, Store};
+pub use transport::RawBuf;
+pub use types::{DType, OpKind, ReduceOp};

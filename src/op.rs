@@ -1,0 +1,154 @@
+//! An operation as the core sees it: plain buffers, a dtype, a reduction and a root — no torch.
+//! The bridge turns every c10d call into one or more `Op`s. [`Op::validate`] checks the layout
+//! before anything moves: it is what keeps the algorithms inside the caller's buffers.
+//!
+//! Buffer layout per kind (`in`/`out` are `inputs`/`outputs`; "views" are per-rank buffers):
+//! ```text
+//! AllReduce      out = [buf]                     in place
+//! Broadcast      out = [buf]                     the root's is the source
+//! Reduce         out = [buf]                     in place on the root; other ranks' unchanged
+//! AllGather      in = [x]     out = size views, each len(x)
+//! Gather         in = [x]     out = size views on the root, [] elsewhere
+//! Scatter        in = size views on the root, [] elsewhere   out = [y], each view len(y)
+//! ReduceScatter  in = size views, each len(y)    out = [y]
+//! AllToAll       in = size views   out = size views   (any lengths; checked pairwise)
+//! Barrier        nothing
+//! Send           in = [x]     peer = destination
+//! Recv           out = [y]    peer = source
+//! RecvAnySource  out = [y]
+//! ```
+
+use crate::error::{CommError, Result};
+use crate::reduce::Reduction;
+use crate::transport::RawBuf;
+use crate::types::{DType, OpKind, ReduceOp};
+
+#[derive(Clone, Debug)]
+pub struct Op {
+    pub kind: OpKind,
+    pub dtype: DType,
+    pub reduce_op: ReduceOp,
+    /// PREMUL_SUM's factor.
+    pub premul_factor: f64,
+    /// Root of rooted collectives; peer of send/recv.
+    pub root: i64,
+    /// Tag of point-to-point messages.
+    pub tag: i64,
+    pub inputs: Vec<RawBuf>,
+    pub outputs: Vec<RawBuf>,
+}
+
+/// What a finished job reports back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Completion {
+    /// For receive-from-any-source: the rank the message came from; else -1.
+    pub source_rank: i64,
+}
+
+impl Op {
+    /// A bare op of `kind`; fill in the fields the kind needs.
+    pub fn new(kind: OpKind, dtype: DType) -> Op {
+        Op {
+            kind,
+            dtype,
+            reduce_op: ReduceOp::Sum,
+            premul_factor: 1.0,
+            root: 0,
+            tag: 0,
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+        }
+    }
+
+    pub fn reduction(&self, world_size: usize) -> Reduction {
+        Reduction { dtype: self.dtype, op: self.reduce_op, world_size, premul_factor: self.premul_factor }
+    }
+
+    pub fn is_reduction(&self) -> bool {
+        matches!(self.kind, OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter)
+    }
+
+    /// Checks that buffers, root and dtype fit the kind (see the module table). The message
+    /// starts with the op name; the caller adds rank and sequence number.
+    pub fn validate(&self, rank: usize, size: usize) -> Result<()> {
+        let name = self.kind.name();
+        let esz = self.dtype.size();
+        let bad = |m: String| Err(CommError::invalid(format!("{name}: {m}")));
+        for b in self.inputs.iter().chain(self.outputs.iter()) {
+            if b.len() % esz != 0 {
+                return bad(format!("a buffer of {} bytes is not a whole number of {} elements", b.len(), self.dtype));
+            }
+        }
+        if self.is_reduction() {
+            if let Err(m) = self.reduction(size).validate() {
+                return bad(m);
+            }
+        }
+        let rooted = matches!(
+            self.kind,
+            OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter | OpKind::Send | OpKind::Recv
+        );
+        if rooted && (self.root < 0 || self.root as usize >= size) {
+            let what = if self.kind.is_p2p() { "peer" } else { "root" };
+            return bad(format!("{what} {} is not a rank of this group of {size}", self.root));
+        }
+        if matches!(self.kind, OpKind::Send | OpKind::Recv) && self.root as usize == rank {
+            return bad(format!("rank {rank} cannot {name} to or from itself"));
+        }
+        let is_root = self.root >= 0 && self.root as usize == rank;
+        let (n_in, n_out) = (self.inputs.len(), self.outputs.len());
+        let want = |inputs: usize, outputs: usize| -> Result<()> {
+            if n_in != inputs || n_out != outputs {
+                return Err(CommError::invalid(format!(
+                    "{name}: expected {inputs} input and {outputs} output buffers, got {n_in} and {n_out}"
+                )));
+            }
+            Ok(())
+        };
+        let equal_views = |views: &[RawBuf], len: usize, what: &str| -> Result<()> {
+            for (r, v) in views.iter().enumerate() {
+                if v.len() != len {
+                    return Err(CommError::invalid(format!(
+                        "{name}: {what} for rank {r} has {} elements, expected {}",
+                        v.len() / esz,
+                        len / esz
+                    )));
+                }
+            }
+            Ok(())
+        };
+        match self.kind {
+            OpKind::AllReduce | OpKind::Broadcast | OpKind::Reduce => want(0, 1),
+            OpKind::AllGather => {
+                want(1, size)?;
+                equal_views(&self.outputs, self.inputs[0].len(), "output")
+            }
+            OpKind::Gather => {
+                want(1, if is_root { size } else { 0 })?;
+                equal_views(&self.outputs, self.inputs[0].len(), "output")
+            }
+            OpKind::Scatter => {
+                want(if is_root { size } else { 0 }, 1)?;
+                equal_views(&self.inputs, self.outputs[0].len(), "input")
+            }
+            OpKind::ReduceScatter => {
+                want(size, 1)?;
+                equal_views(&self.inputs, self.outputs[0].len(), "input")
+            }
+            OpKind::AllToAll => {
+                want(size, size)?;
+                if self.inputs[rank].len() != self.outputs[rank].len() {
+                    return bad(format!(
+                        "rank {rank} sends itself {} elements but expects {}",
+                        self.inputs[rank].len() / esz,
+                        self.outputs[rank].len() / esz
+                    ));
+                }
+                Ok(())
+            }
+            OpKind::Barrier => want(0, 0),
+            OpKind::Send => want(1, 0),
+            OpKind::Recv | OpKind::RecvAnySource => want(0, 1),
+        }
+    }
+}
