@@ -14,11 +14,26 @@ fn bench(dtype: DType, op: ReduceOp, nsrc: usize, count: usize) {
     let bytes = count * dtype.size();
     // Small integers are exact in every float type and keep sums finite.
     let srcs: Vec<Vec<u8>> = (0..nsrc)
-        .map(|j| (0..bytes).map(|i| if i % 2 == 1 { 0x3F } else { ((i + j) % 7) as u8 }).collect())
+        .map(|j| {
+            (0..bytes)
+                .map(|i| {
+                    if i % 2 == 1 {
+                        0x3F
+                    } else {
+                        ((i + j) % 7) as u8
+                    }
+                })
+                .collect()
+        })
         .collect();
     let views: Vec<&[u8]> = srcs.iter().map(|s| s.as_slice()).collect();
     let mut dst = vec![0u8; bytes];
-    let r = Reduction { dtype, op, world_size: nsrc, premul_factor: 1.0 };
+    let r = Reduction {
+        dtype,
+        op,
+        world_size: nsrc,
+        premul_factor: 1.0,
+    };
 
     // Warm up (page faults on dst), then take the best of enough runs to fill ~0.5 s.
     reduce_slices(&r, &mut dst, &views, true);

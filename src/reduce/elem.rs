@@ -1,0 +1,165 @@
+//! Moving elements between (possibly unaligned) caller memory and aligned accumulator blocks.
+//!
+//! An [`Elem`] is one in-memory element type. `load` widens a run of elements into its
+//! accumulator type, `combine_from` folds a run into an accumulator block, and `store` narrows
+//! back: plain element reads/writes for types that accumulate in themselves, an f32 conversion
+//! for float16/bfloat16 (so a sum is rounded once, at the end), and a 0/1 normalization for bool.
+//! Caller memory is only touched through raw-pointer unaligned reads/writes and byte copies,
+//! never references, because caller buffers may be unaligned and may alias each other exactly.
+//! Every source after the first is read straight into the combining loop (no staging copy), and
+//! the half-type conversions are fused into their read and write loops, so each loop stays a
+//! single vectorized pass.
+
+use half::{bf16, f16};
+
+use super::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use super::ops::{Bool01, Combine};
+
+/// One in-memory element type and how it maps to its accumulator.
+pub(super) trait Elem {
+    /// Bytes per element in memory.
+    const SIZE: usize;
+    /// What the kernel combines in.
+    type Acc: Copy + Default;
+
+    /// Reads `out.len()` elements starting at `src` into `out`, widened to the accumulator.
+    ///
+    /// # Safety
+    /// `src` must point to `out.len()` readable, initialized elements (any alignment).
+    unsafe fn load(src: *const u8, out: &mut [Self::Acc]);
+
+    /// `acc[i] = C::combine(acc[i], element i at src)` for every i.
+    ///
+    /// # Safety
+    /// `src` must point to `acc.len()` readable, initialized elements (any alignment).
+    unsafe fn combine_from<C: Combine<Self::Acc>>(src: *const u8, acc: &mut [Self::Acc]);
+
+    /// Writes `acc` narrowed to the element type to `dst`.
+    ///
+    /// # Safety
+    /// `dst` must point to `acc.len()` writable elements (any alignment).
+    unsafe fn store(acc: &[Self::Acc], dst: *mut u8);
+}
+
+/// Types that accumulate in themselves: loading and storing is a byte copy, and combining
+/// reads each element in place.
+macro_rules! native_elem {
+    ($($t:ty),*) => {$(
+        impl Elem for $t {
+            const SIZE: usize = size_of::<$t>();
+            type Acc = $t;
+
+            #[inline(always)]
+            unsafe fn load(src: *const u8, out: &mut [$t]) {
+                // SAFETY: the caller guarantees `src` holds out.len() initialized elements; `out`
+                // is a distinct local buffer; every bit pattern is a valid value of `$t`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src, out.as_mut_ptr().cast::<u8>(), size_of_val(out))
+                }
+            }
+
+            #[inline(always)]
+            unsafe fn combine_from<C: Combine<$t>>(
+                src: *const u8,
+                acc: &mut [$t],
+            ) {
+                let src = src.cast::<$t>();
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: i < acc.len(), and the caller guarantees that many readable,
+                    // initialized elements at `src`; read_unaligned needs no alignment.
+                    let x = unsafe { src.add(i).read_unaligned() };
+                    *a = C::combine(*a, x);
+                }
+            }
+
+            #[inline(always)]
+            unsafe fn store(acc: &[$t], dst: *mut u8) {
+                // SAFETY: the caller guarantees `dst` has room for acc.len() elements; `acc` is a
+                // distinct local buffer.
+                unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr().cast::<u8>(), dst, size_of_val(acc)) }
+            }
+        }
+    )*};
+}
+native_elem!(f32, f64, i8, i16, i32, i64, u8, u16, u32, u64);
+
+/// float16/bfloat16: accumulate in f32, so every partial result keeps f32 precision and the
+/// output is rounded (to nearest even) exactly once, on store. The conversions are fused into
+/// the read and write loops.
+macro_rules! half_elem {
+    ($($t:ty => $widen:path, $narrow:path);* $(;)?) => {$(
+        impl Elem for $t {
+            const SIZE: usize = 2;
+            type Acc = f32;
+
+            #[inline(always)]
+            unsafe fn load(src: *const u8, out: &mut [f32]) {
+                let src = src.cast::<u16>();
+                for (i, o) in out.iter_mut().enumerate() {
+                    // SAFETY: i < out.len(), and the caller guarantees that many readable,
+                    // initialized elements at `src`; read_unaligned needs no alignment.
+                    *o = $widen(unsafe { src.add(i).read_unaligned() });
+                }
+            }
+
+            #[inline(always)]
+            unsafe fn combine_from<C: Combine<f32>>(src: *const u8, acc: &mut [f32]) {
+                let src = src.cast::<u16>();
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: as in `load`.
+                    let x = $widen(unsafe { src.add(i).read_unaligned() });
+                    *a = C::combine(*a, x);
+                }
+            }
+
+            #[inline(always)]
+            unsafe fn store(acc: &[f32], dst: *mut u8) {
+                let dst = dst.cast::<u16>();
+                for (i, &a) in acc.iter().enumerate() {
+                    // SAFETY: i < acc.len(), and the caller guarantees that many writable
+                    // elements at `dst`; write_unaligned needs no alignment. `acc` is a distinct
+                    // local buffer.
+                    unsafe { dst.add(i).write_unaligned($narrow(a)) };
+                }
+            }
+        }
+    )*};
+}
+half_elem! {
+    f16 => f16_to_f32, f32_to_f16;
+    bf16 => bf16_to_f32, f32_to_bf16;
+}
+
+/// torch.bool: one byte per element. Any nonzero byte is read as true, so results are always
+/// exactly 0 or 1 even if a producer left other nonzero bytes behind.
+pub(super) struct BoolElem;
+
+impl Elem for BoolElem {
+    const SIZE: usize = 1;
+    type Acc = Bool01;
+
+    #[inline(always)]
+    unsafe fn load(src: *const u8, out: &mut [Bool01]) {
+        for (i, o) in out.iter_mut().enumerate() {
+            // SAFETY: i < out.len(), and the caller guarantees that many readable, initialized
+            // bytes at `src`.
+            *o = Bool01(u8::from(unsafe { src.add(i).read() } != 0));
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn combine_from<C: Combine<Bool01>>(src: *const u8, acc: &mut [Bool01]) {
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: as in `load`.
+            let x = Bool01(u8::from(unsafe { src.add(i).read() } != 0));
+            *a = C::combine(*a, x);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store(acc: &[Bool01], dst: *mut u8) {
+        // SAFETY: the caller guarantees `dst` has room for acc.len() bytes; `acc` is a distinct
+        // local buffer.
+        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr().cast::<u8>(), dst, acc.len()) }
+    }
+}

@@ -1,0 +1,118 @@
+//! The blocked reduction loop, generic over element type, combining operator and finish.
+//!
+//! Work proceeds in blocks of [`BLOCK`] elements: the block of the first source is loaded into a
+//! local accumulator array, each further source's block is combined into it, the finish is
+//! applied, and only then is the block stored to dst. Because every source's block has been
+//! read before dst's block is written, dst may be exactly one (or several) of the sources. (A
+//! plain per-element loop over raw pointers would also be correct, but the compiler cannot prove
+//! the buffers distinct and would fall back to scalar code exactly in the in-place case.) The
+//! accumulator is aligned and small enough to stay in L1, and the per-element loops contain no
+//! branches on op or dtype, so they vectorize.
+//!
+//! On x86_64 the same loop is also compiled with AVX2 enabled and picked at run time when the
+//! CPU has it; elsewhere (or without AVX2) the portable build of the loop runs.
+
+use super::elem::Elem;
+use super::ops::{Combine, Finish};
+
+/// Elements per block: a 4-8 KiB accumulator that stays in L1 while every source streams through.
+pub(super) const BLOCK: usize = 1024;
+
+/// The caller's buffers, as raw pointers.
+///
+/// Contract (what every `unsafe fn` taking a `Buffers` requires): each `srcs[j]` points to
+/// `count` readable, initialized elements of the reduction's dtype; `dst` points to `count`
+/// writable elements and is either exactly equal to or disjoint from each source; any alignment.
+#[derive(Clone, Copy)]
+pub(super) struct Buffers<'a> {
+    pub(super) dst: *mut u8,
+    pub(super) srcs: &'a [*const u8],
+    pub(super) count: usize,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Lets tests run the portable loop on machines that have AVX2 too.
+    pub(super) static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Reduces `b` with element type `E` and operator `C`, applying `finish` if it is `Some`.
+///
+/// # Safety
+/// `b` must satisfy the [`Buffers`] contract for element type `E`, and `b.srcs` must be non-empty.
+pub(super) unsafe fn run<E: Elem, C: Combine<E::Acc>, F: Finish<E::Acc>>(
+    b: Buffers<'_>,
+    finish: Option<F>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[cfg(test)]
+        let portable = FORCE_PORTABLE.with(|f| f.get());
+        #[cfg(not(test))]
+        let portable = false;
+        if !portable && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above); the buffer contract is the
+            // caller's.
+            unsafe { run_avx2::<E, C, F>(b, finish) };
+            return;
+        }
+    }
+    // SAFETY: the buffer contract is the caller's.
+    unsafe { run_blocks::<E, C, F>(b, finish) }
+}
+
+/// [`run_blocks`] compiled with AVX2 enabled, so its inlined loops use 256-bit vectors.
+///
+/// # Safety
+/// The CPU must support AVX2, and `b` must satisfy the [`Buffers`] contract for `E` with
+/// non-empty `b.srcs`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn run_avx2<E: Elem, C: Combine<E::Acc>, F: Finish<E::Acc>>(
+    b: Buffers<'_>,
+    finish: Option<F>,
+) {
+    // SAFETY: the buffer contract is the caller's.
+    unsafe { run_blocks::<E, C, F>(b, finish) }
+}
+
+/// The loop itself; `inline(always)` so each caller compiles it with its own target features.
+///
+/// # Safety
+/// `b` must satisfy the [`Buffers`] contract for `E`, with non-empty `b.srcs`.
+#[inline(always)]
+unsafe fn run_blocks<E: Elem, C: Combine<E::Acc>, F: Finish<E::Acc>>(
+    b: Buffers<'_>,
+    finish: Option<F>,
+) {
+    let Some((&first, rest)) = b.srcs.split_first() else {
+        return;
+    };
+    let mut acc_block = [E::Acc::default(); BLOCK];
+
+    let mut done = 0;
+    while done < b.count {
+        let n = (b.count - done).min(BLOCK);
+        let offset = done * E::SIZE;
+        let acc = &mut acc_block[..n];
+
+        // SAFETY: done + n <= count, so `first + offset` starts n readable elements inside the
+        // first source (Buffers contract); `acc` has length n.
+        unsafe { E::load(first.add(offset), acc) };
+        for &src in rest {
+            // SAFETY: as above, for this source.
+            unsafe { E::combine_from::<C>(src.add(offset), acc) };
+        }
+        if let Some(f) = finish {
+            for a in acc.iter_mut() {
+                *a = f.finish(*a);
+            }
+        }
+        // Every source's block is already in `acc`, so this write cannot clobber input still
+        // needed, even when dst is exactly one of the sources.
+        // SAFETY: done + n <= count, so `dst + offset` starts n writable elements (Buffers
+        // contract); `acc` has length n.
+        unsafe { E::store(acc, b.dst.add(offset)) };
+        done += n;
+    }
+}

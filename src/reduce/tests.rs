@@ -1,0 +1,702 @@
+//! Tests: every dtype × op × count × source count × placement against an independent scalar
+//! reference, on both the AVX2 and the portable loop, plus the corner cases torch users notice
+//! (NaN in MIN/MAX, integer AVG truncation, half types rounding once, bool normalization) and
+//! every validate() error.
+//!
+//! The reference decodes each element on its own and combines with plain scalar code: floats in
+//! f64, rounded to the accumulation type after each step (for +, *, / that equals computing in
+//! the accumulation type, since f64 has more than twice f32's precision); integers in i128,
+//! truncated to the element type (wrapping arithmetic is the same modulo 2^n).
+
+use half::{bf16, f16};
+
+use super::kernels::FORCE_PORTABLE;
+use super::{Reduction, reduce_raw, reduce_slices};
+use crate::types::{DType, ReduceOp};
+
+const OPS: [ReduceOp; 9] = [
+    ReduceOp::Sum,
+    ReduceOp::Avg,
+    ReduceOp::Product,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::BAnd,
+    ReduceOp::BOr,
+    ReduceOp::BXor,
+    ReduceOp::PreMulSum,
+];
+const COUNTS: [usize; 6] = [0, 1, 7, 1023, 1025, 4099];
+const FLOAT8: [DType; 4] = [
+    DType::Float8E4M3FN,
+    DType::Float8E5M2,
+    DType::Float8E4M3FNUZ,
+    DType::Float8E5M2FNUZ,
+];
+const FACTOR: f64 = 0.3;
+
+fn reducible() -> impl Iterator<Item = DType> {
+    DType::ALL
+        .into_iter()
+        .filter(|d| !FLOAT8.contains(d) && *d != DType::Bytes)
+}
+
+fn red(dtype: DType, op: ReduceOp, world_size: usize) -> Reduction {
+    Reduction {
+        dtype,
+        op,
+        world_size,
+        premul_factor: FACTOR,
+    }
+}
+
+/// splitmix64: deterministic test data without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+// ---- element codecs: the reference's own view of memory ----
+
+#[derive(Clone, Copy, Debug)]
+enum Val {
+    F(f64),
+    I(i128),
+    B(bool),
+}
+
+fn is_signed(d: DType) -> bool {
+    matches!(d, DType::Int8 | DType::Int16 | DType::Int32 | DType::Int64)
+}
+
+fn decode(d: DType, bytes: &[u8]) -> Val {
+    let mut b8 = [0u8; 8];
+    b8[..bytes.len()].copy_from_slice(bytes);
+    let u = u64::from_le_bytes(b8);
+    match d {
+        DType::Float64 => Val::F(f64::from_bits(u)),
+        DType::Float32 => Val::F(f64::from(f32::from_bits(u as u32))),
+        DType::Float16 => Val::F(f64::from(f16::from_bits(u as u16).to_f32())),
+        DType::BFloat16 => Val::F(f64::from(bf16::from_bits(u as u16).to_f32())),
+        DType::Bool => Val::B(u != 0),
+        _ if is_signed(d) => {
+            let shift = 64 - 8 * bytes.len();
+            Val::I(i128::from(((u << shift) as i64) >> shift))
+        }
+        _ => Val::I(i128::from(u)),
+    }
+}
+
+fn encode(d: DType, v: Val, out: &mut [u8]) {
+    match v {
+        Val::F(x) => match d {
+            DType::Float64 => out.copy_from_slice(&x.to_le_bytes()),
+            DType::Float32 => out.copy_from_slice(&(x as f32).to_le_bytes()),
+            DType::Float16 => out.copy_from_slice(&f16::from_f32(x as f32).to_le_bytes()),
+            DType::BFloat16 => out.copy_from_slice(&bf16::from_f32(x as f32).to_le_bytes()),
+            _ => unreachable!(),
+        },
+        Val::I(x) => out.copy_from_slice(&x.to_le_bytes()[..out.len()]),
+        Val::B(x) => out[0] = u8::from(x),
+    }
+}
+
+/// Rounds an f64 to the accumulation type of `d` (f32 for every float but float64).
+fn round_acc(d: DType, x: f64) -> f64 {
+    if d == DType::Float64 {
+        x
+    } else {
+        f64::from(x as f32)
+    }
+}
+
+/// Truncates an i128 to the element type (two's complement wrap), keeping its signedness.
+fn wrap(d: DType, x: i128) -> i128 {
+    let bits = 8 * d.size() as u32;
+    let low = (x as u128) & (u128::MAX >> (128 - bits));
+    if is_signed(d) && low >> (bits - 1) == 1 {
+        (low as i128) - (1i128 << bits)
+    } else {
+        low as i128
+    }
+}
+
+fn combine(d: DType, op: ReduceOp, a: Val, b: Val) -> Val {
+    match (a, b) {
+        (Val::F(a), Val::F(b)) => Val::F(match op {
+            ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum => round_acc(d, a + b),
+            ReduceOp::Product => round_acc(d, a * b),
+            ReduceOp::Min if a.is_nan() || b.is_nan() => f64::NAN,
+            ReduceOp::Max if a.is_nan() || b.is_nan() => f64::NAN,
+            ReduceOp::Min => a.min(b),
+            ReduceOp::Max => a.max(b),
+            _ => unreachable!(),
+        }),
+        (Val::I(a), Val::I(b)) => Val::I(wrap(
+            d,
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => a + b,
+                ReduceOp::Product => a.wrapping_mul(b),
+                ReduceOp::Min => a.min(b),
+                ReduceOp::Max => a.max(b),
+                ReduceOp::BAnd => a & b,
+                ReduceOp::BOr => a | b,
+                ReduceOp::BXor => a ^ b,
+                ReduceOp::PreMulSum => unreachable!(),
+            },
+        )),
+        (Val::B(a), Val::B(b)) => Val::B(match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => a || b,
+            ReduceOp::Product | ReduceOp::Min | ReduceOp::BAnd => a && b,
+            ReduceOp::BXor => a != b,
+            _ => unreachable!(),
+        }),
+        _ => unreachable!(),
+    }
+}
+
+fn finish(r: &Reduction, v: Val) -> Val {
+    match (r.op, v) {
+        (ReduceOp::Avg, Val::F(x)) => Val::F(round_acc(r.dtype, x / r.world_size as f64)),
+        (ReduceOp::PreMulSum, Val::F(x)) => {
+            Val::F(round_acc(r.dtype, x * round_acc(r.dtype, r.premul_factor)))
+        }
+        (ReduceOp::Avg, Val::I(x)) => Val::I(x / r.world_size as i128),
+        _ => v,
+    }
+}
+
+fn reference(r: &Reduction, srcs: &[Vec<u8>], apply_finish: bool) -> Vec<u8> {
+    let size = r.dtype.size();
+    let mut out = vec![0u8; srcs[0].len()];
+    for (i, o) in out.chunks_exact_mut(size).enumerate() {
+        let at = |s: &Vec<u8>| decode(r.dtype, &s[i * size..(i + 1) * size]);
+        let mut v = at(&srcs[0]);
+        for s in &srcs[1..] {
+            v = combine(r.dtype, r.op, v, at(s));
+        }
+        if apply_finish {
+            v = finish(r, v);
+        }
+        encode(r.dtype, v, o);
+    }
+    out
+}
+
+fn random_buffer(d: DType, count: usize, rng: &mut Rng) -> Vec<u8> {
+    let size = d.size();
+    let mut out = vec![0u8; count * size];
+    for o in out.chunks_exact_mut(size) {
+        let bits = rng.next();
+        if d.is_floating() {
+            // Mostly values in [-8, 8) (products of 5 stay finite even in float16), with rare
+            // NaN and infinities so their propagation is covered everywhere.
+            let x = match bits % 512 {
+                0 => f64::NAN,
+                1 => f64::INFINITY,
+                2 => f64::NEG_INFINITY,
+                3 => -0.0,
+                _ => ((bits >> 11) as f64 / (1u64 << 53) as f64) * 16.0 - 8.0,
+            };
+            encode(d, Val::F(x), o);
+        } else if d == DType::Bool {
+            // Includes non-canonical true bytes, which must read as true.
+            o[0] = [0, 1, 0, 1, 2, 0x80, 0xFF][(bits % 7) as usize];
+        } else {
+            o.copy_from_slice(&bits.to_le_bytes()[..size]);
+        }
+    }
+    out
+}
+
+fn same(d: DType, got: &[u8], want: &[u8]) -> bool {
+    if !d.is_floating() {
+        return got == want;
+    }
+    let size = d.size();
+    got.chunks_exact(size)
+        .zip(want.chunks_exact(size))
+        .all(|(g, w)| {
+            match (decode(d, g), decode(d, w)) {
+                // == rather than bits: the sign of a zero MIN/MAX result is unspecified.
+                (Val::F(g), Val::F(w)) => g == w || (g.is_nan() && w.is_nan()),
+                _ => unreachable!(),
+            }
+        })
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Placement {
+    Separate,
+    InPlaceFirst,
+    InPlaceLast,
+}
+
+/// Runs one case through reduce_raw, with every buffer deliberately misaligned by one byte.
+fn run_case(r: &Reduction, srcs: &[Vec<u8>], placement: Placement, apply_finish: bool) -> Vec<u8> {
+    let len = srcs[0].len();
+    let mut storage: Vec<Vec<u8>> = srcs
+        .iter()
+        .map(|s| {
+            let mut v = vec![0u8; len + 1];
+            v[1..].copy_from_slice(s);
+            v
+        })
+        .collect();
+    let mut separate = vec![0xA5u8; len + 1];
+    let ptrs: Vec<*const u8> = storage.iter_mut().map(|v| v[1..].as_ptr()).collect();
+    let dst: *mut u8 = match placement {
+        Placement::Separate => separate[1..].as_mut_ptr(),
+        Placement::InPlaceFirst => storage[0][1..].as_mut_ptr(),
+        Placement::InPlaceLast => storage[srcs.len() - 1][1..].as_mut_ptr(),
+    };
+    // SAFETY: each pointer addresses `len` initialized bytes = count elements inside a live Vec;
+    // dst is either the separate buffer or exactly one source; r validated (checked by callers).
+    unsafe { reduce_raw(r, dst, &ptrs, len / r.dtype.size(), apply_finish) };
+    match placement {
+        Placement::Separate => separate[1..].to_vec(),
+        Placement::InPlaceFirst => storage[0][1..].to_vec(),
+        Placement::InPlaceLast => storage[srcs.len() - 1][1..].to_vec(),
+    }
+}
+
+fn full_matrix() {
+    let mut rng = Rng(0x5EED);
+    let mut cases = 0;
+    for dtype in reducible() {
+        for op in OPS {
+            for nsrc in 1..=5 {
+                // world_size != nsrc on purpose: the divisor must come from world_size.
+                let r = red(dtype, op, nsrc + 1);
+                if r.validate().is_err() {
+                    continue;
+                }
+                for count in COUNTS {
+                    let srcs: Vec<Vec<u8>> = (0..nsrc)
+                        .map(|_| random_buffer(dtype, count, &mut rng))
+                        .collect();
+                    let finishes: &[bool] = match op {
+                        ReduceOp::Avg | ReduceOp::PreMulSum => &[true, false],
+                        _ => &[true],
+                    };
+                    for &apply_finish in finishes {
+                        let want = reference(&r, &srcs, apply_finish);
+                        for placement in [
+                            Placement::Separate,
+                            Placement::InPlaceFirst,
+                            Placement::InPlaceLast,
+                        ] {
+                            let got = run_case(&r, &srcs, placement, apply_finish);
+                            assert!(
+                                same(dtype, &got, &want),
+                                "{dtype} {op} count={count} nsrc={nsrc} {placement:?} \
+                                 finish={apply_finish}"
+                            );
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(cases > 4000, "only {cases} cases ran");
+}
+
+#[test]
+fn matches_reference_dispatched() {
+    full_matrix();
+}
+
+#[test]
+fn matches_reference_portable() {
+    FORCE_PORTABLE.with(|f| f.set(true));
+    full_matrix();
+    FORCE_PORTABLE.with(|f| f.set(false));
+}
+
+#[test]
+fn every_supported_combination_is_covered() {
+    // 4 floats × 6 ops + 8 ints × 8 ops + bool × 7 ops.
+    let ok = reducible()
+        .flat_map(|d| OPS.map(|op| red(d, op, 2)))
+        .filter(|r| r.validate().is_ok())
+        .count();
+    assert_eq!(ok, 4 * 6 + 8 * 8 + 7);
+}
+
+// ---- helpers for hand-written cases ----
+
+fn f32s(d: DType, xs: &[f32]) -> Vec<u8> {
+    let mut out = vec![0u8; xs.len() * d.size()];
+    for (x, o) in xs.iter().zip(out.chunks_exact_mut(d.size())) {
+        encode(d, Val::F(f64::from(*x)), o);
+    }
+    out
+}
+
+fn to_f64s(d: DType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks_exact(d.size())
+        .map(|c| match decode(d, c) {
+            Val::F(x) => x,
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
+fn ints(d: DType, xs: &[i128]) -> Vec<u8> {
+    let mut out = vec![0u8; xs.len() * d.size()];
+    for (x, o) in xs.iter().zip(out.chunks_exact_mut(d.size())) {
+        encode(d, Val::I(*x), o);
+    }
+    out
+}
+
+fn reduce_vec(r: &Reduction, srcs: &[Vec<u8>], apply_finish: bool) -> Vec<u8> {
+    let mut dst = vec![0u8; srcs[0].len()];
+    let views: Vec<&[u8]> = srcs.iter().map(|s| s.as_slice()).collect();
+    reduce_slices(r, &mut dst, &views, apply_finish);
+    dst
+}
+
+#[test]
+fn min_max_propagate_nan_from_any_position() {
+    let nan = f32::NAN;
+    for d in [
+        DType::Float64,
+        DType::Float32,
+        DType::Float16,
+        DType::BFloat16,
+    ] {
+        for op in [ReduceOp::Min, ReduceOp::Max] {
+            let srcs = vec![
+                f32s(d, &[nan, 1.0, 1.0, 1.0, 2.0]),
+                f32s(d, &[1.0, nan, 1.0, nan, -2.0]),
+                f32s(d, &[1.0, 1.0, nan, 1.0, 0.5]),
+            ];
+            let got = to_f64s(d, &reduce_vec(&red(d, op, 3), &srcs, true));
+            assert!(got[..4].iter().all(|x| x.is_nan()), "{d} {op}: {got:?}");
+            let want = if op == ReduceOp::Min { -2.0 } else { 2.0 };
+            assert_eq!(got[4], want, "{d} {op}");
+        }
+    }
+}
+
+#[test]
+fn integer_avg_truncates_toward_zero_after_wrapping_sum() {
+    let r = red(DType::Int32, ReduceOp::Avg, 2);
+    let got = reduce_vec(
+        &r,
+        &[
+            ints(DType::Int32, &[-7, 7, -1]),
+            ints(DType::Int32, &[0, 0, 0]),
+        ],
+        true,
+    );
+    assert_eq!(got, ints(DType::Int32, &[-3, 3, 0]));
+
+    // int8: 100 + 100 wraps to -56 before the division (NCCL sums in the element type).
+    let r = red(DType::Int8, ReduceOp::Avg, 2);
+    let got = reduce_vec(
+        &r,
+        &[
+            ints(DType::Int8, &[100, -128]),
+            ints(DType::Int8, &[100, 0]),
+        ],
+        true,
+    );
+    assert_eq!(got, ints(DType::Int8, &[-28, -64]));
+
+    let r = red(DType::UInt8, ReduceOp::Avg, 2);
+    let got = reduce_vec(
+        &r,
+        &[ints(DType::UInt8, &[200]), ints(DType::UInt8, &[100])],
+        true,
+    );
+    assert_eq!(got, ints(DType::UInt8, &[22]));
+
+    // A world bigger than the type's range: every quotient truncates to 0.
+    let r = red(DType::Int8, ReduceOp::Avg, 1000);
+    let got = reduce_vec(&r, &[ints(DType::Int8, &[-128, 127])], true);
+    assert_eq!(got, ints(DType::Int8, &[0, 0]));
+    let r = red(DType::Int64, ReduceOp::Avg, usize::MAX);
+    let got = reduce_vec(
+        &r,
+        &[ints(DType::Int64, &[i64::MIN.into(), i64::MAX.into()])],
+        true,
+    );
+    assert_eq!(got, ints(DType::Int64, &[0, 0]));
+}
+
+#[test]
+fn half_types_accumulate_in_f32_and_round_once() {
+    // bfloat16 has 8 significant bits: 1 + 2^-9 rounds back to 1 (tie to even), so a per-step
+    // bfloat16 sum would stay 1.0; the f32 sum is 1 + 2^-7, which bfloat16 holds exactly.
+    let tiny = 2f32.powi(-9);
+    let d = DType::BFloat16;
+    let srcs = vec![
+        f32s(d, &[1.0]),
+        f32s(d, &[tiny]),
+        f32s(d, &[tiny]),
+        f32s(d, &[tiny]),
+        f32s(d, &[tiny]),
+    ];
+    assert_eq!(
+        to_f64s(d, &reduce_vec(&red(d, ReduceOp::Sum, 5), &srcs, true)),
+        [1.0 + 2f64.powi(-7)]
+    );
+    // AVG divides the f32 sum: (1 + 2^-7) / 4 is exact too.
+    let avg = reduce_vec(&red(d, ReduceOp::Avg, 4), &srcs, true);
+    assert_eq!(to_f64s(d, &avg), [(1.0 + 2f64.powi(-7)) / 4.0]);
+
+    // float16 has 11 significant bits: the same effect with 2^-11.
+    let tiny = 2f32.powi(-11);
+    let d = DType::Float16;
+    let srcs = vec![
+        f32s(d, &[1.0]),
+        f32s(d, &[tiny]),
+        f32s(d, &[tiny]),
+        f32s(d, &[tiny]),
+        f32s(d, &[tiny]),
+    ];
+    assert_eq!(
+        to_f64s(d, &reduce_vec(&red(d, ReduceOp::Sum, 5), &srcs, true)),
+        [1.0 + 2f64.powi(-9)]
+    );
+
+    // PREMUL_SUM scales the f32 sum before the single rounding: (1 + 3·2^-9)·0.5 in bfloat16.
+    let d = DType::BFloat16;
+    let t = 2f32.powi(-9);
+    let srcs = vec![f32s(d, &[1.0]), f32s(d, &[t]), f32s(d, &[t]), f32s(d, &[t])];
+    let r = Reduction {
+        premul_factor: 0.5,
+        ..red(d, ReduceOp::PreMulSum, 4)
+    };
+    let want = f64::from(bf16::from_f32((1.0 + 3.0 * t) * 0.5).to_f32());
+    assert_eq!(to_f64s(d, &reduce_vec(&r, &srcs, true)), [want]);
+}
+
+#[test]
+fn finish_only_when_asked() {
+    let d = DType::Float32;
+    let srcs = vec![f32s(d, &[3.0]), f32s(d, &[5.0])];
+    assert_eq!(
+        to_f64s(d, &reduce_vec(&red(d, ReduceOp::Avg, 2), &srcs, false)),
+        [8.0]
+    );
+    assert_eq!(
+        to_f64s(d, &reduce_vec(&red(d, ReduceOp::Avg, 2), &srcs, true)),
+        [4.0]
+    );
+    let r = Reduction {
+        premul_factor: 0.25,
+        ..red(d, ReduceOp::PreMulSum, 2)
+    };
+    assert_eq!(to_f64s(d, &reduce_vec(&r, &srcs, true)), [2.0]);
+    assert_eq!(to_f64s(d, &reduce_vec(&r, &srcs, false)), [8.0]);
+}
+
+#[test]
+fn bool_is_logical_and_normalized() {
+    let d = DType::Bool;
+    let a = vec![2u8, 0xFF, 0, 0, 0x80];
+    let b = vec![1u8, 0x01, 0, 7, 0];
+    let cases = [
+        (ReduceOp::Sum, [1, 1, 0, 1, 1]),
+        (ReduceOp::Max, [1, 1, 0, 1, 1]),
+        (ReduceOp::BOr, [1, 1, 0, 1, 1]),
+        (ReduceOp::Product, [1, 1, 0, 0, 0]),
+        (ReduceOp::Min, [1, 1, 0, 0, 0]),
+        (ReduceOp::BAnd, [1, 1, 0, 0, 0]),
+        // Logical, not bitwise: 2 ^ 1 would be 3, true ^ true is false.
+        (ReduceOp::BXor, [0, 0, 0, 1, 1]),
+    ];
+    for (op, want) in cases {
+        assert_eq!(
+            reduce_vec(&red(d, op, 2), &[a.clone(), b.clone()], true),
+            want,
+            "{op}"
+        );
+    }
+    // A single source is normalized too.
+    assert_eq!(
+        reduce_vec(&red(d, ReduceOp::Sum, 1), &[a], true),
+        [1, 1, 0, 0, 1]
+    );
+}
+
+#[test]
+fn dst_may_equal_several_sources() {
+    let d = DType::Float32;
+    let mut buf = f32s(d, &[1.0, 2.0, 3.0]);
+    let other = f32s(d, &[10.0, 20.0, 30.0]);
+    let p = buf.as_mut_ptr();
+    let srcs = [p.cast_const(), other.as_ptr(), p.cast_const()];
+    // SAFETY: both buffers hold 3 f32s; dst is exactly equal to srcs[0] and srcs[2].
+    unsafe { reduce_raw(&red(d, ReduceOp::Sum, 3), p, &srcs, 3, true) };
+    assert_eq!(to_f64s(d, &buf), [12.0, 24.0, 36.0]);
+}
+
+#[test]
+fn validate_rejects_every_unsupported_combination() {
+    for d in FLOAT8 {
+        for op in OPS {
+            let e = red(d, op, 2).validate().unwrap_err();
+            assert_eq!(
+                e,
+                format!(
+                    "reductions on {d} are not supported (float8 tensors can be moved by broadcast, \
+                     all_gather, all_to_all, scatter, gather, send and recv, but not reduced)"
+                )
+            );
+        }
+    }
+    for op in OPS {
+        let e = red(DType::Bytes, op, 2).validate().unwrap_err();
+        assert!(
+            e.starts_with("reductions on bytes tensors are not supported"),
+            "{e}"
+        );
+    }
+    for d in [
+        DType::Float64,
+        DType::Float32,
+        DType::Float16,
+        DType::BFloat16,
+    ] {
+        for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
+            assert_eq!(
+                red(d, op, 2).validate().unwrap_err(),
+                format!(
+                    "ReduceOp.{op} is not defined for {d} tensors (bitwise ops need integer or bool tensors)"
+                )
+            );
+        }
+    }
+    assert_eq!(
+        red(DType::Float32, ReduceOp::BAnd, 2)
+            .validate()
+            .unwrap_err(),
+        "ReduceOp.BAND is not defined for float32 tensors (bitwise ops need integer or bool tensors)"
+    );
+    assert_eq!(
+        red(DType::Bool, ReduceOp::Avg, 2).validate().unwrap_err(),
+        "ReduceOp.AVG is not defined for bool tensors"
+    );
+    for d in reducible().filter(|d| !d.is_floating()) {
+        assert_eq!(
+            red(d, ReduceOp::PreMulSum, 2).validate().unwrap_err(),
+            format!("ReduceOp.PREMUL_SUM needs a floating-point tensor, got {d}")
+        );
+    }
+    assert_eq!(
+        red(DType::Int32, ReduceOp::PreMulSum, 2)
+            .validate()
+            .unwrap_err(),
+        "ReduceOp.PREMUL_SUM needs a floating-point tensor, got int32"
+    );
+    for d in reducible().filter(|d| *d != DType::Bool) {
+        assert_eq!(
+            red(d, ReduceOp::Avg, 0).validate().unwrap_err(),
+            "ReduceOp.AVG needs world_size >= 1, got 0"
+        );
+    }
+    // Everything else is accepted, including ints' bitwise ops and world_size 0 for non-AVG.
+    assert!(red(DType::Int64, ReduceOp::BXor, 0).validate().is_ok());
+    assert!(red(DType::UInt8, ReduceOp::Avg, 1).validate().is_ok());
+}
+
+#[test]
+#[should_panic(expected = "source 1 has 8 bytes but the destination has 4")]
+fn reduce_slices_rejects_length_mismatch() {
+    let mut dst = [0u8; 4];
+    reduce_slices(
+        &red(DType::Int32, ReduceOp::Sum, 2),
+        &mut dst,
+        &[&[0u8; 4], &[0u8; 8]],
+        true,
+    );
+}
+
+#[test]
+#[should_panic(expected = "not a multiple")]
+fn reduce_slices_rejects_partial_elements() {
+    let mut dst = [0u8; 6];
+    reduce_slices(
+        &red(DType::Int32, ReduceOp::Sum, 2),
+        &mut dst,
+        &[&[0u8; 6]],
+        true,
+    );
+}
+
+#[test]
+#[should_panic(expected = "ReduceOp.AVG is not defined for bool tensors")]
+fn reduce_slices_rejects_invalid_reduction() {
+    let mut dst = [0u8; 1];
+    reduce_slices(
+        &red(DType::Bool, ReduceOp::Avg, 2),
+        &mut dst,
+        &[&[1u8]],
+        true,
+    );
+}
+
+#[test]
+fn bf16_conversions_match_half() {
+    use super::convert::{bf16_to_f32, f32_to_bf16};
+    for hi in 0..=u16::MAX {
+        let (got, want) = (bf16_to_f32(hi), bf16::from_bits(hi).to_f32());
+        let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+        assert!(same, "widening {hi:#06x}");
+        // Each rounding regime: exact, below/at/above the tie, and the largest dropped half.
+        for lo in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF] {
+            let x = f32::from_bits((u32::from(hi) << 16) | lo);
+            assert_eq!(
+                f32_to_bf16(x),
+                bf16::from_f32(x).to_bits(),
+                "narrowing {:#010x}",
+                x.to_bits()
+            );
+        }
+    }
+}
+
+#[test]
+fn f16_conversions_match_half() {
+    use super::convert::{f16_to_f32, f32_to_f16};
+    for h in 0..=u16::MAX {
+        let (got, want) = (f16_to_f32(h), f16::from_bits(h).to_f32());
+        let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+        assert!(same, "widening {h:#06x}: {got} vs {want}");
+    }
+    let check = |bits: u32| {
+        let x = f32::from_bits(bits);
+        assert_eq!(
+            f32_to_f16(x),
+            f16::from_f32(x).to_bits(),
+            "narrowing {bits:#010x}"
+        );
+    };
+    // Every sign/exponent/kept-mantissa pattern, with the dropped 13 bits exact, just below,
+    // at and just above the tie, and at their maximum.
+    for hi in 0..(1u32 << 19) {
+        for lo in [0u32, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF] {
+            check((hi << 13) | lo);
+        }
+    }
+    // Subnormal results round at other bit positions: sample them densely, ties included.
+    let mut rng = Rng(7);
+    for _ in 0..1_000_000 {
+        let bits = rng.next() as u32;
+        check(bits);
+        check(bits & 0x387F_FFFF); // exponents below float16's normal range
+        check((bits & 0x3880_0000) | (bits & 0x8000_0000) | (1 << (bits % 23))); // exact ties
+    }
+}
