@@ -23,3 +23,8 @@ pub use op::{Completion, Op};
 pub use rendezvous::{MemoryStore, Store};
 pub use transport::RawBuf;
 pub use types::{DType, OpKind, ReduceOp};
+
+#[cfg(feature = "bridge")]
+mod bridge;
+#[cfg(feature = "bridge")]
+mod ffi;

@@ -1,0 +1,705 @@
+// XcclRsBackend: checks each c10d call's tensors and turns it into OpRequests for the Rust core
+// (see src/op.rs for the buffer layout of each kind). Argument errors that only this rank can
+// see (its list lengths, its sizes) also abort the group, so that peers already waiting in the
+// collective fail at once with this rank's message instead of at the timeout.
+#include "xccl_rs/backend.h"
+
+#include <numeric>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+namespace xccl_rs {
+
+namespace {
+
+// Op codes: src/types.rs OpKind.
+enum Kind : uint8_t {
+  kAllReduce = 0,
+  kBroadcast = 1,
+  kReduce = 2,
+  kAllGather = 3,
+  kGather = 4,
+  kScatter = 5,
+  kReduceScatter = 6,
+  kAllToAll = 7,
+  kBarrier = 8,
+  kSend = 9,
+  kRecv = 10,
+  kRecvAnySource = 11,
+};
+
+// Dtype codes: src/types.rs DType. Types the core cannot reduce but can move travel as bytes.
+constexpr uint8_t kBytes = 17;
+
+uint8_t wire_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return 0;
+    case at::kFloat: return 1;
+    case at::kHalf: return 2;
+    case at::kBFloat16: return 3;
+    case at::kChar: return 4;
+    case at::kByte: return 5;
+    case at::kShort: return 6;
+    case at::kInt: return 7;
+    case at::kLong: return 8;
+    case at::kBool: return 9;
+    case at::kUInt16: return 10;
+    case at::kUInt32: return 11;
+    case at::kUInt64: return 12;
+    case at::kFloat8_e4m3fn: return 13;
+    case at::kFloat8_e5m2: return 14;
+    case at::kFloat8_e4m3fnuz: return 15;
+    case at::kFloat8_e5m2fnuz: return 16;
+    default: return kBytes;
+  }
+}
+
+BufferView view_of(const at::Tensor& t) {
+  return BufferView{reinterpret_cast<size_t>(t.data_ptr()), static_cast<size_t>(t.nbytes())};
+}
+
+// Consecutive equal byte ranges of one contiguous tensor (its rows, when split by rank).
+rust::Vec<BufferView> split_views(const at::Tensor& t, int parts) {
+  rust::Vec<BufferView> views;
+  const size_t base = reinterpret_cast<size_t>(t.data_ptr());
+  const size_t each = static_cast<size_t>(t.nbytes()) / static_cast<size_t>(parts);
+  for (int i = 0; i < parts; ++i) {
+    views.push_back(BufferView{base + each * static_cast<size_t>(i), each});
+  }
+  return views;
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes() << " " << c10::toString(t.scalar_type());
+  return s.str();
+}
+
+OpRequest request(uint8_t kind, const at::Tensor* like) {
+  OpRequest r;
+  r.kind = kind;
+  r.dtype = like ? wire_dtype(like->scalar_type()) : 5;
+  r.reduce_op = 0;
+  r.premul_factor = 1.0;
+  r.root = 0;
+  r.tag = 0;
+  return r;
+}
+
+} // namespace
+
+CommHandle::~CommHandle() {
+  try {
+    comm->shutdown();
+  } catch (...) {
+  }
+}
+
+// Builds one submission: stages tensors, keeps them alive, collects OpRequests.
+class XcclRsBackend::Job {
+ public:
+  Job(XcclRsBackend& backend, const char* what, uint8_t kind, std::shared_ptr<WorkState> state)
+      : backend_(backend), what_(what), kind_(kind), state_(std::move(state)) {}
+
+  // "xccl_rs: allgather #5 on rank 1": the start of every message about this call.
+  std::string prefix() const {
+    return std::string("xccl_rs: ") + what_ + " #" + std::to_string(backend_.comm_->comm->next_seq()) + " on rank " +
+        std::to_string(backend_.getRank());
+  }
+
+  // An argument error every rank sees the same way (dtype, op, device): raise here only.
+  [[noreturn]] void reject(const std::string& message) const {
+    TORCH_CHECK_VALUE(false, prefix(), ": ", message);
+  }
+
+  // An argument error of this rank alone: peers are already in the collective, so abort them.
+  [[noreturn]] void reject_and_abort(const std::string& message) const {
+    const std::string full = prefix() + ": " + message;
+    backend_.comm_->comm->abort_op(kind_, full);
+    TORCH_CHECK_VALUE(false, full);
+  }
+
+  void check(const at::Tensor& t) const {
+    if (!t.defined()) {
+      reject_and_abort("got an undefined tensor");
+    }
+    if (t.layout() != c10::kStrided) {
+      reject("sparse and other non-strided tensors are not supported (got layout " + c10::str(t.layout()) + ")");
+    }
+    if (!t.device().is_cpu()) {
+      reject(
+          "got a tensor on " + t.device().str() +
+          "; this build of xccl_rs moves CPU tensors only (accelerator tensors are not supported yet)");
+    }
+  }
+
+  void same_kind(const at::Tensor& t, const at::Tensor& like, const char* role) const {
+    if (t.scalar_type() != like.scalar_type()) {
+      reject_and_abort(std::string(role) + " has dtype " + c10::toString(t.scalar_type()) + ", expected " +
+                       c10::toString(like.scalar_type()));
+    }
+  }
+
+  // A tensor the op only reads: contiguous as is, or a contiguous copy.
+  at::Tensor input(const at::Tensor& t) {
+    check(t);
+    at::Tensor c = t.is_contiguous() ? t : t.contiguous();
+    state_->keep_alive.push_back(c);
+    return c;
+  }
+
+  // A tensor the op writes (and maybe reads): non-contiguous ones are staged and copied back.
+  at::Tensor output(const at::Tensor& t) {
+    check(t);
+    state_->outputs.push_back(t);
+    if (t.is_contiguous()) {
+      state_->keep_alive.push_back(t);
+      return t;
+    }
+    at::Tensor c = t.contiguous();
+    state_->copy_back.emplace_back(t, c);
+    state_->keep_alive.push_back(c);
+    return c;
+  }
+
+  void set_reduction(OpRequest& r, const c10d::ReduceOp& op) const {
+    r.reduce_op = static_cast<uint8_t>(op.op_);
+    if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+      auto* s = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+      if (s == nullptr) {
+        reject("ReduceOp.PREMUL_SUM without a factor (build it with torch.distributed._make_nccl_premul_sum)");
+      }
+      r.premul_factor = s->tensor_factor.defined() ? s->tensor_factor.to(at::kDouble).item<double>() : s->double_factor;
+    } else if (op.op_ > c10d::ReduceOp::PREMUL_SUM) {
+      reject("unsupported reduce op code " + std::to_string(static_cast<int>(op.op_)));
+    }
+    try {
+      check_reduction(r.dtype, r.reduce_op);
+    } catch (const std::exception& e) {
+      reject(e.what());
+    }
+  }
+
+  void add(OpRequest r) {
+    ops_.push_back(std::move(r));
+  }
+
+  rust::Vec<OpRequest>& ops() {
+    return ops_;
+  }
+  const std::shared_ptr<WorkState>& state() const {
+    return state_;
+  }
+
+ private:
+  XcclRsBackend& backend_;
+  const char* what_;
+  uint8_t kind_;
+  std::shared_ptr<WorkState> state_;
+  rust::Vec<OpRequest> ops_;
+};
+
+XcclRsBackend::XcclRsBackend(std::shared_ptr<CommHandle> comm, int rank, int size, std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size), comm_(std::move(comm)) {
+  (void)timeout;
+}
+
+XcclRsBackend::Job XcclRsBackend::begin(const char* what, uint8_t kind) {
+  return Job(*this, what, kind, coalescing_ ? coalesced_state_ : new_work_state(what));
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type) {
+  if (coalescing_) {
+    for (auto& op : job.ops()) {
+      coalesced_ops_.push_back(std::move(op));
+    }
+    return c10::make_intrusive<XcclRsWork>(getRank(), type, coalesced_state_);
+  }
+  auto done = std::make_unique<WorkDone>(WorkDone{job.state()});
+  try {
+    comm_->comm->submit(std::move(job.ops()), std::move(done));
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, e.what());
+  }
+  return c10::make_intrusive<XcclRsWork>(getRank(), type, job.state());
+}
+
+void XcclRsBackend::startCoalescing() {
+  TORCH_CHECK(!coalescing_, "xccl_rs: startCoalescing called twice without endCoalescing");
+  coalescing_ = true;
+  coalesced_state_ = new_work_state("coalesced operations");
+  coalesced_ops_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::endCoalescing() {
+  TORCH_CHECK(coalescing_, "xccl_rs: endCoalescing called without startCoalescing");
+  coalescing_ = false;
+  auto state = std::move(coalesced_state_);
+  auto done = std::make_unique<WorkDone>(WorkDone{state});
+  try {
+    comm_->comm->submit(std::move(coalesced_ops_), std::move(done));
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, e.what());
+  }
+  coalesced_ops_ = rust::Vec<OpRequest>();
+  return c10::make_intrusive<XcclRsWork>(getRank(), c10d::OpType::COALESCED, state);
+}
+
+uint64_t XcclRsBackend::getSequenceNumberForGroup() {
+  return comm_->comm->next_seq();
+}
+
+#if XCCL_RS_TORCH_AT_LEAST(2, 9)
+void XcclRsBackend::setTimeout(std::chrono::milliseconds timeout) {
+  comm_->comm->set_timeout_ms(static_cast<uint64_t>(timeout.count()));
+}
+#endif
+
+void XcclRsBackend::shutdown() {
+  comm_->comm->shutdown();
+}
+
+void XcclRsBackend::abort() {
+  comm_->comm->abort_op(kBarrier, "xccl_rs: the group was aborted by rank " + std::to_string(getRank()));
+}
+
+// ---- all-reduce, broadcast, reduce ----
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  auto job = begin("allreduce", kAllReduce);
+  if (tensors.size() != 1) {
+    job.reject("takes exactly one tensor per rank, got " + std::to_string(tensors.size()));
+  }
+  auto r = request(kAllReduce, &tensors[0]);
+  job.set_reduction(r, opts.reduceOp);
+  r.outputs.push_back(view_of(job.output(tensors[0])));
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::ALLREDUCE);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  auto job = begin("allreduce_coalesced", kAllReduce);
+  for (auto& t : tensors) {
+    auto r = request(kAllReduce, &t);
+    job.set_reduction(r, opts.reduceOp);
+    r.outputs.push_back(view_of(job.output(t)));
+    job.add(std::move(r));
+  }
+  return launch(job, c10d::OpType::ALLREDUCE_COALESCED);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+  auto job = begin("broadcast", kBroadcast);
+  if (tensors.size() != 1 || opts.rootTensor != 0) {
+    job.reject("takes exactly one tensor per rank");
+  }
+  auto r = request(kBroadcast, &tensors[0]);
+  r.root = opts.rootRank;
+  r.outputs.push_back(view_of(job.output(tensors[0])));
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::BROADCAST);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  auto job = begin("reduce", kReduce);
+  if (tensors.size() != 1 || opts.rootTensor != 0) {
+    job.reject("takes exactly one tensor per rank");
+  }
+  auto r = request(kReduce, &tensors[0]);
+  r.root = opts.rootRank;
+  job.set_reduction(r, opts.reduceOp);
+  r.outputs.push_back(view_of(job.output(tensors[0])));
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::REDUCE);
+}
+
+// ---- all-gather ----
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  auto job = begin("allgather", kAllGather);
+  if (inputs.size() != 1 || outputs.size() != 1) {
+    job.reject("takes one input tensor and one output list per rank");
+  }
+  const at::Tensor& in = inputs[0];
+  if (static_cast<int>(outputs[0].size()) != getSize()) {
+    job.reject_and_abort("the output list has " + std::to_string(outputs[0].size()) + " tensors, expected " +
+                         std::to_string(getSize()) + " (one per rank)");
+  }
+  auto r = request(kAllGather, &in);
+  r.inputs.push_back(view_of(job.input(in)));
+  for (auto& out : outputs[0]) {
+    job.same_kind(out, in, "an output tensor");
+    if (out.numel() != in.numel()) {
+      job.reject_and_abort("an output tensor has shape " + shape_of(out) + " but the input has " + shape_of(in));
+    }
+    r.outputs.push_back(view_of(job.output(out)));
+  }
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::ALLGATHER);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::_allgather_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::AllgatherOptions& /*opts*/) {
+  auto job = begin("all_gather_into_tensor", kAllGather);
+  job.same_kind(output, input, "the output tensor");
+  if (output.numel() != input.numel() * getSize()) {
+    job.reject_and_abort("the output has shape " + shape_of(output) + ", expected " + std::to_string(getSize()) +
+                         " times the input's " + std::to_string(input.numel()) + " elements");
+  }
+  auto r = request(kAllGather, &input);
+  r.inputs.push_back(view_of(job.input(input)));
+  r.outputs = split_views(job.output(output), getSize());
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::_ALLGATHER_BASE);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  auto job = begin("allgather_into_tensor_coalesced", kAllGather);
+  if (outputs.size() != inputs.size()) {
+    job.reject_and_abort("got " + std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) + " inputs");
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    job.same_kind(outputs[i], inputs[i], "an output tensor");
+    if (outputs[i].numel() != inputs[i].numel() * getSize()) {
+      job.reject_and_abort("output " + std::to_string(i) + " has shape " + shape_of(outputs[i]) + ", expected " +
+                           std::to_string(getSize()) + " times its input's " + std::to_string(inputs[i].numel()) +
+                           " elements");
+    }
+    auto r = request(kAllGather, &inputs[i]);
+    r.inputs.push_back(view_of(job.input(inputs[i])));
+    r.outputs = split_views(job.output(outputs[i]), getSize());
+    job.add(std::move(r));
+  }
+  return launch(job, c10d::OpType::COALESCED);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputLists,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  // outputLists[r][i] receives input i of rank r (gloo's layout).
+  auto job = begin("allgather_coalesced", kAllGather);
+  if (static_cast<int>(outputLists.size()) != getSize()) {
+    job.reject_and_abort("expected one output list per rank (" + std::to_string(getSize()) + "), got " +
+                         std::to_string(outputLists.size()));
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto r = request(kAllGather, &inputs[i]);
+    r.inputs.push_back(view_of(job.input(inputs[i])));
+    for (auto& list : outputLists) {
+      if (list.size() != inputs.size() || list[i].numel() != inputs[i].numel()) {
+        job.reject_and_abort("output lists must match the inputs in length and sizes");
+      }
+      job.same_kind(list[i], inputs[i], "an output tensor");
+      r.outputs.push_back(view_of(job.output(list[i])));
+    }
+    job.add(std::move(r));
+  }
+  return launch(job, c10d::OpType::ALLGATHER_COALESCED);
+}
+
+// ---- gather, scatter ----
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  auto job = begin("gather", kGather);
+  if (inputs.size() != 1) {
+    job.reject("takes exactly one input tensor per rank");
+  }
+  const at::Tensor& in = inputs[0];
+  auto r = request(kGather, &in);
+  r.root = opts.rootRank;
+  r.inputs.push_back(view_of(job.input(in)));
+  if (opts.rootRank == getRank()) {
+    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize()) {
+      job.reject_and_abort("the root needs one output list of " + std::to_string(getSize()) + " tensors");
+    }
+    for (auto& out : outputs[0]) {
+      job.same_kind(out, in, "an output tensor");
+      if (out.numel() != in.numel()) {
+        job.reject_and_abort("an output tensor has shape " + shape_of(out) + " but the input has " + shape_of(in));
+      }
+      r.outputs.push_back(view_of(job.output(out)));
+    }
+  } else if (!outputs.empty() && !outputs[0].empty()) {
+    job.reject_and_abort("only the root (rank " + std::to_string(opts.rootRank) + ") passes output tensors");
+  }
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::GATHER);
+}
+
+#if XCCL_RS_TORCH_AT_LEAST(2, 14)
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather_single(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::GatherOptions& opts) {
+  auto job = begin("gather", kGather);
+  auto r = request(kGather, &input);
+  r.root = opts.rootRank;
+  r.inputs.push_back(view_of(job.input(input)));
+  if (opts.rootRank == getRank()) {
+    job.same_kind(output, input, "the output tensor");
+    if (output.numel() != input.numel() * getSize()) {
+      job.reject_and_abort("the output has shape " + shape_of(output) + ", expected " + std::to_string(getSize()) +
+                           " times the input's " + std::to_string(input.numel()) + " elements");
+    }
+    r.outputs = split_views(job.output(output), getSize());
+  }
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::GATHER);
+}
+#endif
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  auto job = begin("scatter", kScatter);
+  if (outputs.size() != 1) {
+    job.reject("takes exactly one output tensor per rank");
+  }
+  const at::Tensor& out = outputs[0];
+  auto r = request(kScatter, &out);
+  r.root = opts.rootRank;
+  if (opts.rootRank == getRank()) {
+    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize()) {
+      job.reject_and_abort("the root needs one input list of " + std::to_string(getSize()) + " tensors");
+    }
+    for (auto& in : inputs[0]) {
+      job.same_kind(in, out, "an input tensor");
+      if (in.numel() != out.numel()) {
+        job.reject_and_abort("an input tensor has shape " + shape_of(in) + " but the output has " + shape_of(out));
+      }
+      r.inputs.push_back(view_of(job.input(in)));
+    }
+  } else if (!inputs.empty() && !inputs[0].empty()) {
+    job.reject_and_abort("only the root (rank " + std::to_string(opts.rootRank) + ") passes input tensors");
+  }
+  r.outputs.push_back(view_of(job.output(out)));
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::SCATTER);
+}
+
+// ---- reduce-scatter ----
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  auto job = begin("reduce_scatter", kReduceScatter);
+  if (outputs.size() != 1 || inputs.size() != 1) {
+    job.reject("takes one output tensor and one input list per rank");
+  }
+  const at::Tensor& out = outputs[0];
+  auto r = request(kReduceScatter, &out);
+  job.set_reduction(r, opts.reduceOp);
+  if (static_cast<int>(inputs[0].size()) != getSize()) {
+    job.reject_and_abort("the input list has " + std::to_string(inputs[0].size()) + " tensors, expected " +
+                         std::to_string(getSize()) + " (one per rank)");
+  }
+  for (auto& in : inputs[0]) {
+    job.same_kind(in, out, "an input tensor");
+    if (in.numel() != out.numel()) {
+      job.reject_and_abort("an input tensor has shape " + shape_of(in) + " but the output has " + shape_of(out));
+    }
+    r.inputs.push_back(view_of(job.input(in)));
+  }
+  r.outputs.push_back(view_of(job.output(out)));
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::REDUCE_SCATTER);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::_reduce_scatter_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  auto job = begin("reduce_scatter_tensor", kReduceScatter);
+  auto r = request(kReduceScatter, &output);
+  job.set_reduction(r, opts.reduceOp);
+  job.same_kind(input, output, "the input tensor");
+  if (input.numel() != output.numel() * getSize()) {
+    job.reject_and_abort("the input has shape " + shape_of(input) + ", expected " + std::to_string(getSize()) +
+                         " times the output's " + std::to_string(output.numel()) + " elements");
+  }
+  r.inputs = split_views(job.input(input), getSize());
+  r.outputs.push_back(view_of(job.output(output)));
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::_REDUCE_SCATTER_BASE);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  auto job = begin("reduce_scatter_tensor_coalesced", kReduceScatter);
+  if (outputs.size() != inputs.size()) {
+    job.reject_and_abort("got " + std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) + " inputs");
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    auto r = request(kReduceScatter, &outputs[i]);
+    job.set_reduction(r, opts.reduceOp);
+    job.same_kind(inputs[i], outputs[i], "an input tensor");
+    if (inputs[i].numel() != outputs[i].numel() * getSize()) {
+      job.reject_and_abort("input " + std::to_string(i) + " has shape " + shape_of(inputs[i]) + ", expected " +
+                           std::to_string(getSize()) + " times its output's " + std::to_string(outputs[i].numel()) +
+                           " elements");
+    }
+    r.inputs = split_views(job.input(inputs[i]), getSize());
+    r.outputs.push_back(view_of(job.output(outputs[i])));
+    job.add(std::move(r));
+  }
+  return launch(job, c10d::OpType::COALESCED);
+}
+
+// ---- all-to-all ----
+
+namespace {
+// Byte ranges of a contiguous tensor cut along dim 0 by `splits` (rows), or equally by rank.
+rust::Vec<BufferView> split_rows(
+    XcclRsBackend::Job& job,
+    const at::Tensor& t,
+    const std::vector<int64_t>& splits,
+    int size,
+    const char* role);
+} // namespace
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    std::vector<int64_t>& outputSplits,
+    std::vector<int64_t>& inputSplits,
+    const c10d::AllToAllOptions& /*opts*/) {
+  auto job = begin("all_to_all_single", kAllToAll);
+  job.same_kind(output, input, "the output tensor");
+  auto r = request(kAllToAll, &input);
+  r.inputs = split_rows(job, job.input(input), inputSplits, getSize(), "input");
+  r.outputs = split_rows(job, job.output(output), outputSplits, getSize(), "output");
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::ALLTOALL_BASE);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& /*opts*/) {
+  auto job = begin("alltoall", kAllToAll);
+  if (static_cast<int>(outputs.size()) != getSize() || static_cast<int>(inputs.size()) != getSize()) {
+    job.reject_and_abort("needs one input and one output tensor per rank (" + std::to_string(getSize()) + "), got " +
+                         std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
+  }
+  auto r = request(kAllToAll, &inputs[0]);
+  for (int i = 0; i < getSize(); ++i) {
+    job.same_kind(inputs[i], inputs[0], "an input tensor");
+    job.same_kind(outputs[i], inputs[0], "an output tensor");
+    r.inputs.push_back(view_of(job.input(inputs[i])));
+    r.outputs.push_back(view_of(job.output(outputs[i])));
+  }
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::ALLTOALL);
+}
+
+// ---- point-to-point, barrier ----
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  auto job = begin("send", kSend);
+  if (tensors.size() != 1) {
+    job.reject("takes exactly one tensor");
+  }
+  auto r = request(kSend, &tensors[0]);
+  r.root = dstRank;
+  r.tag = tag;
+  r.inputs.push_back(view_of(job.input(tensors[0])));
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::SEND);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  auto job = begin("recv", kRecv);
+  if (tensors.size() != 1) {
+    job.reject("takes exactly one tensor");
+  }
+  auto r = request(kRecv, &tensors[0]);
+  r.root = srcRank;
+  r.tag = tag;
+  r.outputs.push_back(view_of(job.output(tensors[0])));
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::RECV);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  auto job = begin("recv", kRecvAnySource);
+  if (tensors.size() != 1) {
+    job.reject("takes exactly one tensor");
+  }
+  auto r = request(kRecvAnySource, &tensors[0]);
+  r.root = -1;
+  r.tag = tag;
+  r.outputs.push_back(view_of(job.output(tensors[0])));
+  job.add(std::move(r));
+  return launch(job, c10d::OpType::RECVANYSOURCE);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::barrier(const c10d::BarrierOptions& /*opts*/) {
+  auto job = begin("barrier", kBarrier);
+  job.add(request(kBarrier, nullptr));
+  return launch(job, c10d::OpType::BARRIER);
+}
+
+namespace {
+rust::Vec<BufferView> split_rows(
+    XcclRsBackend::Job& job,
+    const at::Tensor& t,
+    const std::vector<int64_t>& splits,
+    int size,
+    const char* role) {
+  if (splits.empty()) {
+    if (t.numel() % size != 0 || (t.dim() > 0 && t.size(0) % size != 0)) {
+      job.reject_and_abort(std::string("the ") + role + " of shape " + shape_of(t) +
+                           " cannot be split equally among " + std::to_string(size) + " ranks");
+    }
+    return split_views(t, size);
+  }
+  if (static_cast<int>(splits.size()) != size) {
+    job.reject_and_abort(std::string(role) + " split sizes have " + std::to_string(splits.size()) + " entries, expected " +
+                         std::to_string(size));
+  }
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  int64_t total = 0;
+  for (int64_t s : splits) {
+    if (s < 0) {
+      job.reject_and_abort(std::string(role) + " split sizes must not be negative");
+    }
+    total += s;
+  }
+  if (total != rows) {
+    job.reject_and_abort(std::string(role) + " split sizes add up to " + std::to_string(total) + " but the " + role +
+                         " has " + std::to_string(rows) + " rows");
+  }
+  const size_t row_bytes = rows == 0 ? 0 : static_cast<size_t>(t.nbytes()) / static_cast<size_t>(rows);
+  const size_t base = reinterpret_cast<size_t>(t.data_ptr());
+  rust::Vec<BufferView> views;
+  size_t offset = 0;
+  for (int64_t s : splits) {
+    const size_t bytes = static_cast<size_t>(s) * row_bytes;
+    views.push_back(BufferView{base + offset, bytes});
+    offset += bytes;
+  }
+  return views;
+}
+} // namespace
+
+} // namespace xccl_rs

@@ -1,0 +1,159 @@
+// XcclRsBackend: the c10d::Backend of xccl_rs. It validates tensors, turns each c10d call into
+// plain OpRequests (pointers, byte counts, dtype, op, root) and hands them to the Rust core.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/version.h>
+
+#include "rust/cxx.h"
+#include "xccl_rs/src/ffi.rs.h"
+#include "xccl_rs/work.h"
+
+#define XCCL_RS_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace xccl_rs {
+
+// One Rust communicator, shared by the backends that torch creates for each device type of a
+// group, so that a group has one set of connections and one operation order.
+struct CommHandle {
+  rust::Box<RustComm> comm;
+  c10::intrusive_ptr<c10d::Store> store; // keeps the rendezvous store (and its identity) alive
+  ~CommHandle();
+};
+
+class XcclRsBackend : public c10d::Backend {
+ public:
+  XcclRsBackend(std::shared_ptr<CommHandle> comm, int rank, int size, std::chrono::milliseconds timeout);
+
+  const std::string getBackendName() const override {
+    return "xccl_rs";
+  }
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  uint64_t getSequenceNumberForGroup() override;
+  void setSequenceNumberForGroup() override {}
+#if XCCL_RS_TORCH_AT_LEAST(2, 9)
+  void setTimeout(std::chrono::milliseconds timeout) override;
+#endif
+  void shutdown() override;
+  void abort() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts)
+      override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputLists,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      std::vector<int64_t>& outputSplits,
+      std::vector<int64_t>& inputSplits,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+#if XCCL_RS_TORCH_AT_LEAST(2, 14)
+  // torch 2.14 renamed several ops; the new names forward to the old ones by default, and we
+  // override both so that either entry point reaches our implementation directly.
+  c10::intrusive_ptr<c10d::Work> all_gather_single(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts)
+      override {
+    return _allgather_base(output, input, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> all_gather_single_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override {
+    return allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_single(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts) override {
+    return _reduce_scatter_base(output, input, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_single_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override {
+    return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> all_to_all_single(
+      at::Tensor& output,
+      at::Tensor& input,
+      std::vector<int64_t>& outputSplits,
+      std::vector<int64_t>& inputSplits,
+      const c10d::AllToAllOptions& opts) override {
+    return alltoall_base(output, input, outputSplits, inputSplits, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> gather_single(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts)
+      override;
+  c10::intrusive_ptr<c10d::Work> gather_into_tensor(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts)
+      override {
+    return gather_single(output, input, opts);
+  }
+#endif
+
+ // Builds one submission (backend.cc); public so that file-local helpers can take it.
+  class Job;
+
+ private:
+  Job begin(const char* what, uint8_t kind);
+  c10::intrusive_ptr<c10d::Work> launch(Job& job, c10d::OpType type);
+
+  std::shared_ptr<CommHandle> comm_;
+  bool coalescing_ = false;
+  std::shared_ptr<WorkState> coalesced_state_;
+  rust::Vec<OpRequest> coalesced_ops_;
+};
+
+} // namespace xccl_rs

@@ -1,0 +1,66 @@
+// XcclRsWork: the c10d::Work of one xccl_rs job, and WorkDone, its completion side, which the
+// Rust progress thread calls through the bridge when the job finishes.
+#pragma once
+
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "rust/cxx.h"
+
+namespace xccl_rs {
+
+// What a Work and its completion share. Tensors stay referenced here until the job is done, so
+// the memory the Rust core reads and writes cannot be freed underneath it.
+struct WorkState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+  int64_t source_rank = -1;
+  std::vector<at::Tensor> outputs;    // the future's value and Work::result()
+  std::vector<at::Tensor> keep_alive; // every tensor the job's buffers point into
+  // Non-contiguous outputs: (the user's tensor, the contiguous staging copy the job wrote).
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::string what; // "allreduce" etc., for messages
+};
+
+struct WorkDone {
+  std::shared_ptr<WorkState> state;
+};
+
+// Called on the progress thread: copies staged outputs back, then completes the work and its
+// future. Never throws.
+void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_rank);
+
+std::exception_ptr make_backend_error(const std::string& message);
+
+class XcclRsWork : public c10d::Work {
+ public:
+  XcclRsWork(int rank, c10d::OpType type, std::shared_ptr<WorkState> state);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  std::shared_ptr<WorkState> state_;
+};
+
+// A new state whose future will hold a list of tensors.
+std::shared_ptr<WorkState> new_work_state(const std::string& what);
+
+} // namespace xccl_rs

@@ -1,0 +1,108 @@
+// Completion and waiting for xccl_rs jobs (see work.h).
+#include "xccl_rs/work.h"
+
+#include <c10/util/Exception.h>
+
+namespace xccl_rs {
+
+std::exception_ptr make_backend_error(const std::string& message) {
+  try {
+    C10_THROW_ERROR(DistBackendError, message);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+std::shared_ptr<WorkState> new_work_state(const std::string& what) {
+  auto state = std::make_shared<WorkState>();
+  state->what = what;
+  state->future = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()));
+  return state;
+}
+
+void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_rank) {
+  auto state = done->state;
+  std::exception_ptr failure;
+  if (error.size() > 0) {
+    failure = make_backend_error(std::string(error));
+  } else {
+    try {
+      for (auto& [user, staged] : state->copy_back) {
+        user.copy_(staged);
+      }
+    } catch (const std::exception& e) {
+      failure = make_backend_error(
+          std::string("xccl_rs: ") + state->what + ": copying the result into a non-contiguous output failed: " + e.what());
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->error = failure;
+    state->source_rank = source_rank;
+    state->done = true;
+    // The job no longer needs its buffers; the outputs stay for result() and the future.
+    state->keep_alive.clear();
+    state->copy_back.clear();
+  }
+  state->cv.notify_all();
+  try {
+    if (failure) {
+      state->future->setError(failure);
+    } else {
+      state->future->markCompleted(c10::IValue(state->outputs));
+    }
+  } catch (...) {
+    // A future callback threw: it must not unwind into the Rust progress thread.
+  }
+}
+
+XcclRsWork::XcclRsWork(int rank, c10d::OpType type, std::shared_ptr<WorkState> state)
+    : c10d::Work(rank, type), state_(std::move(state)) {}
+
+bool XcclRsWork::isCompleted() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->done;
+}
+
+bool XcclRsWork::isSuccess() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->done && !state_->error;
+}
+
+std::exception_ptr XcclRsWork::exception() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->error;
+}
+
+int XcclRsWork::sourceRank() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  TORCH_CHECK(state_->source_rank >= 0, "xccl_rs: sourceRank() is only defined for a finished recv from any source");
+  return static_cast<int>(state_->source_rank);
+}
+
+std::vector<at::Tensor> XcclRsWork::result() {
+  return state_->outputs;
+}
+
+bool XcclRsWork::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  if (timeout == ::kNoTimeout) {
+    state_->cv.wait(lock, [&] { return state_->done; });
+  } else if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        "xccl_rs: " + state_->what + ": Work.wait timed out after " + std::to_string(timeout.count()) +
+            " ms (the operation is still running; it fails by itself at the group timeout)");
+  }
+  if (state_->error) {
+    std::rethrow_exception(state_->error);
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> XcclRsWork::getFuture() {
+  return state_->future;
+}
+
+} // namespace xccl_rs

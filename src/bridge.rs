@@ -1,0 +1,135 @@
+//! The Rust side of the C++ bridge: adapts the c10d Store to [`Store`], turns
+//! [`ffi::OpRequest`]s into [`Op`]s and completions into `work_done` calls. Also the Python
+//! module init symbol, which must be defined here (a C++ `extern "C"` symbol linked into a Rust
+//! cdylib is not exported).
+
+use std::time::Duration;
+
+use crate::comm::Communicator;
+use crate::config::Config;
+use crate::error::{CommError, Result};
+use crate::ffi::ffi::{self, BufferView, OpRequest, StoreRef, WorkDone};
+use crate::op::Op;
+use crate::reduce::Reduction;
+use crate::rendezvous::Store;
+use crate::transport::RawBuf;
+use crate::types::{DType, OpKind, ReduceOp};
+
+// SAFETY: the C++ StoreRef holds an intrusive_ptr to a c10d::Store; c10d stores are used from
+// several threads by torch itself (their clients lock internally).
+unsafe impl Send for StoreRef {}
+// SAFETY: as above; we only call its const, internally synchronized methods.
+unsafe impl Sync for StoreRef {}
+// SAFETY: WorkDone owns a shared_ptr to a mutex-protected state; it is moved to the progress
+// thread and used there once.
+unsafe impl Send for WorkDone {}
+
+struct BridgeStore(cxx::UniquePtr<StoreRef>);
+
+impl Store for BridgeStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let store = self.0.as_ref().ok_or_else(|| CommError::io("null store"))?;
+        ffi::store_set(store, key, value).map_err(|e| CommError::io(format!("store set '{key}' failed: {e}")))
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let store = self.0.as_ref().ok_or_else(|| CommError::io("null store"))?;
+        ffi::store_get(store, key, timeout.as_millis() as u64)
+            .map_err(|e| CommError::new(crate::ErrorKind::Timeout, format!("store get '{key}' failed: {e}")))
+    }
+}
+
+pub struct RustComm(Communicator);
+
+pub fn new_comm(store: cxx::UniquePtr<StoreRef>, rank: i32, size: i32, timeout_ms: u64) -> std::result::Result<Box<RustComm>, String> {
+    catch(|| {
+        if rank < 0 || size <= 0 {
+            return Err(CommError::invalid(format!("xccl_rs: invalid rank {rank} / size {size}")));
+        }
+        let config = Config::from_env(Duration::from_millis(timeout_ms));
+        let store = BridgeStore(store);
+        Communicator::new(&store, rank as usize, size as usize, config).map(|c| Box::new(RustComm(c)))
+    })
+}
+
+fn to_op(r: &OpRequest) -> Result<Op> {
+    let kind = OpKind::from_code(r.kind).ok_or_else(|| CommError::invalid(format!("unknown op code {}", r.kind)))?;
+    let dtype = DType::from_code(r.dtype).ok_or_else(|| CommError::invalid(format!("unknown dtype code {}", r.dtype)))?;
+    let reduce_op =
+        ReduceOp::from_code(r.reduce_op).ok_or_else(|| CommError::invalid(format!("unknown reduce op code {}", r.reduce_op)))?;
+    // SAFETY: the C++ side builds views from tensors it keeps alive (in the work state) until
+    // the job's completion, and no one else touches them meanwhile (c10d's contract for
+    // in-flight tensors).
+    let views = |v: &[BufferView]| v.iter().map(|b| unsafe { RawBuf::new(b.ptr as *mut u8, b.bytes) }).collect();
+    Ok(Op {
+        kind,
+        dtype,
+        reduce_op,
+        premul_factor: r.premul_factor,
+        root: r.root,
+        tag: r.tag,
+        inputs: views(&r.inputs),
+        outputs: views(&r.outputs),
+    })
+}
+
+impl RustComm {
+    pub fn submit(&self, ops: Vec<OpRequest>, done: cxx::UniquePtr<WorkDone>) -> std::result::Result<(), String> {
+        catch(|| {
+            let ops = ops.iter().map(to_op).collect::<Result<Vec<_>>>()?;
+            self.0.submit(
+                ops,
+                Box::new(move |result| match result {
+                    Ok(c) => ffi::work_done(done, "", c.source_rank),
+                    Err(e) => ffi::work_done(done, &e.message, -1),
+                }),
+            )
+        })
+    }
+
+    pub fn abort_op(&self, kind: u8, message: &str) {
+        if let Some(kind) = OpKind::from_code(kind) {
+            self.0.abort(kind, message);
+        }
+    }
+
+    pub fn next_seq(&self) -> u64 {
+        self.0.next_seq()
+    }
+
+    pub fn set_timeout_ms(&self, timeout_ms: u64) {
+        self.0.set_timeout(Duration::from_millis(timeout_ms));
+    }
+
+    pub fn shutdown(&self) {
+        self.0.shutdown();
+    }
+}
+
+pub fn check_reduction(dtype: u8, op: u8) -> std::result::Result<(), String> {
+    let dtype = DType::from_code(dtype).ok_or("unknown dtype")?;
+    let op = ReduceOp::from_code(op).ok_or("unknown reduce op")?;
+    Reduction { dtype, op, world_size: 1, premul_factor: 1.0 }.validate()
+}
+
+/// Runs `f`, turning errors and panics into the message C++ will raise.
+fn catch<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(e.message),
+        Err(_) => Err("xccl_rs: internal error (a panic in the Rust core; please report it)".into()),
+    }
+}
+
+unsafe extern "C" {
+    /// Defined by csrc/module.cc: pybind11's module init, under a name that does not clash with ours.
+    fn PyInit_xccl_rs_cxx() -> *mut std::ffi::c_void;
+}
+
+/// The Python extension's entry point (`xccl_rs._C`).
+#[unsafe(no_mangle)]
+pub extern "C" fn PyInit__C() -> *mut std::ffi::c_void {
+    // SAFETY: called by the Python interpreter with the GIL held, exactly like a module init;
+    // the C++ function is a pybind11 module init that catches its own exceptions.
+    unsafe { PyInit_xccl_rs_cxx() }
+}
