@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Prepares everything xccl_rs needs on a fresh machine, idempotently, outside the clone:
+# a Python virtual environment with torch (from PyPI) and the build tools, and xccl_rs built
+# against that torch and installed into it. Build products live in the cache too, so repeated
+# runs only rebuild what changed.
+#
+#   XCCL_RS_CACHE   where the venv and the cargo target directory live (default ~/.cache/xccl_rs)
+#   XCCL_RS_TORCH   the torch requirement to install (default "torch", the newest on PyPI)
+#
+# Source it (`. scripts/setup.sh`): it exports PY (the venv's python) and CARGO_TARGET_DIR.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${XCCL_RS_CACHE:-$HOME/.cache/xccl_rs}"
+VENV="$CACHE/venv"
+export CARGO_TARGET_DIR="$CACHE/target"
+mkdir -p "$CACHE"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+PY="$VENV/bin/python"
+export PY
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "== installing ${XCCL_RS_TORCH:-torch} from PyPI (about 3 GB, a minute or two)"
+  "$PY" -m pip install -q "${XCCL_RS_TORCH:-torch}"
+fi
+"$PY" -m pip install -q "setuptools>=68" "setuptools-rust>=1.9" wheel pytest numpy tqdm
+
+echo "== building xccl_rs against torch $("$PY" -c 'import torch; print(torch.__version__)')"
+# --no-build-isolation: the extension must be compiled against the torch installed here.
+(cd "$ROOT" && XCCL_RS_PYTHON="$PY" "$PY" -m pip install -q --no-build-isolation --no-deps . 2>&1 \
+  | grep -v -E "BuildBackendWarning|^\s*$|\*{10}|corresp\(|!!" || true)
+"$PY" -c "import xccl_rs, torch.distributed as dist; assert 'xccl_rs' in dist.Backend.backend_list" \
+  || { echo "xccl_rs did not install correctly" >&2; exit 1; }
