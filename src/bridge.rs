@@ -74,15 +74,16 @@ fn to_op(r: &OpRequest) -> Result<Op> {
 }
 
 impl RustComm {
-    pub fn submit(&self, ops: Vec<OpRequest>, done: cxx::UniquePtr<WorkDone>) -> std::result::Result<(), String> {
+    pub fn submit(&self, ops: Vec<OpRequest>, done: cxx::UniquePtr<WorkDone>, caller_waits: bool) -> std::result::Result<(), String> {
         catch(|| {
             let ops = ops.iter().map(to_op).collect::<Result<Vec<_>>>()?;
-            self.0.submit(
+            self.0.submit_with(
                 ops,
                 Box::new(move |result| match result {
                     Ok(c) => ffi::work_done(done, "", c.source_rank),
                     Err(e) => ffi::work_done(done, &e.message, -1),
                 }),
+                caller_waits,
             )
         })
     }

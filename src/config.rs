@@ -14,7 +14,28 @@ pub struct Config {
     pub socket_host: Option<String>,
     /// The group timeout: every operation, and the connection set-up, must finish within it.
     pub timeout: Duration,
+    /// `XCCL_RS_TRANSPORT` (default `auto`): `auto` uses shared memory when every rank of the
+    /// group is on this host (same hostname and same /dev/shm), TCP otherwise; `tcp` forces TCP.
+    pub transport: TransportChoice,
+    /// `XCCL_RS_SHM_CHUNK_BYTES` (default 4 MiB): bytes of each of the two data slots of a
+    /// rank's shared-memory segment; a segment is `2 * chunk + 4 KiB`. Collectives move larger
+    /// tensors in blocks of this size, double-buffered.
+    pub shm_chunk_bytes: usize,
+    /// `XCCL_RS_SHM_ONESHOT_BYTES` (default 64 KiB): all-reduces up to this size use the
+    /// one-shot path (every rank reduces the whole tensor from every rank's slot: one
+    /// synchronization instead of two).
+    pub shm_oneshot_bytes: usize,
+    /// `XCCL_RS_SPIN_US` (default 50): how long a waiting rank spins before it sleeps on a futex.
+    pub spin: Duration,
 }
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportChoice {
+    Auto,
+    Tcp,
+}
+
+pub const DEFAULT_SHM_CHUNK_BYTES: usize = 4 << 20;
 
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 
@@ -27,6 +48,29 @@ impl Config {
                 .unwrap_or(DEFAULT_SEGMENT_BYTES),
             socket_host: std::env::var("XCCL_RS_SOCKET_HOST").ok().filter(|s| !s.is_empty()),
             timeout,
+            transport: match std::env::var("XCCL_RS_TRANSPORT").unwrap_or_default().trim().to_ascii_lowercase().as_str() {
+                "tcp" => TransportChoice::Tcp,
+                _ => TransportChoice::Auto,
+            },
+            shm_chunk_bytes: env_usize("XCCL_RS_SHM_CHUNK_BYTES")
+                .filter(|&b| b >= 4096)
+                .map(|b| b / 64 * 64)
+                .unwrap_or(DEFAULT_SHM_CHUNK_BYTES),
+            shm_oneshot_bytes: env_usize("XCCL_RS_SHM_ONESHOT_BYTES").unwrap_or(64 << 10),
+            spin: Duration::from_micros(env_usize("XCCL_RS_SPIN_US").unwrap_or(50) as u64),
+        }
+    }
+
+    /// Defaults with the given timeout, for tests and embedders.
+    pub fn with_timeout(timeout: Duration) -> Config {
+        Config {
+            segment_bytes: DEFAULT_SEGMENT_BYTES,
+            socket_host: None,
+            timeout,
+            transport: TransportChoice::Auto,
+            shm_chunk_bytes: DEFAULT_SHM_CHUNK_BYTES,
+            shm_oneshot_bytes: 64 << 10,
+            spin: Duration::from_micros(50),
         }
     }
 }

@@ -30,8 +30,9 @@ pub mod ffi {
         type RustComm;
         /// Connects to the group (blocking) and starts its progress thread.
         fn new_comm(store: UniquePtr<StoreRef>, rank: i32, size: i32, timeout_ms: u64) -> Result<Box<RustComm>>;
-        /// Queues a job; `done` is completed on the progress thread.
-        fn submit(self: &RustComm, ops: Vec<OpRequest>, done: UniquePtr<WorkDone>) -> Result<()>;
+        /// Queues a job; `done` is completed on the progress thread, or before this returns when
+        /// `caller_waits` let it run on the calling thread.
+        fn submit(self: &RustComm, ops: Vec<OpRequest>, done: UniquePtr<WorkDone>, caller_waits: bool) -> Result<()>;
         /// Fails the group because this rank rejected its part of an op of `kind`.
         fn abort_op(self: &RustComm, kind: u8, message: &str);
         fn next_seq(self: &RustComm) -> u64;

@@ -1,23 +1,37 @@
-//! Collective algorithms, one per file. Each is written against [`Phase`]: it lists the sends
-//! and receives of one step and lets the transport complete them together. Today every
-//! algorithm is *direct*: a rank exchanges with each peer itself (the group is a full mesh), so
-//! a collective costs one or two steps of latency, and a reduction sums all ranks' inputs in one
-//! pass, in rank order, accumulating bf16/fp16 in fp32 with a single rounding — the same result
-//! on every rank and close to torch's own sum.
+//! Collective algorithms, one per file, in two families:
+//!
+//! - `*_shm.rs`, used when every rank of the group is on this host: data moves through
+//!   shared-memory slots in blocks, synchronized by counters (transport/shm/group.rs).
+//! - `*_direct.rs` (and all-to-all, point-to-point), over TCP: each is written against
+//!   [`Phase`]: it lists the sends and receives of one step and lets the transport complete
+//!   them together. They are *direct*: a rank exchanges with each peer itself (a full mesh).
+//!
+//! In both families a reduction sums all ranks' inputs in one pass, in rank order, accumulating
+//! bf16/fp16 in fp32 with a single rounding; each element is computed on one rank (or
+//! identically on all), so every rank ends with the same bits.
 
 pub mod allgather_direct;
+pub mod allgather_shm;
 pub mod allreduce_direct;
+pub mod allreduce_shm;
 pub mod alltoall_pairwise;
 pub mod barrier_all;
+pub mod barrier_shm;
 pub mod broadcast_direct;
+pub mod broadcast_shm;
 pub mod gather_direct;
 pub mod p2p;
 pub mod reduce_direct;
 pub mod reduce_scatter_direct;
+pub mod reduce_scatter_shm;
+pub mod reduce_shm;
 pub mod scatter_direct;
+pub mod scatter_shm;
+pub mod shm_blocks;
 
 use crate::error::Result;
 use crate::op::Op;
+use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::{Direction, Header, OpCtx, RawBuf, Transfer, Transport};
 use crate::transport::tcp::frame::FrameKind;
 use crate::types::DType;
@@ -33,6 +47,10 @@ pub struct Step<'a> {
     pub key: i64,
     pub segment_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
+    /// Present when every rank is on this host and shared memory is allowed.
+    pub shm: Option<&'a mut ShmGroup>,
+    /// All-reduces up to this many bytes take the one-shot shared-memory path.
+    pub shm_oneshot_bytes: usize,
 }
 
 impl Step<'_> {
@@ -113,6 +131,28 @@ pub fn split_range(n: usize, parts: usize, i: usize) -> (usize, usize) {
 /// Runs one collective op (not point-to-point) to completion.
 pub fn run_collective(step: &mut Step<'_>, op: &Op) -> Result<()> {
     use crate::types::OpKind::*;
+    if op.kind != AllToAll {
+        if let Some(shm) = step.shm.as_deref_mut() {
+            let desc = Desc {
+                seq: step.ctx.seq,
+                kind: op.kind as u64 | (op.dtype as u64) << 8 | if op.is_reduction() { (op.reduce_op as u64) << 16 } else { 0 },
+                count: step.count,
+                root: step.key as u64,
+            };
+            let ctx = step.ctx;
+            return match op.kind {
+                AllReduce => allreduce_shm::run(shm, ctx, op, desc, step.shm_oneshot_bytes),
+                Broadcast => broadcast_shm::run(shm, ctx, op, desc),
+                Reduce => reduce_shm::run(shm, ctx, op, desc),
+                AllGather => allgather_shm::run(shm, ctx, op, desc, None),
+                Gather => allgather_shm::run(shm, ctx, op, desc, Some(op.root as usize)),
+                Scatter => scatter_shm::run(shm, ctx, op, desc),
+                ReduceScatter => reduce_scatter_shm::run(shm, ctx, op, desc),
+                Barrier => barrier_shm::run(shm, ctx, desc),
+                AllToAll | Send | Recv | RecvAnySource => unreachable!("not a shared-memory collective"),
+            };
+        }
+    }
     match op.kind {
         AllReduce => allreduce_direct::run(step, op),
         Broadcast => broadcast_direct::run(step, op),

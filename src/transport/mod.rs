@@ -4,6 +4,7 @@
 //! in the same direction complete in list order. Today there is one transport, TCP; the
 //! shared-memory one will implement the same trait.
 
+pub mod shm;
 pub mod tcp;
 
 use std::time::{Duration, Instant};

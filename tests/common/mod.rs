@@ -10,7 +10,7 @@ use std::time::Duration;
 use xccl_rs::{CommError, Communicator, Completion, Config, DType, MemoryStore, Op, OpKind, RawBuf, ReduceOp};
 
 pub fn config(timeout: Duration, segment_bytes: usize) -> Config {
-    Config { segment_bytes, socket_host: Some("127.0.0.1".into()), timeout }
+    Config { segment_bytes, socket_host: Some("127.0.0.1".into()), ..Config::with_timeout(timeout) }
 }
 
 /// Runs `f(rank, comm)` on `size` threads and returns each rank's result, in rank order.
@@ -67,4 +67,346 @@ pub fn reduce_op(kind: OpKind, r: ReduceOp) -> Op {
     let mut o = Op::new(kind, DType::Float32);
     o.reduce_op = r;
     o
+}
+
+// ---------------------------------------------------------------------------------------------
+// Harness with a hang guard, a shared barrier and an owned communicator.
+
+use std::sync::Barrier;
+use std::time::Instant;
+
+/// Runs `f(rank, comm, barrier)` on `size` threads, each with its own communicator (owned, so a
+/// rank can drop it to simulate its death); `barrier` is a plain thread barrier of all ranks.
+/// Panics (naming the ranks) if any rank is still running after `limit`: a hang is a failure,
+/// never a stuck test. A rank's panic is re-raised here with its message.
+pub fn spawn_ranks<T: Send + 'static>(
+    size: usize,
+    cfg: Config,
+    limit: Duration,
+    f: impl Fn(usize, Communicator, &Barrier) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    spawn_ranks_in(MemoryStore::new(), size, cfg, limit, f)
+}
+
+/// [`spawn_ranks`] over a given store.
+pub fn spawn_ranks_in<T: Send + 'static>(
+    store: Arc<MemoryStore>,
+    size: usize,
+    cfg: Config,
+    limit: Duration,
+    f: impl Fn(usize, Communicator, &Barrier) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let barrier = Arc::new(Barrier::new(size));
+    let (tx, rx) = mpsc::channel();
+    for rank in 0..size {
+        let (store, f, cfg, barrier, tx) = (store.clone(), f.clone(), cfg.clone(), barrier.clone(), tx.clone());
+        std::thread::Builder::new()
+            .name(format!("test-rank-{rank}"))
+            .spawn(move || {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let comm = Communicator::new(&store, rank, size, cfg).expect("communicator");
+                    f(rank, comm, &barrier)
+                }));
+                let _ = tx.send((rank, r.map_err(panic_text)));
+            })
+            .expect("spawn rank thread");
+    }
+    drop(tx);
+    collect_ranks(rx, size, limit)
+}
+
+/// Receives `(rank, result)` from `size` threads within `limit`; see [`spawn_ranks`].
+pub fn collect_ranks<T>(rx: mpsc::Receiver<(usize, Result<T, String>)>, size: usize, limit: Duration) -> Vec<T> {
+    let deadline = Instant::now() + limit;
+    let mut out: Vec<Option<T>> = (0..size).map(|_| None).collect();
+    for _ in 0..size {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((rank, Ok(v))) => out[rank] = Some(v),
+            Ok((rank, Err(msg))) => panic!("rank {rank} panicked: {msg}"),
+            Err(_) => {
+                let missing: Vec<usize> = (0..size).filter(|&r| out[r].is_none()).collect();
+                panic!("ranks {missing:?} did not finish within {limit:?} (hang)");
+            }
+        }
+    }
+    out.into_iter().map(|v| v.unwrap()).collect()
+}
+
+pub fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Submits one job without waiting; the receiver yields its result.
+pub fn submit_async(comm: &Communicator, ops: Vec<Op>) -> mpsc::Receiver<Result<Completion, CommError>> {
+    let (tx, rx) = mpsc::channel();
+    comm.submit(ops, Box::new(move |r| {
+        let _ = tx.send(r);
+    }))
+    .expect("submit");
+    rx
+}
+
+/// Runs one job and returns its result with the time it took.
+pub fn timed(comm: &Communicator, ops: Vec<Op>) -> (Result<Completion, CommError>, Duration) {
+    let t = Instant::now();
+    let r = run(comm, ops);
+    (r, t.elapsed())
+}
+
+/// The error of a job that must fail, with context in the panic otherwise.
+pub fn expect_err(r: Result<Completion, CommError>, what: &str) -> CommError {
+    match r {
+        Ok(c) => panic!("{what}: expected an error, got Ok({c:?})"),
+        Err(e) => e,
+    }
+}
+
+pub fn assert_mentions(e: &CommError, needles: &[&str], what: &str) {
+    for n in needles {
+        assert!(e.message.contains(n), "{what}: error message should mention {n:?}: {}", e.message);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic inputs.
+
+/// splitmix64 finalizer.
+pub fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A pseudo-random word for (rank, index, salt).
+pub fn word(rank: usize, i: usize, salt: u64) -> u64 {
+    mix(mix(salt.wrapping_mul(0x1_0000_0001) ^ rank as u64) ^ (i as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93))
+}
+
+/// `len` deterministic bytes that differ between ranks and salts.
+pub fn pattern(rank: usize, salt: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| word(rank, i, salt) as u8).collect()
+}
+
+/// An op of `kind` and `dtype` with the given inputs and outputs.
+pub fn op_with(kind: OpKind, dtype: DType, inputs: Vec<RawBuf>, outputs: Vec<RawBuf>) -> Op {
+    let mut o = Op::new(kind, dtype);
+    o.inputs = inputs;
+    o.outputs = outputs;
+    o
+}
+
+/// `parts` consecutive views of `len` bytes each over `b`.
+pub fn views(b: &mut [u8], parts: usize, len: usize) -> Vec<RawBuf> {
+    assert_eq!(b.len(), parts * len);
+    let whole = buf(b);
+    (0..parts).map(|p| whole.sub(p * len, len)).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element types with reference reductions (written from the torch/NCCL definitions, not from
+// the crate's kernels).
+
+pub use half::bf16;
+
+pub trait TestElem: Copy + PartialEq + std::fmt::Debug + Send + Sync + 'static {
+    const DTYPE: DType;
+    /// Rank `rank`'s input at index `i`. Float values are chosen so that the reference result
+    /// is exact whatever the order of combination (few significant bits, narrow exponent range).
+    fn input(rank: usize, i: usize, salt: u64, op: ReduceOp) -> Self;
+    fn to_bytes(v: &[Self]) -> Vec<u8>;
+    fn from_bytes(b: &[u8]) -> Vec<Self>;
+    /// The reduction of `vals` (one per rank, in rank order) under `op`; `factor` is PREMUL_SUM's.
+    fn reference(op: ReduceOp, vals: &[Self], factor: f64) -> Self;
+    /// Equality of results: bitwise for floats.
+    fn same(a: Self, b: Self) -> bool;
+}
+
+macro_rules! float_elem {
+    ($t:ty, $dt:expr) => {
+        impl TestElem for $t {
+            const DTYPE: DType = $dt;
+            fn input(rank: usize, i: usize, salt: u64, op: ReduceOp) -> $t {
+                let w = word(rank, i, salt);
+                if op == ReduceOp::Product {
+                    // ±(1 + m/4)·2^e, e in -1..=1: a product of five has at most 15 significant bits.
+                    let m = 1.0 + (w % 4) as $t / 4.0;
+                    let e = [0.5, 1.0, 2.0][((w >> 8) % 3) as usize] as $t;
+                    if (w >> 16) & 1 == 1 { -m * e } else { m * e }
+                } else {
+                    // Quarters in [-100, 100): sums of any order are exact.
+                    ((w % 800) as i64 - 400) as $t / 4.0
+                }
+            }
+            fn to_bytes(v: &[$t]) -> Vec<u8> {
+                v.iter().flat_map(|x| x.to_le_bytes()).collect()
+            }
+            fn from_bytes(b: &[u8]) -> Vec<$t> {
+                b.chunks_exact(size_of::<$t>()).map(|c| <$t>::from_le_bytes(c.try_into().unwrap())).collect()
+            }
+            fn reference(op: ReduceOp, vals: &[$t], factor: f64) -> $t {
+                let sum = || vals.iter().copied().fold(0.0 as $t, |a, b| a + b);
+                match op {
+                    ReduceOp::Sum => sum(),
+                    ReduceOp::Avg => sum() / vals.len() as $t,
+                    ReduceOp::Product => vals.iter().copied().fold(1.0 as $t, |a, b| a * b),
+                    ReduceOp::Min => vals.iter().copied().fold(<$t>::INFINITY, <$t>::min),
+                    ReduceOp::Max => vals.iter().copied().fold(<$t>::NEG_INFINITY, <$t>::max),
+                    // torch: every input is multiplied by the factor, then summed.
+                    ReduceOp::PreMulSum => vals.iter().map(|&v| v * factor as $t).fold(0.0 as $t, |a, b| a + b),
+                    other => panic!("{other:?} is not defined for floats"),
+                }
+            }
+            fn same(a: $t, b: $t) -> bool {
+                a.to_bits() == b.to_bits()
+            }
+        }
+    };
+}
+float_elem!(f32, DType::Float32);
+float_elem!(f64, DType::Float64);
+
+impl TestElem for bf16 {
+    const DTYPE: DType = DType::BFloat16;
+    fn input(rank: usize, i: usize, salt: u64, op: ReduceOp) -> bf16 {
+        let w = word(rank, i, salt);
+        if op == ReduceOp::Product {
+            bf16::from_f32(f32::input(rank, i, salt, op))
+        } else {
+            // Eighths in [-128, 128) rounded to bf16's 8 bits: every f32 sum of five is exact,
+            // but most need more than 8 bits, so rounding once differs from rounding per step.
+            bf16::from_f32(((w % 2048) as i64 - 1024) as f32 / 8.0)
+        }
+    }
+    fn to_bytes(v: &[bf16]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()
+    }
+    fn from_bytes(b: &[u8]) -> Vec<bf16> {
+        b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect()
+    }
+    fn reference(op: ReduceOp, vals: &[bf16], factor: f64) -> bf16 {
+        // Accumulate in f32 (exact here), round to bf16 once.
+        let f: Vec<f32> = vals.iter().map(|v| v.to_f32()).collect();
+        bf16::from_f32(f32::reference(op, &f, factor))
+    }
+    fn same(a: bf16, b: bf16) -> bool {
+        a.to_bits() == b.to_bits()
+    }
+}
+
+macro_rules! int_elem {
+    ($t:ty, $dt:expr) => {
+        impl TestElem for $t {
+            const DTYPE: DType = $dt;
+            fn input(rank: usize, i: usize, salt: u64, _op: ReduceOp) -> $t {
+                // The full range: sums and products wrap, AVG sees negative odd sums.
+                word(rank, i, salt) as $t
+            }
+            fn to_bytes(v: &[$t]) -> Vec<u8> {
+                v.iter().flat_map(|x| x.to_le_bytes()).collect()
+            }
+            fn from_bytes(b: &[u8]) -> Vec<$t> {
+                b.chunks_exact(size_of::<$t>()).map(|c| <$t>::from_le_bytes(c.try_into().unwrap())).collect()
+            }
+            fn reference(op: ReduceOp, vals: &[$t], _factor: f64) -> $t {
+                let sum = || vals.iter().fold(0 as $t, |a, &b| a.wrapping_add(b));
+                match op {
+                    ReduceOp::Sum => sum(),
+                    // NCCL: the wrapped sum divided by the world size, truncating toward zero.
+                    ReduceOp::Avg => (sum() as i128 / vals.len() as i128) as $t,
+                    ReduceOp::Product => vals.iter().fold(1 as $t, |a, &b| a.wrapping_mul(b)),
+                    ReduceOp::Min => *vals.iter().min().unwrap(),
+                    ReduceOp::Max => *vals.iter().max().unwrap(),
+                    ReduceOp::BAnd => vals.iter().fold(!0, |a, &b| a & b),
+                    ReduceOp::BOr => vals.iter().fold(0, |a, &b| a | b),
+                    ReduceOp::BXor => vals.iter().fold(0, |a, &b| a ^ b),
+                    ReduceOp::PreMulSum => panic!("PREMUL_SUM is not defined for integers"),
+                }
+            }
+            fn same(a: $t, b: $t) -> bool {
+                a == b
+            }
+        }
+    };
+}
+int_elem!(i32, DType::Int32);
+int_elem!(i64, DType::Int64);
+int_elem!(u8, DType::UInt8);
+
+impl TestElem for bool {
+    const DTYPE: DType = DType::Bool;
+    fn input(rank: usize, i: usize, salt: u64, _op: ReduceOp) -> bool {
+        // Mostly true, so that AND over five ranks is often true as well.
+        word(rank, i, salt) % 5 != 0
+    }
+    fn to_bytes(v: &[bool]) -> Vec<u8> {
+        v.iter().map(|&x| x as u8).collect()
+    }
+    fn from_bytes(b: &[u8]) -> Vec<bool> {
+        b.iter()
+            .map(|&x| {
+                assert!(x <= 1, "a bool result byte is {x}, not 0 or 1");
+                x == 1
+            })
+            .collect()
+    }
+    fn reference(op: ReduceOp, vals: &[bool], _factor: f64) -> bool {
+        match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BOr => vals.iter().any(|&v| v),
+            ReduceOp::Product | ReduceOp::Min | ReduceOp::BAnd => vals.iter().all(|&v| v),
+            ReduceOp::BXor => vals.iter().filter(|&&v| v).count() % 2 == 1,
+            other => panic!("{other:?} is not defined for bool"),
+        }
+    }
+    fn same(a: bool, b: bool) -> bool {
+        a == b
+    }
+}
+
+/// Rank `rank`'s inputs `[start, start + n)` for a reduction case.
+pub fn inputs<T: TestElem>(rank: usize, start: usize, n: usize, salt: u64, op: ReduceOp) -> Vec<T> {
+    (start..start + n).map(|i| T::input(rank, i, salt, op)).collect()
+}
+
+/// The expected reduction at index `i` over ranks `0..size`.
+pub fn expected<T: TestElem>(size: usize, i: usize, salt: u64, op: ReduceOp, factor: f64) -> T {
+    let vals: Vec<T> = (0..size).map(|r| T::input(r, i, salt, op)).collect();
+    T::reference(op, &vals, factor)
+}
+
+/// Asserts `got[k] == expected(index start + k)` for every k.
+pub fn check_reduced<T: TestElem>(got: &[T], size: usize, start: usize, salt: u64, op: ReduceOp, factor: f64, what: &str) {
+    for (k, &g) in got.iter().enumerate() {
+        let want: T = expected(size, start + k, salt, op, factor);
+        assert!(T::same(g, want), "{what}: element {k} is {g:?}, expected {want:?}");
+    }
+}
+
+/// Runs `f(thread, barrier)` on `size` plain threads (they create their own communicators),
+/// with the hang guard of [`spawn_ranks`].
+pub fn spawn_threads<T: Send + 'static>(
+    size: usize,
+    limit: Duration,
+    f: impl Fn(usize, &Barrier) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let barrier = Arc::new(Barrier::new(size));
+    let (tx, rx) = mpsc::channel();
+    for t in 0..size {
+        let (f, barrier, tx) = (f.clone(), barrier.clone(), tx.clone());
+        std::thread::Builder::new()
+            .name(format!("test-thread-{t}"))
+            .spawn(move || {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(t, &barrier)));
+                let _ = tx.send((t, r.map_err(panic_text)));
+            })
+            .expect("spawn thread");
+    }
+    drop(tx);
+    collect_ranks(rx, size, limit)
 }

@@ -1,0 +1,42 @@
+//! Reduce-scatter over shared memory: each rank's slot is cut into `size` *lanes*; per block
+//! each rank copies the next piece of its input view for rank k into lane k; once all have,
+//! each rank reduces its own lane from every peer's slot (its own piece from its input view,
+//! in rank order, scaling fused) straight into its output.
+
+use super::shm_blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
+use crate::error::Result;
+use crate::op::Op;
+use crate::reduce::reduce_raw;
+use crate::transport::shm::{Desc, ShmGroup};
+use crate::transport::OpCtx;
+
+pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    let (rank, size) = (shm.rank(), shm.size());
+    let output = op.outputs[0];
+    let esz = op.dtype.size();
+    let lane = shm.chunk() / size / 64 * 64 / esz * esz;
+    let blocks = block_count(output.len(), lane);
+    let g0 = shm.begin_op(blocks as u64);
+    let reduction = op.reduction(size);
+    for b in 0..blocks {
+        let g = g0 + b as u64;
+        let (start, len) = block_range(output.len(), lane, b);
+        wait_slot_free(shm, g, ctx)?;
+        let slot = shm.slot(rank, g);
+        for peer in (0..size).filter(|&p| p != rank) {
+            op.inputs[peer].sub(start, len).copy_to(slot.sub(peer * lane, len));
+        }
+        exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
+        let srcs: Vec<*const u8> = (0..size)
+            .map(|r| if r == rank { op.inputs[rank].sub(start, len).ptr() } else { shm.slot(r, g).sub(rank * lane, len).ptr() } as *const u8)
+            .collect();
+        if len > 0 {
+            // SAFETY: peers' lanes for this rank hold `len` bytes of their inputs (published
+            // Produced for g); the destination is this rank's output, which c10d guarantees is
+            // not one of its input views, and is disjoint from every slot.
+            unsafe { reduce_raw(&reduction, output.sub(start, len).ptr(), &srcs, len / esz, true) };
+        }
+        finish_block(shm, g);
+    }
+    Ok(())
+}

@@ -1,0 +1,56 @@
+//! Reduce over shared memory: the blocked all-reduce's first two steps (every rank reduces its
+//! part of each block into its slot), then only the root copies the parts into its tensor.
+//! Other ranks' tensors are left unchanged.
+
+use super::shm_blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
+use super::split_range;
+use crate::error::Result;
+use crate::op::Op;
+use crate::reduce::reduce_raw;
+use crate::transport::shm::{Counter, Desc, ShmGroup};
+use crate::transport::OpCtx;
+
+pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    let (rank, size) = (shm.rank(), shm.size());
+    let root = op.root as usize;
+    let buf = op.outputs[0];
+    let esz = op.dtype.size();
+    let piece = shm.chunk() / esz * esz;
+    let blocks = block_count(buf.len(), piece);
+    let g0 = shm.begin_op(blocks as u64);
+    let reduction = op.reduction(size);
+    for b in 0..blocks {
+        let g = g0 + b as u64;
+        let (start, len) = block_range(buf.len(), piece, b);
+        let block = buf.sub(start, len);
+        let part = |r: usize| {
+            let (s, l) = split_range(len / esz, size, r);
+            (s * esz, l * esz)
+        };
+        wait_slot_free(shm, g, ctx)?;
+        let mine = shm.slot(rank, g);
+        let (my_start, my_len) = part(rank);
+        block.sub(0, my_start).copy_to(mine.sub(0, my_start));
+        let after = my_start + my_len;
+        block.sub(after, len - after).copy_to(mine.sub(after, len - after));
+        exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
+        let srcs: Vec<*const u8> = (0..size)
+            .map(|r| if r == rank { block.sub(my_start, my_len).ptr() } else { shm.slot(r, g).sub(my_start, my_len).ptr() } as *const u8)
+            .collect();
+        if my_len > 0 {
+            // SAFETY: as in allreduce_shm: peers' slots hold my part of their inputs, my part
+            // comes from my tensor, and the destination (my slot's part) is disjoint from both.
+            unsafe { reduce_raw(&reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, true) };
+        }
+        shm.publish(Counter::Reduced, g);
+        if rank == root {
+            shm.wait_all(Counter::Reduced, g, ctx)?;
+            for r in 0..size {
+                let (s, l) = part(r);
+                shm.slot(r, g).sub(s, l).copy_to(block.sub(s, l));
+            }
+        }
+        finish_block(shm, g);
+    }
+    Ok(())
+}

@@ -1,0 +1,316 @@
+//! A group's view of all segments, and the counter protocol collectives use on them.
+//!
+//! Terms: the group's work is cut into *blocks*, numbered 1, 2, … for the life of the group
+//! (every rank numbers them the same way, because every rank runs the same operations). Block
+//! g uses data slot g % 2 of each segment. For each block a rank publishes three counters:
+//! `Produced` (my slot holds my input for block g), `Reduced` (my slot holds my reduced part),
+//! `Consumed` (I have finished reading peers' slots for block g). Before writing its slot for
+//! block g a rank waits until every rank has `Consumed` ≥ g − 2: the slot's previous user,
+//! block g − 2, is finished everywhere. That gives double buffering: a rank can fill block
+//! g + 1 while peers still read block g.
+//!
+//! Waiting spins for `XCCL_RS_SPIN_US`, then sleeps on the group futex (rank 0's `epoch`),
+//! waking every 100 ms to check the deadline, peers' abort flags and whether peers' processes
+//! still exist.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::futex;
+use super::layout::{ABORT_CLOSED, ABORT_FAILED, Desc, RankHeader};
+use super::segment::Segment;
+use crate::error::{CommError, ErrorKind, Result};
+use crate::rendezvous::{Store, rendezvous_error};
+use crate::transport::{OpCtx, RawBuf};
+use crate::types::{DType, OpKind, ReduceOp};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    Produced,
+    Reduced,
+    Consumed,
+}
+
+pub struct ShmGroup {
+    rank: usize,
+    size: usize,
+    chunk: usize,
+    segments: Vec<Segment>,
+    next_block: u64,
+    spin: Duration,
+    /// Peers' pids are meaningful here (same pid namespace), so a vanished pid means a dead rank.
+    pids_visible: bool,
+}
+
+/// What identifies "this host and this /dev/shm" (NCCL's shm transport checks both).
+pub fn host_identity() -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(super::segment::SHM_DIR).ok()?;
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its whole length.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return None;
+    }
+    let len = buf.iter().position(|&c| c == 0).unwrap_or(buf.len());
+    Some(format!("{}|{}|{}", String::from_utf8_lossy(&buf[..len]), meta.dev(), meta.ino()))
+}
+
+fn pid_alive(pid: u64) -> bool {
+    if pid == 0 || pid > i32::MAX as u64 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks for existence and permission; it sends nothing.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    // A killed process stays a zombie until its parent reaps it: that is dead too.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
+impl ShmGroup {
+    /// Creates this rank's segment, maps every peer's, and unlinks ours once all ranks have
+    /// mapped everything.
+    pub fn setup(store: &dyn Store, rank: usize, size: usize, chunk: usize, spin: Duration, timeout: Duration) -> Result<ShmGroup> {
+        let (own, name) = Segment::create(chunk)?;
+        store.set(&format!("xccl_rs/shm/{rank}"), name.as_bytes())?;
+        let mut segments = Vec::with_capacity(size);
+        let mut own = Some(own);
+        for peer in 0..size {
+            if peer == rank {
+                segments.push(own.take().expect("own segment placed once"));
+                continue;
+            }
+            let peer_name = store.get(&format!("xccl_rs/shm/{peer}"), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
+            segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), chunk)?);
+        }
+        store.set(&format!("xccl_rs/shm_mapped/{rank}"), b"1")?;
+        for peer in 0..size {
+            store.get(&format!("xccl_rs/shm_mapped/{peer}"), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
+        }
+        segments[rank].unlink();
+        for (peer, seg) in segments.iter().enumerate() {
+            if !seg.header().is_valid() {
+                return Err(CommError::io(format!("xccl_rs: rank {peer}'s shared-memory segment is not initialized")));
+            }
+        }
+        let pids_visible = segments.iter().all(|s| pid_alive(s.header().pid.0.load(Ordering::Relaxed)));
+        Ok(ShmGroup { rank, size, chunk, segments, next_block: 1, spin, pids_visible })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn size(&self) -> usize {
+        self.size
+    }
+    /// Bytes of one data slot.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Reserves `blocks` consecutive block numbers for one operation; returns the first.
+    pub fn begin_op(&mut self, blocks: u64) -> u64 {
+        let first = self.next_block;
+        self.next_block += blocks;
+        first
+    }
+
+    /// `rank`'s data slot for block `g`, `chunk` bytes.
+    pub fn slot(&self, rank: usize, g: u64) -> RawBuf {
+        // SAFETY: the slot lies inside a mapping that lives as long as `self`; who writes and
+        // who reads it when is governed by the counter protocol above, which every algorithm
+        // follows (a slot is written only by its owner, between `Consumed` ≥ g − 2 everywhere
+        // and its `Produced`/`Reduced` for g; read by peers only after those).
+        unsafe { RawBuf::new(self.segments[rank].slot_ptr((g % 2) as usize), self.chunk) }
+    }
+
+    fn header(&self, rank: usize) -> &RankHeader {
+        self.segments[rank].header()
+    }
+
+    fn counter(&self, rank: usize, c: Counter) -> u64 {
+        let h = self.header(rank);
+        let a = match c {
+            Counter::Produced => &h.produced.0,
+            Counter::Reduced => &h.reduced.0,
+            Counter::Consumed => &h.consumed.0,
+        };
+        a.load(Ordering::Acquire)
+    }
+
+    /// Announces that this rank finished step `c` of block `g`.
+    pub fn publish(&self, c: Counter, g: u64) {
+        let h = self.header(self.rank);
+        let a = match c {
+            Counter::Produced => &h.produced.0,
+            Counter::Reduced => &h.reduced.0,
+            Counter::Consumed => &h.consumed.0,
+        };
+        a.store(g, Ordering::Release);
+        self.wake();
+    }
+
+    fn wake(&self) {
+        let ctl = self.header(0);
+        ctl.epoch.0.fetch_add(1, Ordering::SeqCst);
+        if ctl.sleepers.0.load(Ordering::SeqCst) > 0 {
+            futex::wake_all(&ctl.epoch.0);
+        }
+    }
+
+    /// Records this rank's description of the operation starting at block `g`.
+    pub fn describe(&self, g: u64, desc: Desc) {
+        self.header(self.rank).desc[(g % 2) as usize].0.store(desc);
+    }
+
+    /// After every rank's `Produced` ≥ g: checks that all ranks described the same operation.
+    /// Every rank runs the same comparison, so a mismatch fails every rank at once.
+    pub fn check_descs(&self, g: u64, ctx: &OpCtx) -> Result<()> {
+        let mine = self.header(self.rank).desc[(g % 2) as usize].0.load();
+        for peer in (0..self.size).filter(|&p| p != self.rank) {
+            let theirs = self.header(peer).desc[(g % 2) as usize].0.load();
+            if theirs != mine {
+                let what = if theirs.seq != mine.seq || (theirs.kind & 0xff) != (mine.kind & 0xff) {
+                    "ranks must call the same collectives in the same order"
+                } else if theirs.kind != mine.kind && ((theirs.kind >> 8) & 0xff) != ((mine.kind >> 8) & 0xff) {
+                    "dtype mismatch"
+                } else if theirs.kind != mine.kind {
+                    "reduce op mismatch"
+                } else if theirs.count != mine.count {
+                    "size mismatch"
+                } else {
+                    "root mismatch"
+                };
+                return Err(CommError::mismatch(format!(
+                    "{}: rank {peer} called {}, rank {} called {} ({what})",
+                    ctx.describe(),
+                    describe_desc(&theirs),
+                    self.rank,
+                    describe_desc(&mine)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every rank in `ranks` has counter `c` ≥ g.
+    pub fn wait_for(&self, c: Counter, g: u64, ranks: impl Iterator<Item = usize> + Clone, ctx: &OpCtx) -> Result<()> {
+        let lagging = || ranks.clone().filter(|&r| self.counter(r, c) < g);
+        if lagging().next().is_none() {
+            return Ok(());
+        }
+        let spin_until = Instant::now() + self.spin;
+        let mut n = 0u32;
+        loop {
+            std::hint::spin_loop();
+            n = n.wrapping_add(1);
+            if n % 64 == 0 {
+                if lagging().next().is_none() {
+                    return Ok(());
+                }
+                if Instant::now() >= spin_until {
+                    break;
+                }
+            }
+        }
+        let ctl = self.header(0);
+        let mut next_liveness_check = Instant::now();
+        loop {
+            let epoch = ctl.epoch.0.load(Ordering::SeqCst);
+            if lagging().next().is_none() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= next_liveness_check {
+                self.check_peers(lagging(), ctx)?;
+                next_liveness_check = now + Duration::from_millis(100);
+            }
+            if now >= ctx.deadline {
+                let silent: Vec<usize> = lagging().collect();
+                return Err(CommError::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{}: timed out after {} ms; ranks not heard from: {silent:?} (is a rank stuck, dead, or in a different collective?)",
+                        ctx.describe(),
+                        ctx.timeout.as_millis()
+                    ),
+                ));
+            }
+            ctl.sleepers.0.fetch_add(1, Ordering::SeqCst);
+            if lagging().next().is_some() {
+                let nap = (ctx.deadline - now).min(Duration::from_millis(100));
+                futex::wait(&ctl.epoch.0, epoch, nap);
+            }
+            ctl.sleepers.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    pub fn wait_all(&self, c: Counter, g: u64, ctx: &OpCtx) -> Result<()> {
+        self.wait_for(c, g, 0..self.size, ctx)
+    }
+
+    /// A rank we wait for that failed, closed its communicator, or whose process is gone
+    /// fails the wait. Only lagging ranks count: a rank that already did its part of this
+    /// operation may legitimately have moved on, or exited.
+    fn check_peers(&self, lagging: impl Iterator<Item = usize>, ctx: &OpCtx) -> Result<()> {
+        for peer in lagging {
+            let h = self.header(peer);
+            match h.aborted.0.load(Ordering::Acquire) {
+                ABORT_FAILED => {
+                    return Err(CommError::peer(format!(
+                        "{}: rank {peer} failed and aborted the group: {}",
+                        ctx.describe(),
+                        h.abort_message()
+                    )));
+                }
+                ABORT_CLOSED => {
+                    return Err(CommError::peer(format!(
+                        "{}: rank {peer} closed its communicator while rank {} waited for it in this collective",
+                        ctx.describe(),
+                        self.rank
+                    )));
+                }
+                _ => {}
+            }
+            let pid = h.pid.0.load(Ordering::Relaxed);
+            if self.pids_visible && !pid_alive(pid) {
+                return Err(CommError::peer(format!(
+                    "{}: rank {peer} (pid {pid}) exited and closed its connections while rank {} waited for it (did it crash?)",
+                    ctx.describe(),
+                    self.rank
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks this rank failed, so peers waiting on it fail within 100 ms instead of at their
+    /// timeout.
+    pub fn abort(&self, message: &str) {
+        self.header(self.rank).set_aborted(ABORT_FAILED, message);
+        self.wake();
+    }
+}
+
+/// "allreduce of 1000 float32 (SUM) #5 root 0" for mismatch messages.
+fn describe_desc(d: &Desc) -> String {
+    let op = OpKind::from_code((d.kind & 0xff) as u8).map_or("an unknown op", |k| k.name());
+    let dtype = DType::from_code(((d.kind >> 8) & 0xff) as u8).map_or("an unknown dtype", |t| t.name());
+    let reduce = ReduceOp::from_code(((d.kind >> 16) & 0xff) as u8).map_or("?", |r| r.name());
+    format!("{op} #{} with {} elements of {dtype} (op {reduce}, root {})", d.seq, d.count, d.root as i64)
+}
+
+impl Drop for ShmGroup {
+    /// Tells ranks that still wait on this one that it is gone (unless it already failed).
+    fn drop(&mut self) {
+        let own = self.header(self.rank);
+        if own.aborted.0.load(Ordering::Relaxed) == 0 {
+            own.set_aborted(ABORT_CLOSED, "");
+        }
+        self.wake();
+    }
+}

@@ -1,0 +1,116 @@
+//! The header at the start of every rank's segment. Every field is an atomic, so any bit
+//! pattern a peer leaves there is a valid value: we compare peers' values, we never use them as
+//! sizes or offsets.
+//!
+//! Writers and orderings:
+//! - `produced`, `reduced`, `consumed`: written only by the owning rank, with Release, after
+//!   the data they announce is in place; read by peers with Acquire before they touch that data.
+//!   They count blocks: "I have finished step X of block g" is the value g (monotonic for the
+//!   life of the group).
+//! - `desc[slot]`: written by the owner before it publishes `produced` for the first block of
+//!   an operation (which uses that slot); read by peers after they see that `produced`.
+//! - `aborted`: set (Release) by the owner when it fails (`ABORT_FAILED`, after writing
+//!   `abort_message`) or when it closes its communicator (`ABORT_CLOSED`); peers check it while
+//!   waiting on that rank.
+//! - `epoch`, `sleepers`: used in rank 0's header only, by every rank: the group's futex word
+//!   and the number of ranks asleep on it (SeqCst, Dekker-style: see group.rs).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+pub const HEADER_BYTES: usize = 4096;
+pub const ABORT_FAILED: u32 = 1;
+pub const ABORT_CLOSED: u32 = 2;
+/// Bytes of an abort message kept in the header (longer ones are cut).
+pub const ABORT_MESSAGE_BYTES: usize = 1024;
+const MAGIC: u64 = u64::from_le_bytes(*b"XCRSHM01");
+
+/// One value alone on its cache lines (128 bytes: adjacent-line prefetch pairs lines).
+#[repr(C, align(128))]
+pub struct Padded<T>(pub T);
+
+/// What every rank says about the operation that starts at a block: compared across ranks
+/// before any rank reads another's data.
+#[repr(C)]
+#[derive(Default)]
+pub struct OpDesc {
+    pub seq: AtomicU64,
+    /// op kind | dtype << 8 | reduce op << 16
+    pub kind: AtomicU64,
+    pub count: AtomicU64,
+    pub root: AtomicU64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Desc {
+    pub seq: u64,
+    pub kind: u64,
+    pub count: u64,
+    pub root: u64,
+}
+
+impl OpDesc {
+    pub fn store(&self, d: Desc) {
+        self.seq.store(d.seq, Ordering::Relaxed);
+        self.kind.store(d.kind, Ordering::Relaxed);
+        self.count.store(d.count, Ordering::Relaxed);
+        self.root.store(d.root, Ordering::Relaxed);
+    }
+    pub fn load(&self) -> Desc {
+        Desc {
+            seq: self.seq.load(Ordering::Relaxed),
+            kind: self.kind.load(Ordering::Relaxed),
+            count: self.count.load(Ordering::Relaxed),
+            root: self.root.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[repr(C)]
+pub struct RankHeader {
+    pub magic: Padded<AtomicU64>,
+    pub pid: Padded<AtomicU64>,
+    pub produced: Padded<AtomicU64>,
+    pub reduced: Padded<AtomicU64>,
+    pub consumed: Padded<AtomicU64>,
+    pub aborted: Padded<AtomicU32>,
+    pub epoch: Padded<AtomicU32>,
+    pub sleepers: Padded<AtomicU32>,
+    pub desc: [Padded<OpDesc>; 2],
+    pub abort_len: Padded<AtomicU64>,
+    /// UTF-8 bytes of the failure, packed little-endian into words.
+    pub abort_message: [AtomicU64; ABORT_MESSAGE_BYTES / 8],
+}
+
+const _: () = assert!(std::mem::size_of::<RankHeader>() <= HEADER_BYTES);
+
+impl RankHeader {
+    pub fn init(&self, pid: u64) {
+        self.pid.0.store(pid, Ordering::Relaxed);
+        self.magic.0.store(MAGIC, Ordering::Release);
+    }
+
+    pub fn is_valid(&self) -> bool {
+        self.magic.0.load(Ordering::Acquire) == MAGIC
+    }
+
+    /// Records why this rank failed (cut to ABORT_MESSAGE_BYTES), then raises the flag.
+    pub fn set_aborted(&self, why: u32, message: &str) {
+        let bytes = &message.as_bytes()[..message.len().min(ABORT_MESSAGE_BYTES)];
+        for (i, word) in self.abort_message.iter().enumerate() {
+            let mut w = [0u8; 8];
+            for (j, b) in w.iter_mut().enumerate() {
+                *b = bytes.get(i * 8 + j).copied().unwrap_or(0);
+            }
+            word.store(u64::from_le_bytes(w), Ordering::Relaxed);
+        }
+        self.abort_len.0.store(bytes.len() as u64, Ordering::Relaxed);
+        self.aborted.0.store(why, Ordering::Release);
+    }
+
+    /// The peer's abort message; its length is bounded here, whatever the peer wrote.
+    pub fn abort_message(&self) -> String {
+        let len = (self.abort_len.0.load(Ordering::Relaxed) as usize).min(ABORT_MESSAGE_BYTES);
+        let bytes: Vec<u8> = self.abort_message.iter().flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes()).take(len).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}

@@ -1,0 +1,147 @@
+//! One rank's shared-memory segment: a file in /dev/shm created with O_EXCL and mode 0600
+//! under an unguessable name, mapped by every rank of the group, and unlinked by its creator as
+//! soon as every rank has mapped it — from then on nothing of ours is visible in /dev/shm, even
+//! if a process is killed. Until then, `Drop` unlinks it on every path out of set-up.
+//!
+//! Layout (offsets in bytes):
+//! ```text
+//! 0       RankHeader    counters, abort flag, op descriptors (cache-line padded)
+//! 4096    slot 0        `chunk` bytes of data
+//! 4096+c  slot 1        `chunk` bytes of data
+//! ```
+
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use super::layout::{HEADER_BYTES, RankHeader};
+use crate::error::{CommError, Result};
+
+pub const SHM_DIR: &str = "/dev/shm";
+
+pub struct Segment {
+    map: MmapRaw,
+    chunk: usize,
+    /// Set while the file still exists and this rank created it.
+    owned_path: Option<PathBuf>,
+}
+
+// SAFETY: the mapping is plain shared memory; all cross-thread/process access to its header goes
+// through atomics, and data slots are accessed under the counter protocol (group.rs).
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+fn total_bytes(chunk: usize) -> usize {
+    HEADER_BYTES + 2 * chunk
+}
+
+impl Segment {
+    /// Creates this rank's segment; returns it and its name (a file name in /dev/shm).
+    pub fn create(chunk: usize) -> Result<(Segment, String)> {
+        let mut token = [0u8; 16];
+        getrandom::fill(&mut token).map_err(|e| CommError::io(format!("getrandom failed: {e}")))?;
+        let name = format!("xccl_rs-{}-{}", std::process::id(), token.iter().map(|b| format!("{b:02x}")).collect::<String>());
+        let path = PathBuf::from(SHM_DIR).join(&name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| CommError::io(format!("xccl_rs: cannot create {}: {e}", path.display())))?;
+        let size = total_bytes(chunk);
+        let mapped = file
+            .set_len(size as u64)
+            .map_err(|e| format!("cannot size {} to {size} bytes: {e}", path.display()))
+            .and_then(|_| {
+                // Reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later.
+                // SAFETY: plain syscall on a file descriptor we own.
+                let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
+                if rc == 0 {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "cannot reserve {size} bytes in /dev/shm for {}: {} (is /dev/shm full? lower XCCL_RS_SHM_CHUNK_BYTES)",
+                        path.display(),
+                        std::io::Error::from_raw_os_error(rc)
+                    ))
+                }
+            })
+            .and_then(|_| {
+                MmapOptions::new().len(size).map_raw(&file).map_err(|e| format!("cannot map {}: {e}", path.display()))
+            });
+        let map = match mapped {
+            Ok(map) => map,
+            Err(message) => {
+                let _ = std::fs::remove_file(&path);
+                return Err(CommError::io(format!("xccl_rs: {message}")));
+            }
+        };
+        let seg = Segment { map, chunk, owned_path: Some(path) };
+        // Touch every page now, so the first collective pays no page faults.
+        // SAFETY: the mapping is `size` bytes long and writable; no one else has it yet.
+        unsafe { std::ptr::write_bytes(seg.map.as_mut_ptr(), 0, size) };
+        seg.header().init(std::process::id() as u64);
+        Ok((seg, name))
+    }
+
+    /// Maps a peer's segment by name. The name must be one of ours (checked), so a peer cannot
+    /// make us open an arbitrary file.
+    pub fn open(name: &str, chunk: usize) -> Result<Segment> {
+        if !name.starts_with("xccl_rs-") || name.contains('/') || name.len() > 128 {
+            return Err(CommError::io(format!("xccl_rs: refusing to map shared-memory segment '{name}'")));
+        }
+        let path = PathBuf::from(SHM_DIR).join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| CommError::io(format!("xccl_rs: cannot open {}: {e}", path.display())))?;
+        let size = total_bytes(chunk);
+        let actual = file.metadata().map_err(|e| CommError::io(e.to_string()))?.len();
+        if actual != size as u64 {
+            return Err(CommError::io(format!(
+                "xccl_rs: segment {name} has {actual} bytes, expected {size} (XCCL_RS_SHM_CHUNK_BYTES differs between ranks?)"
+            )));
+        }
+        let map = MmapOptions::new()
+            .len(size)
+            .populate()
+            .map_raw(&file)
+            .map_err(|e| CommError::io(format!("xccl_rs: cannot map {}: {e}", path.display())))?;
+        Ok(Segment { map, chunk, owned_path: None })
+    }
+
+    /// Removes the file (every rank has mapped it); the memory lives on until the last unmap.
+    pub fn unlink(&mut self) {
+        if let Some(path) = self.owned_path.take() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    pub fn header(&self) -> &RankHeader {
+        // SAFETY: the mapping starts with a RankHeader-sized, page-aligned region that lives as
+        // long as `self`; RankHeader holds only atomics, which are valid for any bit pattern and
+        // safe to share between processes.
+        unsafe { &*(self.map.as_ptr() as *const RankHeader) }
+    }
+
+    /// Start of data slot `slot` (0 or 1), `chunk` bytes long.
+    pub fn slot_ptr(&self, slot: usize) -> *mut u8 {
+        debug_assert!(slot < 2);
+        // SAFETY: HEADER_BYTES + slot * chunk + chunk <= total_bytes(chunk), the mapping length.
+        unsafe { self.map.as_mut_ptr().add(HEADER_BYTES + (slot & 1) * self.chunk) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        self.unlink();
+    }
+}
