@@ -210,7 +210,7 @@ XcclRsBackend::Job XcclRsBackend::begin(const char* what, uint8_t kind) {
   return Job(*this, what, kind, coalescing_ ? coalesced_state_ : new_work_state(what));
 }
 
-c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type) {
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type, bool caller_waits) {
   if (coalescing_) {
     for (auto& op : job.ops()) {
       coalesced_ops_.push_back(std::move(op));
@@ -219,7 +219,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type
   }
   auto done = std::make_unique<WorkDone>(WorkDone{job.state()});
   try {
-    comm_->comm->submit(std::move(job.ops()), std::move(done));
+    comm_->comm->submit(std::move(job.ops()), std::move(done), caller_waits);
   } catch (const std::exception& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
   }
@@ -239,7 +239,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::endCoalescing() {
   auto state = std::move(coalesced_state_);
   auto done = std::make_unique<WorkDone>(WorkDone{state});
   try {
-    comm_->comm->submit(std::move(coalesced_ops_), std::move(done));
+    comm_->comm->submit(std::move(coalesced_ops_), std::move(done), false);
   } catch (const std::exception& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
   }
@@ -276,7 +276,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce(std::vector<at::Tensor>&
   job.set_reduction(r, opts.reduceOp);
   r.outputs.push_back(view_of(job.output(tensors[0])));
   job.add(std::move(r));
-  return launch(job, c10d::OpType::ALLREDUCE);
+  return launch(job, c10d::OpType::ALLREDUCE, XCCL_RS_CALLER_WAITS(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce_coalesced(
@@ -289,7 +289,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce_coalesced(
     r.outputs.push_back(view_of(job.output(t)));
     job.add(std::move(r));
   }
-  return launch(job, c10d::OpType::ALLREDUCE_COALESCED);
+  return launch(job, c10d::OpType::ALLREDUCE_COALESCED, XCCL_RS_CALLER_WAITS(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
@@ -301,7 +301,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::broadcast(std::vector<at::Tensor>&
   r.root = opts.rootRank;
   r.outputs.push_back(view_of(job.output(tensors[0])));
   job.add(std::move(r));
-  return launch(job, c10d::OpType::BROADCAST);
+  return launch(job, c10d::OpType::BROADCAST, XCCL_RS_CALLER_WAITS(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
@@ -314,7 +314,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce(std::vector<at::Tensor>& te
   job.set_reduction(r, opts.reduceOp);
   r.outputs.push_back(view_of(job.output(tensors[0])));
   job.add(std::move(r));
-  return launch(job, c10d::OpType::REDUCE);
+  return launch(job, c10d::OpType::REDUCE, XCCL_RS_CALLER_WAITS(opts));
 }
 
 // ---- all-gather ----
@@ -322,7 +322,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce(std::vector<at::Tensor>& te
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& /*opts*/) {
+    const c10d::AllgatherOptions& opts) {
   auto job = begin("allgather", kAllGather);
   if (inputs.size() != 1 || outputs.size() != 1) {
     job.reject("takes one input tensor and one output list per rank");
@@ -342,13 +342,13 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather(
     r.outputs.push_back(view_of(job.output(out)));
   }
   job.add(std::move(r));
-  return launch(job, c10d::OpType::ALLGATHER);
+  return launch(job, c10d::OpType::ALLGATHER, XCCL_RS_CALLER_WAITS(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
-    const c10d::AllgatherOptions& /*opts*/) {
+    const c10d::AllgatherOptions& opts) {
   auto job = begin("all_gather_into_tensor", kAllGather);
   job.same_kind(output, input, "the output tensor");
   if (output.numel() != input.numel() * getSize()) {
@@ -359,13 +359,13 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::_allgather_base(
   r.inputs.push_back(view_of(job.input(input)));
   r.outputs = split_views(job.output(output), getSize());
   job.add(std::move(r));
-  return launch(job, c10d::OpType::_ALLGATHER_BASE);
+  return launch(job, c10d::OpType::_ALLGATHER_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& /*opts*/) {
+    const c10d::AllgatherOptions& opts) {
   auto job = begin("allgather_into_tensor_coalesced", kAllGather);
   if (outputs.size() != inputs.size()) {
     job.reject_and_abort("got " + std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) + " inputs");
@@ -382,13 +382,13 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_into_tensor_coalesced(
     r.outputs = split_views(job.output(outputs[i]), getSize());
     job.add(std::move(r));
   }
-  return launch(job, c10d::OpType::COALESCED);
+  return launch(job, c10d::OpType::COALESCED, XCCL_RS_CALLER_WAITS(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputLists,
     std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& /*opts*/) {
+    const c10d::AllgatherOptions& opts) {
   // outputLists[r][i] receives input i of rank r (gloo's layout).
   auto job = begin("allgather_coalesced", kAllGather);
   if (static_cast<int>(outputLists.size()) != getSize()) {
@@ -407,7 +407,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_coalesced(
     }
     job.add(std::move(r));
   }
-  return launch(job, c10d::OpType::ALLGATHER_COALESCED);
+  return launch(job, c10d::OpType::ALLGATHER_COALESCED, XCCL_RS_CALLER_WAITS(opts));
 }
 
 // ---- gather, scatter ----
@@ -439,7 +439,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather(
     job.reject_and_abort("only the root (rank " + std::to_string(opts.rootRank) + ") passes output tensors");
   }
   job.add(std::move(r));
-  return launch(job, c10d::OpType::GATHER);
+  return launch(job, c10d::OpType::GATHER, XCCL_RS_CALLER_WAITS(opts));
 }
 
 #if XCCL_RS_TORCH_AT_LEAST(2, 14)
@@ -460,7 +460,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather_single(
     r.outputs = split_views(job.output(output), getSize());
   }
   job.add(std::move(r));
-  return launch(job, c10d::OpType::GATHER);
+  return launch(job, c10d::OpType::GATHER, XCCL_RS_CALLER_WAITS(opts));
 }
 #endif
 
@@ -491,7 +491,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::scatter(
   }
   r.outputs.push_back(view_of(job.output(out)));
   job.add(std::move(r));
-  return launch(job, c10d::OpType::SCATTER);
+  return launch(job, c10d::OpType::SCATTER, XCCL_RS_CALLER_WAITS(opts));
 }
 
 // ---- reduce-scatter ----
@@ -520,7 +520,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter(
   }
   r.outputs.push_back(view_of(job.output(out)));
   job.add(std::move(r));
-  return launch(job, c10d::OpType::REDUCE_SCATTER);
+  return launch(job, c10d::OpType::REDUCE_SCATTER, XCCL_RS_CALLER_WAITS(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::_reduce_scatter_base(
@@ -538,7 +538,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::_reduce_scatter_base(
   r.inputs = split_views(job.input(input), getSize());
   r.outputs.push_back(view_of(job.output(output)));
   job.add(std::move(r));
-  return launch(job, c10d::OpType::_REDUCE_SCATTER_BASE);
+  return launch(job, c10d::OpType::_REDUCE_SCATTER_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter_tensor_coalesced(
@@ -562,7 +562,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter_tensor_coalesced(
     r.outputs.push_back(view_of(job.output(outputs[i])));
     job.add(std::move(r));
   }
-  return launch(job, c10d::OpType::COALESCED);
+  return launch(job, c10d::OpType::COALESCED, XCCL_RS_CALLER_WAITS(opts));
 }
 
 // ---- all-to-all ----
@@ -582,20 +582,20 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall_base(
     at::Tensor& input,
     std::vector<int64_t>& outputSplits,
     std::vector<int64_t>& inputSplits,
-    const c10d::AllToAllOptions& /*opts*/) {
+    const c10d::AllToAllOptions& opts) {
   auto job = begin("all_to_all_single", kAllToAll);
   job.same_kind(output, input, "the output tensor");
   auto r = request(kAllToAll, &input);
   r.inputs = split_rows(job, job.input(input), inputSplits, getSize(), "input");
   r.outputs = split_rows(job, job.output(output), outputSplits, getSize(), "output");
   job.add(std::move(r));
-  return launch(job, c10d::OpType::ALLTOALL_BASE);
+  return launch(job, c10d::OpType::ALLTOALL_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
-    const c10d::AllToAllOptions& /*opts*/) {
+    const c10d::AllToAllOptions& opts) {
   auto job = begin("alltoall", kAllToAll);
   if (static_cast<int>(outputs.size()) != getSize() || static_cast<int>(inputs.size()) != getSize()) {
     job.reject_and_abort("needs one input and one output tensor per rank (" + std::to_string(getSize()) + "), got " +
@@ -609,7 +609,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall(
     r.outputs.push_back(view_of(job.output(outputs[i])));
   }
   job.add(std::move(r));
-  return launch(job, c10d::OpType::ALLTOALL);
+  return launch(job, c10d::OpType::ALLTOALL, XCCL_RS_CALLER_WAITS(opts));
 }
 
 // ---- point-to-point, barrier ----
@@ -653,10 +653,10 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::recvAnysource(std::vector<at::Tens
   return launch(job, c10d::OpType::RECVANYSOURCE);
 }
 
-c10::intrusive_ptr<c10d::Work> XcclRsBackend::barrier(const c10d::BarrierOptions& /*opts*/) {
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::barrier(const c10d::BarrierOptions& opts) {
   auto job = begin("barrier", kBarrier);
   job.add(request(kBarrier, nullptr));
-  return launch(job, c10d::OpType::BARRIER);
+  return launch(job, c10d::OpType::BARRIER, XCCL_RS_CALLER_WAITS(opts));
 }
 
 namespace {

@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include "xccl_rs/backend.h"
@@ -32,6 +33,12 @@ const c10d::Store* group_identity(const c10::intrusive_ptr<c10d::Store>& store) 
   return store.get();
 }
 
+std::shared_ptr<CommHandle> new_communicator(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout);
+
 std::shared_ptr<CommHandle> communicator_for(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
@@ -48,6 +55,16 @@ std::shared_ptr<CommHandle> communicator_for(
       return existing;
     }
   }
+  auto handle = new_communicator(store, rank, size, timeout);
+  registry[key] = handle;
+  return handle;
+}
+
+std::shared_ptr<CommHandle> new_communicator(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout) {
   auto store_ref = std::make_unique<StoreRef>(StoreRef{store});
   rust::Box<RustComm> comm = [&]() {
     pybind11::gil_scoped_release no_gil; // rendezvous blocks on peers
@@ -57,9 +74,12 @@ std::shared_ptr<CommHandle> communicator_for(
       C10_THROW_ERROR(DistBackendError, e.what());
     }
   }();
-  auto handle = std::shared_ptr<CommHandle>(new CommHandle{std::move(comm), store});
-  registry[key] = handle;
-  return handle;
+  return std::shared_ptr<CommHandle>(new CommHandle{std::move(comm), store});
+}
+
+std::chrono::milliseconds checked(int rank, int size, std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(size > 0 && rank >= 0 && rank < size, "xccl_rs: rank ", rank, " is not in a group of size ", size);
+  return timeout.count() > 0 ? timeout : std::chrono::minutes(30); // c10d's default when unset
 }
 
 c10::intrusive_ptr<c10d::Backend> create_backend(
@@ -68,12 +88,30 @@ c10::intrusive_ptr<c10d::Backend> create_backend(
     int size,
     std::chrono::milliseconds timeout,
     const std::string& group_id) {
-  TORCH_CHECK_VALUE(size > 0 && rank >= 0 && rank < size, "xccl_rs: rank ", rank, " is not in a group of size ", size);
-  if (timeout.count() <= 0) {
-    timeout = std::chrono::minutes(30); // c10d's default when the group leaves it unset
-  }
+  timeout = checked(rank, size, timeout);
   auto comm = communicator_for(store, rank, size, timeout, group_id);
   return c10::make_intrusive<XcclRsBackend>(std::move(comm), rank, size, timeout);
+}
+
+// A private group: a ProcessGroup whose every device type is served by one xccl_rs backend,
+// built on any store, with no default process group and nothing registered with torch. It
+// never shares a communicator (each call connects anew), so rebuilding a group under the same
+// name with a new store prefix always gets fresh connections.
+c10::intrusive_ptr<c10d::ProcessGroup> new_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    const std::string& name) {
+  timeout = checked(rank, size, timeout);
+  auto backend = c10::make_intrusive<XcclRsBackend>(new_communicator(store, rank, size, timeout), rank, size, timeout);
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  for (auto device : {c10::DeviceType::CPU, c10::DeviceType::CUDA, c10::DeviceType::XPU}) {
+    pg->setBackend(device, c10d::ProcessGroup::BackendType::CUSTOM, backend);
+  }
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  pg->setGroupName(name);
+  return pg;
 }
 
 } // namespace
@@ -90,5 +128,14 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
       pybind11::arg("timeout"),
       pybind11::arg("group_id") = "",
       "Create an xccl_rs c10d Backend over `store` for this rank.");
+  m.def(
+      "new_process_group",
+      &xccl_rs::new_process_group,
+      pybind11::arg("store"),
+      pybind11::arg("rank"),
+      pybind11::arg("size"),
+      pybind11::arg("timeout"),
+      pybind11::arg("name"),
+      "Create a private ProcessGroup served by xccl_rs over `store` (see xccl_rs.new_group).");
   m.attr("torch_version_built") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 }

@@ -170,12 +170,14 @@ impl Communicator {
         })
     }
 
-    /// Finishes queued work, then stops the progress thread and closes the connections.
+    /// Finishes queued work, then stops the progress thread and closes the connections and
+    /// shared memory. Later jobs fail with a clear error. Idempotent.
     pub fn shutdown(&self) {
         drop(self.queue.lock().take());
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
         }
+        self.shared.worker.lock().close();
     }
 }
 
@@ -228,6 +230,14 @@ struct Worker {
 }
 
 impl Worker {
+    fn close(&mut self) {
+        if self.failed.is_none() {
+            self.failed = Some(CommError::new(ErrorKind::Aborted, "xccl_rs: the group was destroyed"));
+        }
+        self.shm = None;
+        self.transport.close();
+    }
+
     /// Runs a job; a panic becomes an error (and fails the communicator) instead of unwinding
     /// into the caller or killing the progress thread.
     fn run_job_guarded(&mut self, ops: &[Op]) -> Result<Completion> {

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import _C  # the Rust cdylib, which is also this Python extension
 
-__all__ = ["BACKEND_NAME", "register", "torch_version_built"]
+__all__ = ["BACKEND_NAME", "destroy_group", "new_group", "register", "torch_version_built"]
 __version__ = "0.1.0"
 
 BACKEND_NAME = "xccl_rs"
@@ -62,6 +62,48 @@ def register() -> None:
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=list(DEVICES)
     )
+
+
+def new_group(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta = timedelta(minutes=10),
+    device=None,
+    name: str = "xccl_rs_private",
+) -> dist.ProcessGroup:
+    """Builds a private xccl_rs process group on any c10d Store.
+
+    No default process group is needed, and the default world (if any) is left untouched:
+    nothing is registered with torch.distributed. Every rank of the group calls this with the
+    same store (for example ``PrefixStore(f"sync/{round}", TCPStore(host, port, is_master=rank == 0))``)
+    and its own rank. It returns once every rank has connected, or raises after ``timeout``.
+
+    Use the group's own methods, which need no registration with torch::
+
+        opts = dist.BroadcastOptions(); opts.rootRank = 0
+        pg.broadcast([tensor], opts).wait()
+        pg.allreduce([tensor]).wait()
+        pg.barrier().wait()
+
+    ``device`` names the device the group's tensors live on (``"cpu"``, ``"cuda"``, ``"xpu"``
+    or a torch.device); this build moves CPU tensors. Destroy a group with
+    :func:`destroy_group`; building the next one under the same name over a new store prefix
+    works any number of times.
+    """
+    if not isinstance(store, dist.Store):
+        raise TypeError(f"xccl_rs.new_group: store must be a torch.distributed.Store, got {type(store).__name__}")
+    if world_size <= 0 or not 0 <= rank < world_size:
+        raise ValueError(f"xccl_rs.new_group: rank {rank} is not in a group of size {world_size}")
+    if device is not None and torch.device(device).type not in DEVICES:
+        raise ValueError(f"xccl_rs.new_group: device {device} is not one of {DEVICES}")
+    return _C.new_process_group(store, rank, world_size, timeout, name)
+
+
+def destroy_group(group: dist.ProcessGroup) -> None:
+    """Shuts a group from :func:`new_group` down: finishes queued work, closes its connections
+    and shared memory. Later operations on it raise. Safe to call twice."""
+    group.shutdown()
 
 
 _check_torch_version()

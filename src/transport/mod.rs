@@ -118,4 +118,6 @@ pub trait Transport: Send {
     fn probe_any(&mut self, accept: &dyn Fn(usize, &Header) -> bool, ctx: &OpCtx) -> Result<usize>;
     /// Tells every peer that this rank failed `ctx`'s operation, best effort, never blocking.
     fn abort(&mut self, ctx: &OpCtx, message: &str);
+    /// Closes every connection (the group is being destroyed).
+    fn close(&mut self);
 }

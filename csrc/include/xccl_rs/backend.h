@@ -17,6 +17,9 @@
 #define XCCL_RS_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
+// Whether a c10d call is synchronous (torch passes async_op down as opts.asyncOp).
+#define XCCL_RS_CALLER_WAITS(opts) (!(opts).asyncOp)
+
 namespace xccl_rs {
 
 // One Rust communicator, shared by the backends that torch creates for each device type of a
@@ -148,7 +151,9 @@ class XcclRsBackend : public c10d::Backend {
 
  private:
   Job begin(const char* what, uint8_t kind);
-  c10::intrusive_ptr<c10d::Work> launch(Job& job, c10d::OpType type);
+  // Submits the job (or adds it to the coalesced batch). `caller_waits`: the c10d call is
+  // synchronous, so the job may run on this thread when the group is idle.
+  c10::intrusive_ptr<c10d::Work> launch(Job& job, c10d::OpType type, bool caller_waits = false);
 
   std::shared_ptr<CommHandle> comm_;
   bool coalescing_ = false;

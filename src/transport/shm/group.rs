@@ -9,7 +9,7 @@
 //! block g − 2, is finished everywhere. That gives double buffering: a rank can fill block
 //! g + 1 while peers still read block g.
 //!
-//! Waiting spins for `XCCL_RS_SPIN_US`, then sleeps on the group futex (rank 0's `epoch`),
+//! Waiting spins (then yields the core) for `XCCL_RS_SPIN_US`, then sleeps on the group futex (rank 0's `epoch`),
 //! waking every 100 ms to check the deadline, peers' abort flags and whether peers' processes
 //! still exist.
 
@@ -203,12 +203,18 @@ impl ShmGroup {
         if lagging().next().is_none() {
             return Ok(());
         }
+        // Spin briefly, then keep checking while yielding the core (a peer may need it: ranks
+        // can outnumber cores), then sleep on the futex.
         let spin_until = Instant::now() + self.spin;
         let mut n = 0u32;
         loop {
-            std::hint::spin_loop();
-            n = n.wrapping_add(1);
-            if n % 64 == 0 {
+            if n < 256 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+            n = n.saturating_add(1);
+            if n % 16 == 0 || n > 256 {
                 if lagging().next().is_none() {
                     return Ok(());
                 }

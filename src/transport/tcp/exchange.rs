@@ -464,6 +464,14 @@ impl Transport for TcpTransport {
         }
     }
 
+    fn close(&mut self) {
+        for peer in self.peers.iter_mut().flatten() {
+            let _ = peer.stream.shutdown(std::net::Shutdown::Both);
+            peer.closed = true;
+        }
+        self.peers.iter_mut().for_each(|p| *p = None);
+    }
+
     fn abort(&mut self, ctx: &OpCtx, message: &str) {
         let text = &message.as_bytes()[..message.len().min(MAX_ABORT_MESSAGE as usize)];
         let header = Header {

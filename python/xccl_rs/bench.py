@@ -1,0 +1,178 @@
+"""Collective benchmark: ``python -m xccl_rs.bench``.
+
+Runs N local ranks and times all_reduce, broadcast, all_gather and reduce_scatter on gloo and
+on xccl_rs side by side, in one run, over the same tensors. Prints time, algorithm bandwidth,
+bus bandwidth (nccl-tests formulas) and xccl_rs's speed-up over gloo; writes JSON with --json.
+
+Bus bandwidth (n ranks, S bytes, t seconds; nccl-tests' PERFORMANCE.md):
+  all_reduce      algbw = S / t,  busbw = algbw * 2 (n-1) / n
+  broadcast       algbw = S / t,  busbw = algbw
+  all_gather      algbw = S / t,  busbw = algbw * (n-1) / n     (S: the gathered output)
+  reduce_scatter  algbw = S / t,  busbw = algbw * (n-1) / n     (S: the full input)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_SIZES = ["8", "1K", "64K", "1M", "16M", "64M", "256M"]
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B") or "0"
+    if text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def iterations(nbytes: int, scale: float) -> int:
+    """Enough repetitions for a stable median, few for huge tensors."""
+    return max(3, min(200, int(scale * (256 << 20) / max(nbytes, 1 << 16))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make(op: str, nbytes: int, dtype: torch.dtype, rank: int, world: int):
+    """The tensors of one op, and a closure that runs it on a group."""
+    esz = torch.tensor([], dtype=dtype).element_size()
+    count = max(1, nbytes // esz)
+    if op == "all_reduce":
+        t = torch.full((count,), float(rank + 1), dtype=dtype)
+        return lambda g: dist.all_reduce(t, group=g)
+    if op == "broadcast":
+        t = torch.full((count,), float(rank), dtype=dtype)
+        return lambda g: dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
+    if op == "all_gather":
+        per = max(1, count // world)
+        out = torch.empty(per * world, dtype=dtype)
+        inp = torch.full((per,), float(rank), dtype=dtype)
+        return lambda g: dist.all_gather_into_tensor(out, inp, group=g)
+    if op == "reduce_scatter":
+        per = max(1, count // world)
+        inp = torch.full((per * world,), float(rank), dtype=dtype)
+        out = torch.empty(per, dtype=dtype)
+        return lambda g: dist.reduce_scatter_tensor(out, inp, group=g)
+    raise ValueError(op)
+
+
+def _worker(rank, world, port, args, queue):
+    import xccl_rs  # noqa: F401
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    groups = {"gloo": dist.group.WORLD, "xccl_rs": dist.new_group(backend="xccl_rs")}
+    groups = {k: v for k, v in groups.items() if k in args.backends}
+    control = dist.new_group(backend="gloo")
+    rows = []
+    for op in args.ops:
+        for dname in args.dtypes:
+            for size_text in args.sizes:
+                nbytes = parse_size(size_text)
+                iters = iterations(nbytes, args.scale)
+                row = {"op": op, "dtype": dname, "bytes": nbytes, "ranks": world, "iters": iters}
+                for name, group in groups.items():
+                    run = _make(op, nbytes, DTYPES[dname], rank, world)
+                    for _ in range(max(1, iters // 10)):
+                        run(group)
+                    dist.barrier(group=control)
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        run(group)
+                    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
+                    sec = elapsed.item()
+                    algbw = nbytes / sec / 1e9
+                    row[name] = {"time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](world)}
+                if "gloo" in row and "xccl_rs" in row:
+                    row["speedup"] = row["gloo"]["time_us"] / row["xccl_rs"]["time_us"]
+                rows.append(row)
+                if rank == 0:
+                    queue.put(("row", row))
+    if rank == 0:
+        queue.put(("done", None))
+    dist.barrier(group=control)
+    dist.destroy_process_group()
+
+
+def _print_row(row, backends):
+    cells = [f"{row['op']:<15}", f"{row['dtype']:<9}", f"{human(row['bytes']):>9}"]
+    for b in backends:
+        r = row.get(b)
+        cells.append(f"{r['time_us']:>12.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f}" if r else " " * 28)
+    if "speedup" in row:
+        cells.append(f"{row['speedup']:>8.2f}x")
+    print(" ".join(cells), flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="bytes, e.g. 8 64K 16M")
+    p.add_argument("--backends", nargs="+", default=["gloo", "xccl_rs"], choices=["gloo", "xccl_rs"])
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of iterations")
+    p.add_argument("--json", help="write the results to this file")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"xccl_rs.bench: {args.ranks} ranks, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+    header = [f"{'op':<15}", f"{'dtype':<9}", f"{'size':>9}"]
+    for b in args.backends:
+        header.append(f"{b + ' time(us)':>12} {'algbw':>7} {'busbw':>7}")
+    if len(args.backends) == 2:
+        header.append(f"{'speedup':>9}")
+    print(" ".join(header))
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
+    for proc in procs:
+        proc.start()
+    rows = []
+    while True:
+        kind, row = queue.get()
+        if kind == "done":
+            break
+        rows.append(row)
+        _print_row(row, args.backends)
+    for proc in procs:
+        proc.join()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": args.ranks, "torch": torch.__version__, "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+    return 0 if all(proc.exitcode == 0 for proc in procs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

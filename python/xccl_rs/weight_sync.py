@@ -1,0 +1,602 @@
+"""Bucketed weight broadcast from one rank of a process group to all the others.
+
+The pattern of RL weight sync (verl's disaggregated GRPO): after every training step a trainer
+rank pushes fresh weights to rollout workers over a *private* process group (for example one
+made by :func:`xccl_rs.new_group`), beside the trainers' default world.
+
+Terms used below:
+
+* **bucket** -- a 1-D ``uint8`` buffer of ``bucket_bytes`` bytes. Tensors are packed into it one
+  after another, each at an offset aligned to ``max(element size, 256)`` bytes.
+* **chunk** -- a piece of a tensor too large for the room left in a bucket. A tensor is split
+  along its flat (row-major) bytes, every chunk a whole number of elements; the receiver
+  reassembles the chunks into one tensor.
+* **header** -- a fixed ``int64[8]`` tensor broadcast before every bucket:
+  ``[MAGIC, VERSION, meta_nbytes, used_bytes, is_last, sender_bucket_bytes, bucket_index, 0]``.
+* **metadata** -- the bucket's entries as UTF-8 JSON in a ``uint8`` tensor of ``meta_nbytes``
+  bytes, broadcast after the header and before the bucket. One entry per tensor or chunk:
+  ``[name, dtype, shape, offset_in_bucket, nbytes, chunk_offset, total_nbytes]``.
+
+Everything travels through the same group, in the same order on every rank: header, metadata,
+then the first ``used_bytes`` bytes of the bucket (skipped when 0). All sizes are Python ints or
+int64, so buckets and tensors of 2 GiB and more work.
+
+The sender packs into two buffers in turn: while bucket ``k`` is being broadcast (async),
+bucket ``k + 1`` is packed into the other buffer; before packing bucket ``k + 1`` the sender
+waits for bucket ``k - 1``'s broadcast (the last user of that buffer). A receiver posts the
+broadcast of bucket ``k`` and, while it is in flight, unpacks bucket ``k - 1``.
+
+Memory: a rank allocates nothing until its first ``send``/``receive``; then at most two
+buckets (a receiver sizes them from the headers: a single last bucket gets only its used
+bytes), the small header/metadata tensors, and the tensors it hands out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SyncStats", "WeightReceiver", "WeightSender", "WeightSyncError", "plan_buckets"]
+
+MAGIC = 0x58434C5753594E43  # "XCLWSYNC"
+VERSION = 1
+HEADER_LEN = 8
+MIN_ALIGN = 256
+MIN_BUCKET_BYTES = 256
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+_H_MAGIC, _H_VERSION, _H_META, _H_USED, _H_LAST, _H_BUCKET_BYTES, _H_INDEX = range(7)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed; the message names the bucket and the tensors in flight."""
+
+
+@dataclass
+class SyncStats:
+    """What one ``send``/``receive`` moved. ``bytes`` counts tensor payload (no padding)."""
+
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Payload throughput in GB/s (10^9 bytes per second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.tensors} tensors, {self.bytes / 1e6:.1f} MB in {self.buckets} buckets, "
+            f"{self.seconds:.3f} s, {self.gbps:.2f} GB/s"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+
+
+def _align_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_of(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise WeightSyncError(f"weight sync: unknown dtype {name!r} in the metadata")
+    return dt
+
+
+def _elsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _broadcast(group, tensor: torch.Tensor, src: int):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return group.broadcast([tensor], opts)
+
+
+def _group_rank_size(group) -> tuple[int, int]:
+    if group is None:
+        raise ValueError("weight sync: a process group is required (e.g. xccl_rs.new_group(...))")
+    return group.rank(), group.size()
+
+
+def _progress_bar(enabled: bool, total: Optional[int], desc: str):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+
+def _copy_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int) -> None:
+    """dst (1-D, e1 - e0 elements) <- elements [e0, e1) of src in row-major order.
+
+    Every element is copied once, straight from src's strides (no .contiguous() temporary):
+    the range is cut into a partial first row, whole rows, and a partial last row.
+    """
+    if e1 <= e0:
+        return
+    if src.is_contiguous():
+        dst.copy_(src.reshape(-1)[e0:e1])  # reshape of a contiguous tensor is a view
+        return
+    if src.dim() == 1:
+        dst.copy_(src[e0:e1])
+        return
+    inner = src[0].numel()
+    r0, o0 = divmod(e0, inner)
+    r1, o1 = divmod(e1, inner)
+    if r0 == r1:
+        _copy_flat_range(dst, src[r0], o0, o1)
+        return
+    pos = 0
+    if o0:
+        _copy_flat_range(dst[: inner - o0], src[r0], o0, inner)
+        pos = inner - o0
+        r0 += 1
+    if r1 > r0:
+        n = (r1 - r0) * inner
+        dst[pos : pos + n].view(r1 - r0, *src.shape[1:]).copy_(src[r0:r1])
+        pos += n
+    if o1:
+        _copy_flat_range(dst[pos:], src[r1], 0, o1)
+
+
+# --------------------------------------------------------------------------------------
+# the packing plan (pure arithmetic: testable with huge sizes on the meta device)
+# --------------------------------------------------------------------------------------
+
+
+class _Packer:
+    """Streams (name, dtype, shape, nbytes) into bucket layouts.
+
+    ``add`` returns the list of pieces ``(entry, flush_after)`` for one tensor, where ``entry``
+    is ``[name, dtype, shape, offset, nbytes, chunk_offset, total]`` of the *current* bucket and
+    ``flush_after`` says the current bucket is full and must be sent before the next piece.
+    A tensor that fits in a bucket is never split (it starts a fresh bucket when the current
+    one lacks room); a tensor larger than a bucket fills the room left and continues in the
+    following buckets.
+    """
+
+    def __init__(self, bucket_bytes: int):
+        self.cap = int(bucket_bytes)
+        self.used = 0
+        self.nonempty = False  # the current bucket has entries (zero-size ones count)
+
+    def _new_bucket(self):
+        self.used = 0
+        self.nonempty = False
+
+    def add(self, name: str, dtype: torch.dtype, shape, elsize: int):
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        total = numel * elsize
+        dname = _dtype_name(dtype)
+        shape = [int(s) for s in shape]
+        align = max(elsize, MIN_ALIGN)
+        out = []  # (flush_before, entry)
+        if total == 0:
+            self.nonempty = True
+            out.append((False, [name, dname, shape, 0, 0, 0, 0]))
+            return out
+        done = 0
+        while done < total:
+            off = _align_up(self.used, align)
+            room = max(0, self.cap - off)
+            remaining = total - done
+            if remaining <= room:
+                out.append((False, [name, dname, shape, off, remaining, done, total]))
+                self.used = off + remaining
+                self.nonempty = True
+                done = total
+            elif done == 0 and total <= self.cap and self.nonempty:
+                out.append((True, None))  # flush, then place the whole tensor in a new bucket
+                self._new_bucket()
+            else:
+                take = room // elsize * elsize
+                if take == 0:
+                    if not self.nonempty:
+                        raise WeightSyncError(
+                            f"weight sync: bucket of {self.cap} bytes cannot hold one element "
+                            f"of {name!r} ({dname}, {elsize} bytes)"
+                        )
+                    out.append((True, None))
+                    self._new_bucket()
+                    continue
+                out.append((False, [name, dname, shape, off, take, done, total]))
+                self.used = off + take
+                self.nonempty = True
+                done += take
+                if done < total:
+                    out.append((True, None))
+                    self._new_bucket()
+        return out
+
+
+def plan_buckets(named_tensors, bucket_bytes: int) -> list[list[list]]:
+    """The bucket layouts ``send`` would produce (a list of buckets, each a list of entries
+    ``[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes]``). Reads only
+    dtypes and shapes, so tensors on the ``meta`` device work (used by the tests)."""
+    packer = _Packer(bucket_bytes)
+    buckets: list[list] = [[]]
+    for name, t in named_tensors:
+        for flush, entry in packer.add(name, t.dtype, tuple(t.shape), t.element_size()):
+            if flush:
+                buckets.append([])
+            else:
+                buckets[-1].append(entry)
+    return buckets
+
+
+# --------------------------------------------------------------------------------------
+# sender
+# --------------------------------------------------------------------------------------
+
+
+class _Slot:
+    """One of the two send buffers and the broadcasts that still read it."""
+
+    __slots__ = ("buf", "works", "keep", "label")
+
+    def __init__(self):
+        self.buf: Optional[torch.Tensor] = None
+        self.works: list = []
+        self.keep: list = []
+        self.label = ""
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        try:
+            for w in works:
+                w.wait()
+        except Exception as e:
+            raise WeightSyncError(f"weight sync: broadcast of {self.label} failed: {e}") from e
+        finally:
+            self.keep = []
+
+
+def _describe(index: int, entries: list) -> str:
+    names = [e[0] for e in entries]
+    if not names:
+        return f"bucket {index} (empty)"
+    shown = ", ".join(repr(n) for n in names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
+    return f"bucket {index} ({len(names)} tensors: {shown})"
+
+
+class WeightSender:
+    """Broadcasts named tensors from rank ``src`` of ``group`` to every other rank of it.
+
+    ``group`` is any ProcessGroup object (from ``xccl_rs.new_group``, ``dist.new_group``, or
+    ``dist.group.WORLD``); ``src`` is a rank *within* the group. ``device`` is where the
+    buckets live (default: the device of the first tensor sent). Nothing is allocated
+    before the first ``send``; the two buckets are kept for the next ``send`` until
+    :meth:`release`.
+    """
+
+    def __init__(self, group, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device=None):
+        rank, size = _group_rank_size(group)
+        if not 0 <= src < size:
+            raise ValueError(f"WeightSender: src {src} is not a rank of a group of size {size}")
+        if rank != src:
+            raise ValueError(
+                f"WeightSender: this is rank {rank} of the group, but src is {src}; "
+                "only the source rank sends (the others use WeightReceiver)"
+            )
+        bucket_bytes = int(bucket_bytes)
+        if bucket_bytes < MIN_BUCKET_BYTES:
+            raise ValueError(f"WeightSender: bucket_bytes must be >= {MIN_BUCKET_BYTES}, got {bucket_bytes}")
+        self.group = group
+        self.src = src
+        self.bucket_bytes = bucket_bytes
+        self.device = torch.device(device) if device is not None else None
+        self._slots = [_Slot(), _Slot()]
+        self.last_stats: Optional[SyncStats] = None
+
+    def release(self) -> None:
+        """Frees the buckets (after waiting for any broadcast still reading them)."""
+        for s in self._slots:
+            s.wait()
+            s.buf = None
+
+    def _buffer(self, slot: _Slot, device) -> torch.Tensor:
+        if slot.buf is None or slot.buf.device != device:
+            slot.buf = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+        return slot.buf
+
+    @torch.no_grad()
+    def send(self, named_tensors: Iterable, progress: bool = False) -> SyncStats:
+        """Sends every ``(name, tensor)`` of ``named_tensors`` (consumed lazily, one at a time).
+        Returns when every broadcast has completed. Every other rank of the group must call
+        :meth:`WeightReceiver.receive` (and drain it) at the same time."""
+        t0 = time.perf_counter()
+        stats = SyncStats()
+        total = None
+        if isinstance(named_tensors, (list, tuple)):
+            total = sum(t.numel() * t.element_size() for _, t in named_tensors)
+        elif isinstance(named_tensors, dict):
+            named_tensors = list(named_tensors.items())
+            total = sum(t.numel() * t.element_size() for _, t in named_tensors)
+        bar = _progress_bar(progress, total, "weight sync (send)")
+        packer = _Packer(self.bucket_bytes)
+        device = self.device
+        cur = 0  # index of the slot being packed
+        entries: list = []
+        index = 0
+        in_flight = ""  # for error messages: the tensor being packed
+
+        def flush(is_last: bool) -> None:
+            nonlocal cur, entries, index
+            slot = self._slots[cur]
+            dev = device if device is not None else torch.device("cpu")
+            used = max((e[3] + e[4] for e in entries), default=0)
+            meta = json.dumps(
+                {"i": index, "total": total if total is not None else -1, "e": entries},
+                separators=(",", ":"),
+            ).encode()
+            header = torch.tensor(
+                [MAGIC, VERSION, len(meta), used, int(is_last), self.bucket_bytes, index, 0],
+                dtype=torch.int64,
+            ).to(dev)
+            meta_t = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev)
+            slot.label = _describe(index, entries) + f" of {used} bytes to the group from rank {self.src}"
+            try:
+                slot.works.append(_broadcast(self.group, header, self.src))
+                slot.works.append(_broadcast(self.group, meta_t, self.src))
+                if used:
+                    slot.works.append(_broadcast(self.group, slot.buf[:used], self.src))
+            except Exception as e:
+                raise WeightSyncError(f"weight sync: broadcast of {slot.label} failed: {e}") from e
+            slot.keep = [header, meta_t]
+            stats.buckets += 1
+            if bar is not None:
+                bar.update(sum(e[4] for e in entries))
+            entries = []
+            index += 1
+            cur ^= 1
+            # The next bucket reuses the other buffer: its previous broadcast must be done.
+            self._slots[cur].wait()
+
+        try:
+            for name, t in named_tensors:
+                in_flight = name
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"weight sync: {name!r} is a {type(t).__name__}, not a tensor")
+                if t.is_sparse or t.layout != torch.strided:
+                    raise TypeError(f"weight sync: {name!r} has layout {t.layout}; only strided tensors")
+                t = t.detach()
+                if device is None:
+                    device = t.device
+                elsize = t.element_size()
+                pieces = packer.add(name, t.dtype, tuple(t.shape), elsize)
+                for flush_now, entry in pieces:
+                    if flush_now:
+                        flush(False)
+                        continue
+                    entries.append(entry)
+                    _, _, _, off, nbytes, chunk_off, tot = entry
+                    if nbytes == 0:
+                        continue
+                    buf = self._buffer(self._slots[cur], device)
+                    dst = buf[off : off + nbytes].view(t.dtype)
+                    if nbytes == tot:
+                        dst.view(t.shape).copy_(t)
+                    else:
+                        _copy_flat_range(dst, t, chunk_off // elsize, (chunk_off + nbytes) // elsize)
+                stats.tensors += 1
+                stats.bytes += t.numel() * elsize
+            in_flight = "<end of the weights>"
+            flush(True)
+            for s in self._slots:
+                s.wait()
+        except WeightSyncError:
+            raise
+        except Exception as e:
+            raise WeightSyncError(
+                f"weight sync: send failed at bucket {index} while packing {in_flight!r}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        finally:
+            if bar is not None:
+                bar.close()
+        if device is not None and device.type != "cpu":
+            _synchronize(device)
+        stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
+        return stats
+
+
+def _synchronize(device: torch.device) -> None:
+    mod = getattr(torch, device.type, None)
+    if mod is not None and hasattr(mod, "synchronize"):
+        mod.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------
+# receiver
+# --------------------------------------------------------------------------------------
+
+
+class WeightReceiver:
+    """Receives what a :class:`WeightSender` on rank ``src`` of ``group`` sends.
+
+    ``device`` is where the receive buckets and the received tensors live (default: CPU).
+    ``bucket_bytes`` is only a hint: buffer sizes come from the sender's headers, so a
+    receiver given a different value still works. Nothing is allocated before the first
+    ``receive``; buffers are kept for the next one until :meth:`release`.
+    """
+
+    def __init__(self, group, src: int = 0, bucket_bytes: Optional[int] = None, device=None):
+        rank, size = _group_rank_size(group)
+        if not 0 <= src < size:
+            raise ValueError(f"WeightReceiver: src {src} is not a rank of a group of size {size}")
+        if rank == src:
+            raise ValueError(f"WeightReceiver: this is the source rank {src}; use WeightSender")
+        self.group = group
+        self.src = src
+        self.bucket_bytes = bucket_bytes
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._bufs: list[Optional[torch.Tensor]] = [None, None]
+        self.last_stats: Optional[SyncStats] = None
+
+    def release(self) -> None:
+        self._bufs = [None, None]
+
+    def _buffer(self, i: int, used: int, capacity: int, is_last: bool) -> torch.Tensor:
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < used:
+            # A last bucket gets just what it needs; any other gets the sender's bucket size,
+            # so that later buckets reuse it.
+            n = used if is_last else max(used, capacity)
+            buf = self._bufs[i] = None  # free the old one first
+            buf = self._bufs[i] = torch.empty(n, dtype=torch.uint8, device=self.device)
+        return buf
+
+    def _recv_header(self, index: int) -> list[int]:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        try:
+            _broadcast(self.group, header, self.src).wait()
+        except Exception as e:
+            raise WeightSyncError(
+                f"weight sync: receiving the header of bucket {index} from rank {self.src} failed: {e}"
+            ) from e
+        h = header.cpu().tolist()
+        if h[_H_MAGIC] != MAGIC or h[_H_VERSION] != VERSION:
+            raise WeightSyncError(
+                f"weight sync: bucket {index}: header from rank {self.src} is not a weight-sync "
+                f"header (magic {h[_H_MAGIC]:#x}, version {h[_H_VERSION]}; expected {MAGIC:#x}, "
+                f"{VERSION}): every rank of the group must call send/receive in the same order"
+            )
+        if h[_H_INDEX] != index:
+            raise WeightSyncError(
+                f"weight sync: expected bucket {index} from rank {self.src}, got bucket {h[_H_INDEX]}"
+            )
+        return h
+
+    def _recv_meta(self, index: int, nbytes: int) -> dict:
+        meta_t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        try:
+            _broadcast(self.group, meta_t, self.src).wait()
+        except Exception as e:
+            raise WeightSyncError(
+                f"weight sync: receiving the metadata of bucket {index} ({nbytes} bytes) "
+                f"from rank {self.src} failed: {e}"
+            ) from e
+        return json.loads(bytes(meta_t.cpu().numpy()).decode())
+
+    @torch.no_grad()
+    def receive(self, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields ``(name, tensor)`` in the order sent, each a new contiguous tensor on
+        ``self.device``. Must be drained (the sender waits for every receiver);
+        ``self.last_stats`` is set when it is."""
+        t0 = time.perf_counter()
+        stats = SyncStats()
+        bar = None
+        pending: Optional[dict] = None  # the split tensor being reassembled
+        prev = None  # (buffer, entries, index) of the bucket to unpack
+        index = 0
+        cur = 0
+        try:
+            while True:
+                h = self._recv_header(index)
+                meta = self._recv_meta(index, h[_H_META])
+                used, is_last = h[_H_USED], bool(h[_H_LAST])
+                if index == 0 and progress:
+                    total = meta.get("total", -1)
+                    bar = _progress_bar(True, total if total >= 0 else None, "weight sync (receive)")
+                work = buf = None
+                if used:
+                    buf = self._buffer(cur, used, h[_H_BUCKET_BYTES], is_last)
+                    try:
+                        work = _broadcast(self.group, buf[:used], self.src)
+                    except Exception as e:
+                        raise WeightSyncError(
+                            f"weight sync: receiving {_describe(index, meta['e'])} of {used} bytes "
+                            f"from rank {self.src} failed: {e}"
+                        ) from e
+                # Unpack the previous bucket while this one is in flight.
+                if prev is not None:
+                    pending = yield from self._unpack(prev, pending, stats, bar)
+                    prev = None
+                if work is not None:
+                    try:
+                        work.wait()
+                    except Exception as e:
+                        raise WeightSyncError(
+                            f"weight sync: receiving {_describe(index, meta['e'])} of {used} bytes "
+                            f"from rank {self.src} failed: {e}"
+                        ) from e
+                stats.buckets += 1
+                prev = (buf, meta["e"], index)
+                index += 1
+                cur ^= 1
+                if is_last:
+                    break
+            pending = yield from self._unpack(prev, pending, stats, bar)
+            if pending is not None:
+                raise WeightSyncError(
+                    f"weight sync: the sender finished with {pending['name']!r} incomplete "
+                    f"({pending['done']} of {pending['total']} bytes)"
+                )
+        finally:
+            if bar is not None:
+                bar.close()
+        stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
+
+    def _unpack(self, prev, pending, stats: SyncStats, bar):
+        buf, entries, index = prev
+        for name, dname, shape, off, nbytes, chunk_off, total in entries:
+            dtype = _dtype_of(dname)
+            if total == 0:
+                out = torch.empty(shape, dtype=dtype, device=self.device)
+            elif chunk_off == 0 and nbytes == total:
+                out = buf[off : off + nbytes].view(dtype).view(shape).clone()
+            else:
+                if chunk_off == 0:
+                    if pending is not None:
+                        raise WeightSyncError(
+                            f"weight sync: bucket {index}: {name!r} starts before "
+                            f"{pending['name']!r} is complete"
+                        )
+                    t = torch.empty(shape, dtype=dtype, device=self.device)
+                    pending = {"name": name, "t": t, "bytes": t.view(-1).view(torch.uint8),
+                               "done": 0, "total": total}
+                if pending is None or pending["name"] != name or pending["done"] != chunk_off:
+                    raise WeightSyncError(
+                        f"weight sync: bucket {index}: unexpected chunk of {name!r} at byte "
+                        f"{chunk_off} (reassembling {pending and pending['name']!r})"
+                    )
+                pending["bytes"][chunk_off : chunk_off + nbytes].copy_(buf[off : off + nbytes])
+                pending["done"] += nbytes
+                if bar is not None:
+                    bar.update(nbytes)
+                if pending["done"] < total:
+                    continue
+                out, pending = pending["t"], None
+                stats.tensors += 1
+                stats.bytes += total
+                yield name, out
+                continue
+            if bar is not None:
+                bar.update(nbytes)
+            stats.tensors += 1
+            stats.bytes += total
+            yield name, out
+        return pending
