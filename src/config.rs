@@ -88,6 +88,7 @@ pub fn init_logging() {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
                 .with_writer(std::io::stderr)
+                .with_ansi(false)
                 .try_init();
         }
     });

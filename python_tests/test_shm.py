@@ -1,0 +1,101 @@
+"""Shared-memory hygiene: nothing of ours stays in /dev/shm after a normal exit or after a rank
+is killed (segments are unlinked as soon as every rank has mapped them), and the group picks
+shared memory or TCP as configured."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from harness import IS_GLOO, free_port
+
+pytestmark = pytest.mark.skipif(IS_GLOO, reason="xccl_rs shared-memory behaviour")
+
+WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import xccl_rs
+    rank, world, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("xccl_rs", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=4))
+    t = torch.full((300000,), float(rank))
+    dist.all_reduce(t)
+    assert t[0].item() == sum(range(world))
+    print("SEGMENTS", sorted(f for f in os.listdir("/dev/shm") if f.startswith("xccl_rs-")), flush=True)
+    if mode == "kill" and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "kill":
+        try:
+            dist.all_reduce(t)
+            print("NO ERROR", flush=True)
+        except Exception as e:
+            print("ERROR", type(e).__name__, str(e).splitlines()[0], flush=True)
+    dist.destroy_process_group()
+    print("DONE", flush=True)
+    """
+)
+
+
+def ours() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("xccl_rs-")}
+
+
+def run_group(tmp_path, world: int, mode: str, env_extra=None):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = free_port()
+    env = dict(os.environ, **(env_extra or {}))
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port), mode],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for r in range(world)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += "\n<killed at the deadline>"
+        outs.append((p.returncode, out))
+    return outs
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_nothing_left_after_normal_exit(tmp_path):
+    before = ours()
+    outs = run_group(tmp_path, 3, "normal")
+    for rc, out in outs:
+        assert rc == 0 and "DONE" in out, out
+        # Segments are unlinked right after set-up: none is visible while the group runs.
+        assert "SEGMENTS []" in out, out
+    assert ours() - before == set()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_nothing_left_after_a_rank_is_killed(tmp_path):
+    before = ours()
+    outs = run_group(tmp_path, 3, "kill")
+    rc1, out1 = outs[1]
+    assert rc1 == -9, out1
+    for rank in (0, 2):
+        rc, out = outs[rank]
+        assert "ERROR" in out and "rank 1" in out, out
+    assert ours() - before == set()
+
+
+def test_tcp_can_be_forced(tmp_path):
+    outs = run_group(tmp_path, 2, "normal", {"XCCL_RS_TRANSPORT": "tcp", "XCCL_RS_LOG": "info"})
+    for rc, out in outs:
+        assert rc == 0 and "DONE" in out, out
+        assert "shm=false" in out, out
+    outs = run_group(tmp_path, 2, "normal", {"XCCL_RS_LOG": "info"})
+    for rc, out in outs:
+        assert rc == 0 and "shm=true" in out, out
