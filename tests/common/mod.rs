@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use xccl_rs::{CommError, Communicator, Completion, Config, DType, MemoryStore, Op, OpKind, RawBuf, ReduceOp};
+use xccl_rs::config::TransportChoice;
 
 pub fn config(timeout: Duration, segment_bytes: usize) -> Config {
     Config { segment_bytes, socket_host: Some("127.0.0.1".into()), ..Config::with_timeout(timeout) }
@@ -409,4 +410,97 @@ pub fn spawn_threads<T: Send + 'static>(
     }
     drop(tx);
     collect_ranks(rx, size, limit)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transports: the collective algorithms exist twice (TCP and shared memory), so collective tests
+// run over both.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Net {
+    /// Forced TCP over loopback, with the given (small) segment size.
+    Tcp,
+    /// The default choice, which is shared memory when every rank is on this host; small slots
+    /// (4 KiB) so that multi-block paths run, and the one-shot all-reduce up to 1 KiB.
+    Shm,
+}
+
+pub fn net_config(net: Net, timeout: Duration, segment_bytes: usize) -> Config {
+    let base = config(timeout, segment_bytes);
+    match net {
+        Net::Tcp => Config { transport: TransportChoice::Tcp, ..base },
+        Net::Shm => Config { transport: TransportChoice::Auto, shm_chunk_bytes: 4096, shm_oneshot_bytes: 1024, ..base },
+    }
+}
+
+/// `both_nets!(f)` turns `fn f(net: Net)` into the tests `f::tcp` and `f::shm`.
+#[allow(unused_macros)]
+macro_rules! both_nets {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn tcp() {
+                super::$name(super::Net::Tcp)
+            }
+            #[test]
+            fn shm() {
+                super::$name(super::Net::Shm)
+            }
+        }
+    )*};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Guarded buffers: separate allocations, optionally misaligned, with guard bytes on both sides
+// so that a write outside the buffer is caught.
+
+const GUARD: u8 = 0xE7;
+const GUARD_LEN: usize = 16;
+
+pub struct Guarded {
+    v: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl Guarded {
+    /// A copy of `data`, starting `misalign` bytes past a 16-byte boundary of its allocation.
+    pub fn new(data: &[u8], misalign: usize) -> Guarded {
+        let off = GUARD_LEN + misalign;
+        let mut v = vec![GUARD; off + data.len() + GUARD_LEN];
+        v[off..off + data.len()].copy_from_slice(data);
+        Guarded { v, off, len: data.len() }
+    }
+
+    pub fn raw(&mut self) -> RawBuf {
+        buf(&mut self.v[self.off..self.off + self.len])
+    }
+
+    /// The contents; panics if a guard byte changed.
+    pub fn data(&self) -> &[u8] {
+        let (before, rest) = self.v.split_at(self.off);
+        let (data, after) = rest.split_at(self.len);
+        assert!(
+            before[before.len() - GUARD_LEN..].iter().chain(after).all(|&b| b == GUARD),
+            "a write outside a buffer of {} bytes (guard bytes changed)",
+            self.len
+        );
+        data
+    }
+}
+
+/// `parts` separate guarded buffers holding consecutive `len`-byte pieces of `whole` (a list of
+/// tensors, as c10d's list APIs pass them), each misaligned differently.
+pub fn separate(whole: &[u8], parts: usize, len: usize) -> Vec<Guarded> {
+    assert_eq!(whole.len(), parts * len);
+    (0..parts).map(|p| Guarded::new(&whole[p * len..(p + 1) * len], p % 4)).collect()
+}
+
+pub fn raws(g: &mut [Guarded]) -> Vec<RawBuf> {
+    g.iter_mut().map(|g| g.raw()).collect()
+}
+
+/// The pieces joined back together (guards checked).
+pub fn joined(g: &[Guarded]) -> Vec<u8> {
+    g.iter().flat_map(|g| g.data().to_vec()).collect()
 }

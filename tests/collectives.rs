@@ -1,0 +1,489 @@
+//! Every collective OpKind (not point-to-point) at world sizes 1..=5: AllReduce over seven dtypes
+//! and every valid ReduceOp, Reduce / Broadcast / Gather / Scatter from every root, AllGather,
+//! ReduceScatter, AllToAll with unequal and zero-length pairs, Barrier, and a coalesced job.
+//! Element counts 0, 1, odd, and around/above the (small) segment / slot size so multi-round
+//! paths run. Each test runs over TCP (`::tcp`) and shared memory (`::shm`). Every result is
+//! compared with a reference computed here from every rank's inputs.
+
+#[macro_use]
+mod common;
+use common::*;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use xccl_rs::{Config, DType, OpKind, ReduceOp};
+
+const SEGMENT: usize = 4096;
+const FACTOR: f64 = 0.25;
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn cfg(net: Net) -> Config {
+    net_config(net, Duration::from_secs(20), SEGMENT)
+}
+
+/// Counts for an all-reduce: around the shared-memory one-shot limit (1 KiB), around one
+/// segment / slot (TCP's per-rank chunk, shared memory's block), around `size` segments (TCP's
+/// per-rank chunk at a segment), and several segments.
+fn allreduce_counts(esz: usize, size: usize) -> Vec<usize> {
+    let seg = SEGMENT / esz;
+    let one = 1024 / esz;
+    let mut v = vec![0, 1, 1001, one - 1, one, one + 1, seg - 1, seg, seg + 1, seg * size - 1, seg * size, seg * size + 1, 3 * seg * size + 7];
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// Counts for reduce / reduce-scatter blocks: around one segment, and several.
+fn segment_counts(esz: usize) -> Vec<usize> {
+    let seg = SEGMENT / esz;
+    vec![0, 1, 1001, seg - 1, seg, seg + 1, 3 * seg + 7]
+}
+
+fn allreduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
+    for size in 1..=5 {
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            for (k, &rop) in ops.iter().enumerate() {
+                for n in allreduce_counts(T::DTYPE.size(), size) {
+                    let what = format!("allreduce {} {rop:?} size {size} n {n} rank {rank}", T::DTYPE);
+                    let salt = (k * 100_000 + n) as u64;
+                    // Misaligned for odd n (the kernels must not assume alignment), guarded.
+                    let mut data = Guarded::new(&T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop)), n % 3);
+                    let mut o = op_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()]);
+                    o.reduce_op = rop;
+                    o.premul_factor = FACTOR;
+                    run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let got = T::from_bytes(data.data());
+                    assert_eq!(got.len(), n, "{what}");
+                    check_reduced(&got, size, 0, salt, rop, FACTOR, &what);
+                }
+            }
+        });
+    }
+}
+
+use ReduceOp::*;
+
+fn allreduce_f32(net: Net) {
+    allreduce_all::<f32>(net, &[Sum, Avg, Product, Min, Max, PreMulSum]);
+}
+
+fn allreduce_f64(net: Net) {
+    allreduce_all::<f64>(net, &[Sum, Avg, Product, Min, Max, PreMulSum]);
+}
+
+fn allreduce_bf16(net: Net) {
+    allreduce_all::<bf16>(net, &[Sum, Avg, Product, Min, Max, PreMulSum]);
+}
+
+fn allreduce_i32(net: Net) {
+    allreduce_all::<i32>(net, &[Sum, Avg, Product, Min, Max, BAnd, BOr, BXor]);
+}
+
+fn allreduce_i64(net: Net) {
+    allreduce_all::<i64>(net, &[Sum, Product, Min, Max, BAnd, BOr, BXor]);
+}
+
+fn allreduce_u8(net: Net) {
+    allreduce_all::<u8>(net, &[Sum, Product, Min, Max, BAnd, BOr, BXor]);
+}
+
+fn allreduce_bool(net: Net) {
+    allreduce_all::<bool>(net, &[Sum, Product, Min, Max, BAnd, BOr, BXor]);
+}
+
+/// bf16 SUM is the f32-accumulated sum rounded once, which differs from rounding after every
+/// addition; the second assertion proves the data tells the two apart.
+fn allreduce_bf16_sum_rounds_once(net: Net) {
+    let (size, n, salt) = (4, 3000, 77);
+    let got = spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        let mut data = bf16::to_bytes(&inputs::<bf16>(rank, 0, n, salt, Sum));
+        run(&comm, vec![op_with(OpKind::AllReduce, DType::BFloat16, vec![], vec![buf(&mut data)])]).expect("allreduce");
+        bf16::from_bytes(&data)
+    });
+    let mut differs_from_stepwise = 0;
+    for i in 0..n {
+        let vals: Vec<bf16> = (0..size).map(|r| bf16::input(r, i, salt, Sum)).collect();
+        let once = bf16::from_f32(vals.iter().map(|v| v.to_f32()).sum::<f32>());
+        let stepwise = vals[1..].iter().fold(vals[0], |a, &b| bf16::from_f32(a.to_f32() + b.to_f32()));
+        differs_from_stepwise += usize::from(once != stepwise);
+        for (rank, g) in got.iter().enumerate() {
+            assert_eq!(g[i].to_bits(), once.to_bits(), "rank {rank} [{i}]: {} != {once} (stepwise {stepwise})", g[i]);
+        }
+    }
+    assert!(differs_from_stepwise > n / 20, "test data too tame: only {differs_from_stepwise} elements distinguish the roundings");
+}
+
+/// Float MIN/MAX propagate a NaN from any rank, including the first.
+fn allreduce_min_max_propagate_nan(net: Net) {
+    let size = 3;
+    let nan_at = |rank: usize, i: usize| (rank, i) == (0, 0) || (rank, i) == (1, 3) || (rank, i) == (2, 7);
+    for rop in [Min, Max] {
+        let got = spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            let v: Vec<f32> = (0..10).map(|i| if nan_at(rank, i) { f32::NAN } else { f32::input(rank, i, 5, rop) }).collect();
+            let mut data = f32::to_bytes(&v);
+            let mut o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)]);
+            o.reduce_op = rop;
+            run(&comm, vec![o]).expect("allreduce");
+            f32::from_bytes(&data)
+        });
+        for (rank, g) in got.iter().enumerate() {
+            for i in 0..10 {
+                if [0, 3, 7].contains(&i) {
+                    assert!(g[i].is_nan(), "{rop:?} rank {rank} [{i}]: {} should be NaN", g[i]);
+                } else {
+                    let want: f32 = expected(size, i, 5, rop, 1.0);
+                    assert_eq!(g[i], want, "{rop:?} rank {rank} [{i}]");
+                }
+            }
+        }
+    }
+}
+
+fn reduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
+    for size in 1..=5 {
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            for root in 0..size {
+                for (k, &rop) in ops.iter().enumerate() {
+                    for n in segment_counts(T::DTYPE.size()) {
+                        let what = format!("reduce {} {rop:?} size {size} root {root} n {n} rank {rank}", T::DTYPE);
+                        let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
+                        let before = T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop));
+                        let mut data = Guarded::new(&before, n % 2);
+                        let mut o = op_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()]);
+                        o.reduce_op = rop;
+                        o.premul_factor = FACTOR;
+                        o.root = root as i64;
+                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        if rank == root {
+                            check_reduced(&T::from_bytes(data.data()), size, 0, salt, rop, FACTOR, &what);
+                        } else {
+                            assert!(data.data() == before, "{what}: a non-root buffer changed");
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn reduce_every_root_f32(net: Net) {
+    reduce_all::<f32>(net, &[Sum, Avg, Max, PreMulSum]);
+}
+
+fn reduce_every_root_int_and_bf16(net: Net) {
+    reduce_all::<i32>(net, &[Sum, Avg, BXor]);
+    reduce_all::<bf16>(net, &[Sum]);
+}
+
+fn reduce_scatter_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
+    for size in 1..=5 {
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            for (k, &rop) in ops.iter().enumerate() {
+                for per in segment_counts(T::DTYPE.size()) {
+                    for layout in [Layout::Contiguous, Layout::InPlace, Layout::Separate] {
+                        let what = format!("reduce_scatter {} {rop:?} size {size} per {per} {layout:?} rank {rank}", T::DTYPE);
+                        let salt = (k * 100_000 + per) as u64;
+                        let esz = T::DTYPE.size();
+                        let whole = T::to_bytes(&inputs::<T>(rank, 0, per * size, salt, rop));
+                        let mut input = Guarded::new(&whole, 1);
+                        let mut pieces = separate(&whole, size, per * esz);
+                        let mut out = Guarded::new(&vec![0xA5u8; per * esz], 2);
+                        let blocks = match layout {
+                            Layout::Separate => raws(&mut pieces),
+                            _ => (0..size).map(|r| input.raw().sub(r * per * esz, per * esz)).collect::<Vec<_>>(),
+                        };
+                        let output = if layout == Layout::InPlace { blocks[rank] } else { out.raw() };
+                        let mut o = op_with(OpKind::ReduceScatter, T::DTYPE, blocks, vec![output]);
+                        o.reduce_op = rop;
+                        o.premul_factor = FACTOR;
+                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        let got = match layout {
+                            Layout::InPlace => T::from_bytes(&input.data()[rank * per * esz..(rank + 1) * per * esz]),
+                            _ => T::from_bytes(out.data()),
+                        };
+                        check_reduced(&got, size, rank * per, salt, rop, FACTOR, &what);
+                        let _ = joined(&pieces);
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn reduce_scatter_f32_i32_bf16(net: Net) {
+    reduce_scatter_all::<f32>(net, &[Sum, Avg, Max, PreMulSum]);
+    reduce_scatter_all::<i32>(net, &[Sum, Avg, BOr]);
+    reduce_scatter_all::<bf16>(net, &[Sum]);
+}
+
+/// Dtypes for the data-movement collectives: several element sizes, and types that are moved
+/// but never reduced.
+/// How the per-rank views of a list collective are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// Views of one buffer (`*_into_tensor`, `*_base`).
+    Contiguous,
+    /// Contiguous, and this rank's view is also its input or output.
+    InPlace,
+    /// Separate, differently misaligned allocations (c10d's list APIs).
+    Separate,
+}
+
+const MOVE_DTYPES: [DType; 6] = [DType::Float32, DType::BFloat16, DType::Int64, DType::UInt8, DType::Float8E4M3FN, DType::Bytes];
+const MOVE_COUNTS: [usize; 4] = [0, 1, 1001, 5000];
+
+fn salt_of(parts: &[usize]) -> u64 {
+    parts.iter().fold(0u64, |a, &p| mix(a ^ p as u64))
+}
+
+fn broadcast_every_root(net: Net) {
+    for size in 1..=5 {
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
+                for n in MOVE_COUNTS.into_iter().chain([100_003]) {
+                    for root in 0..size {
+                        let what = format!("broadcast {dtype} size {size} root {root} n {n} rank {rank}");
+                        let salt = salt_of(&[1, d, n, root]);
+                        let len = n * dtype.size();
+                        let mut data = Guarded::new(&if rank == root { pattern(root, salt, len) } else { pattern(rank + 100, salt, len) }, n % 4);
+                        let mut o = op_with(OpKind::Broadcast, dtype, vec![], vec![data.raw()]);
+                        o.root = root as i64;
+                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        assert!(data.data() == pattern(root, salt, len), "{what}: wrong data");
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn allgather_out_of_place_and_in_place(net: Net) {
+    for size in 1..=5 {
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
+                for n in MOVE_COUNTS {
+                    for layout in [Layout::Contiguous, Layout::InPlace, Layout::Separate] {
+                        let what = format!("allgather {dtype} size {size} n {n} {layout:?} rank {rank}");
+                        let salt = salt_of(&[2, d, n]);
+                        let len = n * dtype.size();
+                        let mut input = Guarded::new(&pattern(rank, salt, len), 3);
+                        let mut init = vec![0x5Au8; size * len];
+                        if layout == Layout::InPlace {
+                            init[rank * len..(rank + 1) * len].copy_from_slice(input.data());
+                        }
+                        let mut out = Guarded::new(&init, 0);
+                        let mut pieces = separate(&init, size, len);
+                        let outs = match layout {
+                            Layout::Separate => raws(&mut pieces),
+                            _ => (0..size).map(|r| out.raw().sub(r * len, len)).collect::<Vec<_>>(),
+                        };
+                        let inp = if layout == Layout::InPlace { outs[rank] } else { input.raw() };
+                        run(&comm, vec![op_with(OpKind::AllGather, dtype, vec![inp], outs)]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        let got = if layout == Layout::Separate { joined(&pieces) } else { out.data().to_vec() };
+                        for r in 0..size {
+                            assert!(got[r * len..(r + 1) * len] == pattern(r, salt, len)[..], "{what}: wrong block from rank {r}");
+                        }
+                        assert!(input.data() == pattern(rank, salt, len), "{what}: input changed");
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn gather_every_root(net: Net) {
+    for size in 1..=5 {
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
+                for n in MOVE_COUNTS {
+                    for root in 0..size {
+                        let sep = (n + root) % 2 == 1;
+                        let what = format!("gather {dtype} size {size} root {root} n {n} separate {sep} rank {rank}");
+                        let salt = salt_of(&[3, d, n, root]);
+                        let len = n * dtype.size();
+                        let mut input = Guarded::new(&pattern(rank, salt, len), 1);
+                        let init = vec![0x5Au8; if rank == root { size * len } else { 0 }];
+                        let mut out = Guarded::new(&init, 2);
+                        let mut pieces = if rank == root { separate(&init, size, len) } else { vec![] };
+                        let outs = match (rank == root, sep) {
+                            (false, _) => vec![],
+                            (true, true) => raws(&mut pieces),
+                            (true, false) => (0..size).map(|r| out.raw().sub(r * len, len)).collect(),
+                        };
+                        let mut o = op_with(OpKind::Gather, dtype, vec![input.raw()], outs);
+                        o.root = root as i64;
+                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        let got = if sep { joined(&pieces) } else { out.data().to_vec() };
+                        if rank == root {
+                            for r in 0..size {
+                                assert!(got[r * len..(r + 1) * len] == pattern(r, salt, len)[..], "{what}: wrong block from rank {r}");
+                            }
+                        }
+                        assert!(input.data() == pattern(rank, salt, len), "{what}: input changed");
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn scatter_every_root(net: Net) {
+    for size in 1..=5 {
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
+                for n in MOVE_COUNTS {
+                    for root in 0..size {
+                        let sep = (n + root) % 2 == 1;
+                        let what = format!("scatter {dtype} size {size} root {root} n {n} separate {sep} rank {rank}");
+                        let salt = salt_of(&[4, d, n, root]);
+                        let len = n * dtype.size();
+                        let whole = pattern(root, salt, size * len);
+                        let mut input = Guarded::new(if rank == root { &whole } else { &[] }, 1);
+                        let mut pieces = if rank == root { separate(&whole, size, len) } else { vec![] };
+                        let mut out = Guarded::new(&vec![0x5Au8; len], 3);
+                        let ins = match (rank == root, sep) {
+                            (false, _) => vec![],
+                            (true, true) => raws(&mut pieces),
+                            (true, false) => (0..size).map(|r| input.raw().sub(r * len, len)).collect(),
+                        };
+                        let mut o = op_with(OpKind::Scatter, dtype, ins, vec![out.raw()]);
+                        o.root = root as i64;
+                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        assert!(out.data() == &whole[rank * len..(rank + 1) * len], "{what}: wrong block");
+                        if rank == root {
+                            let after = if sep { joined(&pieces) } else { input.data().to_vec() };
+                            assert!(after == whole, "{what}: root input changed");
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Elements rank `src` sends rank `dst` in all-to-all case `case`.
+fn a2a_len(case: usize, src: usize, dst: usize) -> usize {
+    match case {
+        0 => 0,                                           // every pair empty
+        1 => [0, 1, 37, 1500][(word(src, dst, 11) % 4) as usize], // mixed, zeros included
+        2 => [0, 3, 0, 4097][(word(src, dst, 12) % 4) as usize],
+        3 => if src == dst { 0 } else { 2000 + 13 * src + dst }, // only the self pair empty
+        _ => if src == dst { 5 } else { 0 },              // only the self pair non-empty
+    }
+}
+
+fn alltoall_unequal_and_empty_pairs(net: Net) {
+    let zero_pairs_seen = Arc::new(Mutex::new(0usize));
+    for size in 1..=5 {
+        let zero_pairs_seen = zero_pairs_seen.clone();
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            for dtype in [DType::Float32, DType::UInt8, DType::Int64] {
+                for case in 0..5 {
+                    let what = format!("alltoall {dtype} size {size} case {case} rank {rank}");
+                    let esz = dtype.size();
+                    let salt = salt_of(&[5, case, esz]);
+                    let msg = |src: usize, dst: usize| pattern(src * 16 + dst, salt, a2a_len(case, src, dst) * esz);
+                    let mut ins: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
+                    let mut outs: Vec<Vec<u8>> = (0..size).map(|src| vec![0x5Au8; a2a_len(case, src, rank) * esz]).collect();
+                    let o = op_with(
+                        OpKind::AllToAll,
+                        dtype,
+                        ins.iter_mut().map(|v| buf(v)).collect(),
+                        outs.iter_mut().map(|v| buf(v)).collect(),
+                    );
+                    run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    for src in 0..size {
+                        assert!(outs[src] == msg(src, rank), "{what}: wrong message from rank {src}");
+                        if src != rank && outs[src].is_empty() && case > 0 {
+                            *zero_pairs_seen.lock().unwrap() += 1;
+                        }
+                    }
+                    for dst in 0..size {
+                        assert!(ins[dst] == msg(rank, dst), "{what}: input for rank {dst} changed");
+                    }
+                }
+            }
+        });
+    }
+    assert!(*zero_pairs_seen.lock().unwrap() > 0, "no zero-length pair among mixed lengths");
+}
+
+/// No rank leaves a barrier before the last one has entered it (the last one enters late).
+fn barrier_waits_for_everyone(net: Net) {
+    for size in 1..=5 {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let log2 = log.clone();
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            for it in 0..3 {
+                if rank == (size - 1 + it) % size {
+                    std::thread::sleep(Duration::from_millis(40));
+                }
+                let enter = Instant::now();
+                run(&comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]).expect("barrier");
+                log2.lock().unwrap().push((it, enter, Instant::now()));
+            }
+        });
+        let log = log.lock().unwrap();
+        for it in 0..3 {
+            let last_enter = log.iter().filter(|e| e.0 == it).map(|e| e.1).max().unwrap();
+            let first_exit = log.iter().filter(|e| e.0 == it).map(|e| e.2).min().unwrap();
+            assert!(first_exit >= last_enter, "size {size} barrier {it}: a rank left before the last one entered");
+        }
+    }
+}
+
+/// One job with several collectives runs them in order; each takes a sequence number.
+fn coalesced_job_of_collectives(net: Net) {
+    for size in 1..=5 {
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            let what = format!("coalesced size {size} rank {rank}");
+            let n = 1001;
+            let mut ar = f32::to_bytes(&inputs::<f32>(rank, 0, n, 21, Sum));
+            let root = size - 1;
+            let mut bc = if rank == root { pattern(root, 22, 300) } else { vec![0; 300] };
+            let mut ag_in = pattern(rank, 23, 64);
+            let mut ag_out = vec![0u8; 64 * size];
+            let mut rs_in = i32::to_bytes(&inputs::<i32>(rank, 0, 10 * size, 24, Sum));
+            let mut rs_out = vec![0u8; 40];
+
+            let mut o_ar = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut ar)]);
+            o_ar.reduce_op = Sum;
+            let mut o_bc = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut bc)]);
+            o_bc.root = root as i64;
+            let o_ag = op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut ag_in)], views(&mut ag_out, size, 64));
+            let o_b = op_with(OpKind::Barrier, DType::Float32, vec![], vec![]);
+            let o_rs = op_with(OpKind::ReduceScatter, DType::Int32, views(&mut rs_in, size, 40), vec![buf(&mut rs_out)]);
+            assert_eq!(comm.next_seq(), 0);
+            run(&comm, vec![o_ar, o_bc, o_ag, o_b, o_rs]).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(comm.next_seq(), 5, "{what}: five collectives submitted");
+
+            check_reduced(&f32::from_bytes(&ar), size, 0, 21, Sum, 1.0, &what);
+            assert!(bc == pattern(root, 22, 300), "{what}: broadcast");
+            for r in 0..size {
+                assert!(ag_out[r * 64..(r + 1) * 64] == pattern(r, 23, 64)[..], "{what}: allgather block {r}");
+            }
+            check_reduced(&i32::from_bytes(&rs_out), size, rank * 10, 24, Sum, 1.0, &what);
+        });
+    }
+}
+
+both_nets!(
+    allreduce_f32,
+    allreduce_f64,
+    allreduce_bf16,
+    allreduce_i32,
+    allreduce_i64,
+    allreduce_u8,
+    allreduce_bool,
+    allreduce_bf16_sum_rounds_once,
+    allreduce_min_max_propagate_nan,
+    reduce_every_root_f32,
+    reduce_every_root_int_and_bf16,
+    reduce_scatter_f32_i32_bf16,
+    broadcast_every_root,
+    allgather_out_of_place_and_in_place,
+    gather_every_root,
+    scatter_every_root,
+    alltoall_unequal_and_empty_pairs,
+    barrier_waits_for_everyone,
+    coalesced_job_of_collectives,
+);
