@@ -1,5 +1,6 @@
 //! Direct broadcast: the root sends its tensor to every peer at once (the transport interleaves
-//! the sockets); each peer receives straight into its tensor, no staging.
+//! the sockets); each peer receives straight into its tensor, no staging, then confirms (so a
+//! root learns of a peer that rejected the data).
 
 use super::Step;
 use crate::error::Result;
@@ -17,5 +18,7 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     } else {
         phase.recv(root, buf, step.count);
     }
-    step.run(phase)
+    step.run(phase)?;
+    let others: Vec<usize> = (0..size).filter(|&p| p != root).collect();
+    if rank == root { step.confirm(&[], &others) } else { step.confirm(&[root], &[]) }
 }

@@ -18,8 +18,12 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
         phase.send(root, input, step.count);
     }
     step.run(phase)?;
+    let others: Vec<usize> = (0..size).filter(|&p| p != root).collect();
     if rank == root {
+        step.confirm(&others, &[])?;
         input.copy_to(op.outputs[rank]);
+        Ok(())
+    } else {
+        step.confirm(&[], &[root])
     }
-    Ok(())
 }

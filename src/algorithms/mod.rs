@@ -91,6 +91,22 @@ impl Step<'_> {
         }
     }
 
+    /// The confirmation step of an operation in which some ranks only send: each receiver
+    /// sends an empty frame back to each rank it received from, and each such sender waits for
+    /// it. Without it a sender would return Ok even when its receiver rejected the data (wrong
+    /// size, wrong root, another collective); with it, the sender reads the receiver's abort.
+    pub fn confirm(&mut self, received_from: &[usize], sent_to: &[usize]) -> Result<()> {
+        let empty = RawBuf::from_slice(&mut []);
+        let mut phase = self.phase();
+        for &peer in received_from {
+            phase.send(peer, empty, 0);
+        }
+        for &peer in sent_to {
+            phase.recv(peer, empty, 0);
+        }
+        self.run(phase)
+    }
+
     pub fn run(&mut self, phase: Phase) -> Result<()> {
         if phase.transfers.is_empty() {
             return Ok(());

@@ -1,7 +1,9 @@
 //! Point-to-point messages. They take no collective sequence number (ranks that are not
 //! involved never see them); instead each ordered pair of ranks numbers its messages, and a
 //! frame carries that number and the tag, so a receive matches the sender's send exactly or
-//! fails with a clear error. A batch (from `batch_isend_irecv`, or ops between startCoalescing
+//! fails with a clear error. Like gloo, a send completes once its bytes are handed to the
+//! connection: when the receiver rejects them, it aborts the group, and the sender learns it
+//! at its next operation (or, for a message larger than the socket buffers, at once). A batch (from `batch_isend_irecv`, or ops between startCoalescing
 //! and endCoalescing) goes to the transport as one phase, so a ring of large sends and receives
 //! cannot deadlock.
 
@@ -52,6 +54,7 @@ pub fn run_batch(transport: &mut dyn Transport, ops: &[Op], counters: &mut P2pCo
     }
     transport.exchange(&transfers, ctx)
 }
+
 
 /// Receives one message from whichever rank sends a matching one first.
 pub fn recv_any(transport: &mut dyn Transport, op: &Op, counters: &mut P2pCounters, ctx: &OpCtx) -> Result<Completion> {

@@ -26,7 +26,8 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
             let (off, len) = segment(k);
             phase.send(root, buf.sub(off, len), step.count);
         }
-        return step.run(phase);
+        step.run(phase)?;
+        return step.confirm(&[], &[root]);
     }
 
     let reduction = op.reduction(size);
@@ -49,5 +50,6 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
             unsafe { reduce_raw(&reduction, own.ptr(), &srcs, len / esz, true) };
         }
     }
-    Ok(())
+    let others: Vec<usize> = (0..size).filter(|&p| p != rank).collect();
+    step.confirm(&others, &[])
 }

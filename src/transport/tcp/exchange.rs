@@ -118,20 +118,20 @@ fn check_header(expect: &Header, got: &Header, peer: usize, ctx: &OpCtx) -> Resu
             dtype_code_name(expect.dtype)
         )));
     }
-    if got.count != expect.count {
-        return Err(CommError::mismatch(format!(
-            "{what}: rank {peer} sent {} elements of {}, rank {me} expected {} (size mismatch)",
-            got.count,
-            dtype_code_name(got.dtype),
-            expect.count
-        )));
-    }
     if got.key != expect.key {
         let is_p2p = crate::types::OpKind::from_code(expect.op).is_some_and(|k| k.is_p2p());
         let name = if is_p2p { "tag" } else { "root" };
         return Err(CommError::mismatch(format!(
             "{what}: rank {peer} used {name} {}, rank {me} used {name} {} ({name} mismatch)",
             got.key, expect.key
+        )));
+    }
+    if got.count != expect.count {
+        return Err(CommError::mismatch(format!(
+            "{what}: rank {peer} sent {} elements of {}, rank {me} expected {} (size mismatch)",
+            got.count,
+            dtype_code_name(got.dtype),
+            expect.count
         )));
     }
     if got.payload_len != expect.payload_len {
