@@ -6,6 +6,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 
+# verl (for python_tests/test_verl.py: the adapter against the real package), without letting
+# it change the torch the extension was built against.
+if ! "$PY" -c "import verl.checkpoint_engine" 2>/dev/null; then
+  echo "== installing verl 0.9.1 and its checkpoint-engine dependencies (about 1 GB, a minute)"
+  TORCH_RELEASE="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+  "$PY" -m pip install -q "verl==0.9.1" uvicorn fastapi pyzmq msgspec cachetools "torch==$TORCH_RELEASE"
+fi
+
 echo "== cargo test (Rust core: ranks as threads over loopback TCP)"
 cargo test --release --quiet
 

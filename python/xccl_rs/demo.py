@@ -1,8 +1,23 @@
-"""The main demo: ``python -m xccl_rs.demo``.
+"""The main demo: ``python -m xccl_rs.demo``: RL weight sync, as verl's disaggregated GRPO does it.
 
-Starts 4 local processes and, on gloo and on xccl_rs side by side, runs an AVG all_reduce (the
-op users monkeypatch today on oneCCL) and a broadcast, checks every result against the value
-computed here, and prints timings with the ratio to gloo.
+Four local processes play two roles:
+
+* **trainers** (processes 0 and 1) have a default world of their own (``xccl_rs``) and, every
+  round, AVG all_reduce a loss, as verl's engine workers do, then "train" (every weight moves);
+* **rollouts** (processes 2 and 3) only serve: they receive the fresh weights.
+
+Every round, trainer 0 builds a *private* group with the two rollouts (``xccl_rs.new_group``
+over a ``PrefixStore(f"sync/{round}/", TCPStore(port=0))``, the master's real port published to
+the others), pushes a state dict shaped like Qwen2.5-0.5B (its real layer names and shapes,
+random values) with :class:`xccl_rs.weight_sync.WeightSender`, and destroys the group (verl's
+``rebuild_group``). Trainer 1 is not in the sync group and allocates nothing for it. The rollouts
+check every tensor, bit for bit, against the weights they compute themselves.
+
+The same sync then runs over gloo (a ``ProcessGroupGloo`` on the same kind of store) in the same
+run, and the demo prints the time and GB/s of each sync and xccl_rs's speed-up.
+
+Options: ``--dtype bf16|fp32``, ``--rounds N``, ``--layers N`` (24 in Qwen2.5-0.5B),
+``--bucket-mb``, ``--device cpu|cuda|xpu``, ``--no-gloo``.
 """
 
 from __future__ import annotations
@@ -11,12 +26,68 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import time
+import zlib
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+TRAINERS, ROLLOUTS = 2, 2
+SYNC_SIZE = 1 + ROLLOUTS  # trainer 0 + the rollouts
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# Qwen2.5-0.5B (config.json of Qwen/Qwen2.5-0.5B): tied embeddings, so no lm_head.weight.
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV_DIM = 896, 4864, 24, 151936, 128
+
+
+def qwen25_05b_shapes(layers: int = LAYERS) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameter names and shapes of Qwen2.5-0.5B's state dict, in its order."""
+    shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+            (p + "self_attn.q_proj.bias", (HIDDEN,)),
+            (p + "self_attn.k_proj.weight", (KV_DIM, HIDDEN)),
+            (p + "self_attn.k_proj.bias", (KV_DIM,)),
+            (p + "self_attn.v_proj.weight", (KV_DIM, HIDDEN)),
+            (p + "self_attn.v_proj.bias", (KV_DIM,)),
+            (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+            (p + "mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN)),
+            (p + "mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
+            (p + "mlp.down_proj.weight", (HIDDEN, INTERMEDIATE)),
+            (p + "input_layernorm.weight", (HIDDEN,)),
+            (p + "post_attention_layernorm.weight", (HIDDEN,)),
+        ]
+    shapes.append(("model.norm.weight", (HIDDEN,)))
+    return shapes
+
+
+def initial_weights(layers: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Random weights, the same on every process (seeded by name)."""
+    out = {}
+    for name, shape in qwen25_05b_shapes(layers):
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        out[name] = (torch.randn(shape, generator=g) * 0.02).to(dtype).to(device)
+    return out
+
+
+def train_step(weights: dict[str, torch.Tensor], round_: int) -> None:
+    """What a trainer's optimizer step does to the weights here: every value moves, the same way
+    on every process (the rollouts replay it to know what they must receive)."""
+    for t in weights.values():
+        t.mul_(0.99).add_(0.001 * (round_ + 1))
+
+
+def _same_bits(ref: torch.Tensor, got: torch.Tensor) -> bool:
+    return (
+        ref.dtype == got.dtype
+        and ref.shape == got.shape
+        and torch.equal(ref.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8))
+    )
 
 
 def _free_port() -> int:
@@ -25,65 +96,177 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _time(fn, iters: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+def _sync_group(kind: str, round_: int, sync_rank: int, launcher: dist.Store, timeout: timedelta):
+    """The private sync group of one round: trainer 0 is its master (TCPStore on port 0, real port
+    published through the launcher's store); nothing touches the trainers' default world."""
+    key = f"{kind}/{round_}/port"
+    if sync_rank == 0:
+        master = dist.TCPStore("127.0.0.1", 0, SYNC_SIZE, True, timeout=timeout, wait_for_workers=False)
+        launcher.set(key, str(master.port))
+    else:
+        launcher.wait([key], timeout)
+        master = dist.TCPStore("127.0.0.1", int(launcher.get(key)), SYNC_SIZE, False, timeout=timeout)
+    store = dist.PrefixStore(f"sync/{round_}/", master)
+    if kind == "xccl_rs":
+        import xccl_rs
+
+        return xccl_rs.new_group(store, sync_rank, SYNC_SIZE, timeout=timeout), master
+    return dist.ProcessGroupGloo(store, sync_rank, SYNC_SIZE, timeout), master
 
 
-def _worker(rank: int, world: int, port: int, numel: int, iters: int, queue) -> None:
+def _destroy(kind: str, pg) -> None:
+    if kind == "xccl_rs":
+        import xccl_rs
+
+        xccl_rs.destroy_group(pg)
+
+
+def _worker(proc: int, args, launcher_port: int, queue) -> None:
     import xccl_rs  # noqa: F401  (registers the backend)
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender
 
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    groups = {"gloo": dist.group.WORLD, "xccl_rs": dist.new_group(backend="xccl_rs")}
-    results = {}
-    for name, group in groups.items():
-        t = torch.full((numel,), float(rank + 1))
-        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
-        expected = sum(range(1, world + 1)) / world
-        assert torch.allclose(t, torch.full_like(t, expected)), f"{name}: wrong AVG result"
-        b = torch.arange(numel, dtype=torch.float32) if rank == 0 else torch.zeros(numel)
-        dist.broadcast(b, src=0, group=group)
-        assert torch.equal(b, torch.arange(numel, dtype=torch.float32)), f"{name}: wrong broadcast"
-        small = torch.ones(2)
-        results[name] = {
-            "avg_all_reduce": _time(lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group), iters),
-            "broadcast": _time(lambda: dist.broadcast(b, src=0, group=group), iters),
-            "all_reduce_8B": _time(lambda: dist.all_reduce(small, group=group), iters * 5),
-            "avg_value": t[0].item(),
-        }
-    dist.barrier()
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=args.timeout)
+    launcher = dist.TCPStore("127.0.0.1", launcher_port, TRAINERS + ROLLOUTS + 1, False, timeout=timeout)
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    is_trainer = proc < TRAINERS
+    if is_trainer:
+        world = dist.PrefixStore("trainers/", launcher)
+        dist.init_process_group("xccl_rs", store=world, rank=proc, world_size=TRAINERS, timeout=timeout)
+    sync_rank = 0 if proc == 0 else (proc - TRAINERS + 1 if not is_trainer else -1)
+    # Trainer 1 takes no part in the sync: it holds its shard of the model, nothing for the sync.
+    weights = initial_weights(args.layers, dtype, device) if sync_rank >= 0 else None
+    kinds = ["xccl_rs"] + ([] if args.no_gloo else ["gloo"])
+    results = {k: [] for k in kinds}
+    for round_ in range(args.rounds):
+        if is_trainer:
+            loss = torch.tensor([float(proc + 1) * (round_ + 1)], device=device)
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # native AVG: no monkeypatch
+            expected = sum(range(1, TRAINERS + 1)) / TRAINERS * (round_ + 1)
+            if loss.item() != expected:
+                raise AssertionError(f"trainer {proc}: AVG all_reduce gave {loss.item()}, expected {expected}")
+        if weights is not None:
+            train_step(weights, round_)
+        # Alternate which backend goes first: the first sync of a process also pays its
+        # warm-up (first touch of the received tensors' memory).
+        for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
+            if sync_rank < 0:
+                continue
+            pg, _master = _sync_group(kind, round_, sync_rank, launcher, timeout)
+            bucket = args.bucket_mb << 20
+            pg.barrier().wait()  # time the sync alone, not who arrived last
+            if sync_rank == 0:
+                stats = WeightSender(pg, src=0, bucket_bytes=bucket, device=device).send(
+                    weights, progress=args.progress and kind == "xccl_rs"
+                )
+                results[kind].append(stats.seconds)
+                queue.put(("sync", kind, round_, stats.bytes, stats.seconds))
+            else:
+                receiver = WeightReceiver(pg, src=0, bucket_bytes=bucket, device=device, bucket_device=device)
+                # Take the weights first (a rollout engine loads them), verify after the sync.
+                received = list(receiver.receive())
+                bad = [
+                    name for name, t in received
+                    if name not in weights or not _same_bits(weights[name], t)
+                ]
+                n = len(received)
+                if bad or n != len(weights):
+                    raise AssertionError(
+                        f"rollout {proc - TRAINERS} ({kind}, round {round_}): {len(bad)} of {n} tensors differ "
+                        f"(first: {bad[:3]}), {len(weights)} expected"
+                    )
+                del received
+                queue.put(("verified", kind, round_, proc, n))
+            pg.barrier().wait()  # every rollout has verified before the group goes
+            _destroy(kind, pg)
+            del pg
+    if is_trainer:
+        dist.destroy_process_group()
+    queue.put(("done", proc))
 
 
-def main(argv=None) -> None:
+def _report(args, rows, verified) -> None:
+    print()
+    print(f"{'sync':<10}{'median':>10}{'first':>10}{'GB/s':>9}   verified")
+    med = {}
+    for kind, syncs in rows.items():
+        if not syncs:
+            continue
+        secs = [s for _, s in syncs]
+        nbytes = syncs[0][0]
+        med[kind] = statistics.median(secs[1:] if len(secs) > 1 else secs)
+        print(
+            f"{kind:<10}{med[kind]:>9.3f}s{secs[0]:>9.3f}s{nbytes / med[kind] / 1e9:>9.2f}   "
+            f"{verified.get(kind, 0)} tensors on {ROLLOUTS} rollouts x {len(syncs)} rounds"
+        )
+    if "gloo" in med and "xccl_rs" in med:
+        print(f"xccl_rs is {med['gloo'] / med['xccl_rs']:.2f}x faster than gloo (medians of the rounds after the first)")
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--mib", type=float, default=16.0, help="tensor size in MiB (float32)")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers (Qwen2.5-0.5B has 24)")
+    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or xpu")
+    p.add_argument("--no-gloo", action="store_true", help="skip the gloo comparison")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--timeout", type=float, default=300.0, help="group timeout in seconds")
     args = p.parse_args(argv)
-    numel = int(args.mib * (1 << 20)) // 4
-    print(f"xccl_rs demo: {args.world_size} local processes, float32 tensors of {args.mib} MiB, torch {torch.__version__}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dtype = DTYPES[args.dtype]
+    numel = sum(torch.Size(s).numel() for _, s in qwen25_05b_shapes(args.layers))
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    print(
+        f"xccl_rs demo: {TRAINERS} trainers + {ROLLOUTS} rollouts on {args.device}, torch {torch.__version__}\n"
+        f"model: Qwen2.5-0.5B layout, {args.layers} layers, {numel / 1e6:.1f}M parameters, {args.dtype}, "
+        f"{nbytes / 1e9:.2f} GB per sync, buckets of {args.bucket_mb} MiB, {args.rounds} rounds "
+        f"(private group rebuilt every round)",
+        flush=True,
+    )
+    t0 = time.perf_counter()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(args.world_size, _free_port(), numel, args.iters, queue), nprocs=args.world_size, start_method="spawn")
-    r = queue.get()
-    print(f"AVG all_reduce result on every rank: {r['xccl_rs']['avg_value']} (expected {sum(range(1, args.world_size + 1)) / args.world_size})")
-    print(f"{'operation':<22}{'gloo':>12}{'xccl_rs':>12}{'speed-up':>10}")
-    for op in ("avg_all_reduce", "broadcast", "all_reduce_8B"):
-        g, x = r["gloo"][op], r["xccl_rs"][op]
-        unit, scale = ("us", 1e6) if op.endswith("8B") else ("ms", 1e3)
-        print(f"{op:<22}{g * scale:>9.2f} {unit}{x * scale:>9.2f} {unit}{g / x:>9.2f}x")
-    print("all results verified")
+    port = _free_port()
+    launcher = dist.TCPStore(
+        "127.0.0.1", port, TRAINERS + ROLLOUTS + 1, True, timeout=timedelta(seconds=args.timeout), wait_for_workers=False
+    )
+    procs = [ctx.Process(target=_worker, args=(i, args, port, queue)) for i in range(TRAINERS + ROLLOUTS)]
+    for proc in procs:
+        proc.start()
+    rows = {"xccl_rs": [], "gloo": []}
+    verified: dict[str, int] = {}
+    done = 0
+    while done < len(procs):
+        if queue.empty():
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                break
+            time.sleep(0.05)
+            continue
+        msg = queue.get()
+        if msg[0] == "sync":
+            _, kind, round_, b, sec = msg
+            rows[kind].append((b, sec))
+            print(f"round {round_}  {kind:<8} sync {b / 1e9:.2f} GB in {sec:.3f} s  ({b / sec / 1e9:.2f} GB/s)", flush=True)
+        elif msg[0] == "verified":
+            verified[msg[1]] = verified.get(msg[1], 0) + msg[4]
+        elif msg[0] == "done":
+            done += 1
+    for proc in procs:
+        proc.join(timeout=30)
+    failed = [i for i, proc in enumerate(procs) if proc.exitcode != 0]
+    if failed:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        print(f"demo FAILED: processes {failed} exited with codes {[procs[i].exitcode for i in failed]}", file=sys.stderr)
+        return 1
+    del launcher
+    _report(args, rows, verified)
+    print(f"all received tensors verified bit for bit; total {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    sys.exit(main())

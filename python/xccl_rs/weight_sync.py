@@ -41,7 +41,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["SyncStats", "WeightReceiver", "WeightSender", "WeightSyncError", "plan_buckets"]
+__all__ = ["SendStream", "SyncStats", "WeightReceiver", "WeightSender", "WeightSyncError", "plan_buckets"]
 
 MAGIC = 0x58434C5753594E43  # "XCLWSYNC"
 VERSION = 1
@@ -51,6 +51,7 @@ MIN_BUCKET_BYTES = 256
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 _H_MAGIC, _H_VERSION, _H_META, _H_USED, _H_LAST, _H_BUCKET_BYTES, _H_INDEX = range(7)
+_ABORTED = -1  # header[_H_LAST] of an abort notice: the metadata is {"abort": reason}
 
 
 class WeightSyncError(RuntimeError):
@@ -284,10 +285,10 @@ class WeightSender:
     """Broadcasts named tensors from rank ``src`` of ``group`` to every other rank of it.
 
     ``group`` is any ProcessGroup object (from ``xccl_rs.new_group``, ``dist.new_group``, or
-    ``dist.group.WORLD``); ``src`` is a rank *within* the group. ``device`` is where the
-    buckets live (default: the device of the first tensor sent). Nothing is allocated
-    before the first ``send``; the two buckets are kept for the next ``send`` until
-    :meth:`release`.
+    ``dist.group.WORLD``); ``src`` is a rank *within* the group. ``device`` is where the two
+    buckets live (default: CPU; pass ``"cuda"`` for an NCCL group). Tensors on any device are
+    copied into them. Nothing is allocated before the first ``send``; the buckets are kept
+    for the next ``send`` until :meth:`release`.
     """
 
     def __init__(self, group, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device=None):
@@ -305,7 +306,7 @@ class WeightSender:
         self.group = group
         self.src = src
         self.bucket_bytes = bucket_bytes
-        self.device = torch.device(device) if device is not None else None
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._slots = [_Slot(), _Slot()]
         self.last_stats: Optional[SyncStats] = None
 
@@ -315,111 +316,178 @@ class WeightSender:
             s.wait()
             s.buf = None
 
-    def _buffer(self, slot: _Slot, device) -> torch.Tensor:
-        if slot.buf is None or slot.buf.device != device:
-            slot.buf = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
+    def send(self, named_tensors: Iterable, progress: bool = False) -> SyncStats:
+        """Sends every ``(name, tensor)`` of ``named_tensors`` (consumed lazily, one at a time,
+        so a generator that gathers each weight on demand works). Returns when every
+        broadcast has completed. Every other rank of the group must run
+        :meth:`WeightReceiver.receive` to the end at the same time."""
+        total = None
+        if isinstance(named_tensors, dict):
+            named_tensors = list(named_tensors.items())
+        if isinstance(named_tensors, (list, tuple)):
+            total = sum(t.numel() * t.element_size() for _, t in named_tensors)
+        stream = self.stream(progress=progress, total_bytes=total)
+        name = "<first tensor>"
+        try:
+            for name, t in named_tensors:
+                stream.add(name, t)
+        except BaseException as e:
+            stream.abort(f"{type(e).__name__} after {name!r}: {e}")
+            raise
+        return stream.finish()
+
+    def stream(self, progress: bool = False, total_bytes: Optional[int] = None) -> "SendStream":
+        """A push-style send: ``s = sender.stream(); s.add(name, t) ...; stats = s.finish()``
+        (what :meth:`send` does; for producers that are async generators)."""
+        return SendStream(self, progress, total_bytes)
+
+
+class SendStream:
+    """One sync in progress on the source rank (see :meth:`WeightSender.stream`)."""
+
+    def __init__(self, sender: WeightSender, progress: bool, total_bytes: Optional[int]):
+        self.s = sender
+        self.t0 = time.perf_counter()
+        self.stats = SyncStats()
+        self.total = total_bytes
+        self.bar = _progress_bar(progress, total_bytes, "weight sync (send)")
+        self.packer = _Packer(sender.bucket_bytes)
+        self.cur = 0  # index of the slot being packed
+        self.entries: list = []
+        self.index = 0
+        self.done = False
+        self.broken = False  # a broadcast failed: the group cannot carry an abort notice
+
+    def _post(self, slot: _Slot, header: torch.Tensor, meta_t: torch.Tensor, used: int) -> None:
+        s = self.s
+        try:
+            slot.works.append(_broadcast(s.group, header, s.src))
+            slot.works.append(_broadcast(s.group, meta_t, s.src))
+            if used:
+                slot.works.append(_broadcast(s.group, slot.buf[:used], s.src))
+        except Exception as e:
+            self.broken = True
+            raise WeightSyncError(f"weight sync: broadcast of {slot.label} failed: {e}") from e
+        slot.keep = [header, meta_t]
+
+    def _wait(self, slot: _Slot) -> None:
+        try:
+            slot.wait()
+        except WeightSyncError:
+            self.broken = True
+            raise
+
+    def _header(self, meta: dict, used: int, last: int):
+        s = self.s
+        raw = json.dumps(meta, separators=(",", ":")).encode()
+        header = torch.tensor(
+            [MAGIC, VERSION, len(raw), used, last, s.bucket_bytes, self.index, 0], dtype=torch.int64
+        ).to(s.device)
+        meta_t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(s.device)
+        return header, meta_t
+
+    def _flush(self, is_last: bool) -> None:
+        s = self.s
+        slot = s._slots[self.cur]
+        entries = self.entries
+        used = max((e[3] + e[4] for e in entries), default=0)
+        total = self.total if self.total is not None else -1
+        header, meta_t = self._header({"i": self.index, "total": total, "e": entries}, used, int(is_last))
+        slot.label = _describe(self.index, entries) + f" of {used} bytes from rank {s.src}"
+        self._post(slot, header, meta_t, used)
+        self.stats.buckets += 1
+        if self.bar is not None:
+            self.bar.update(sum(e[4] for e in entries))
+        self.entries = []
+        self.index += 1
+        self.cur ^= 1
+        # The next bucket reuses the other buffer: its previous broadcast must be done.
+        self._wait(s._slots[self.cur])
+
+    def _buffer(self) -> torch.Tensor:
+        slot = self.s._slots[self.cur]
+        if slot.buf is None or slot.buf.device != self.s.device:
+            slot.buf = torch.empty(self.s.bucket_bytes, dtype=torch.uint8, device=self.s.device)
         return slot.buf
 
     @torch.no_grad()
-    def send(self, named_tensors: Iterable, progress: bool = False) -> SyncStats:
-        """Sends every ``(name, tensor)`` of ``named_tensors`` (consumed lazily, one at a time).
-        Returns when every broadcast has completed. Every other rank of the group must call
-        :meth:`WeightReceiver.receive` (and drain it) at the same time."""
-        t0 = time.perf_counter()
-        stats = SyncStats()
-        total = None
-        if isinstance(named_tensors, (list, tuple)):
-            total = sum(t.numel() * t.element_size() for _, t in named_tensors)
-        elif isinstance(named_tensors, dict):
-            named_tensors = list(named_tensors.items())
-            total = sum(t.numel() * t.element_size() for _, t in named_tensors)
-        bar = _progress_bar(progress, total, "weight sync (send)")
-        packer = _Packer(self.bucket_bytes)
-        device = self.device
-        cur = 0  # index of the slot being packed
-        entries: list = []
-        index = 0
-        in_flight = ""  # for error messages: the tensor being packed
-
-        def flush(is_last: bool) -> None:
-            nonlocal cur, entries, index
-            slot = self._slots[cur]
-            dev = device if device is not None else torch.device("cpu")
-            used = max((e[3] + e[4] for e in entries), default=0)
-            meta = json.dumps(
-                {"i": index, "total": total if total is not None else -1, "e": entries},
-                separators=(",", ":"),
-            ).encode()
-            header = torch.tensor(
-                [MAGIC, VERSION, len(meta), used, int(is_last), self.bucket_bytes, index, 0],
-                dtype=torch.int64,
-            ).to(dev)
-            meta_t = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev)
-            slot.label = _describe(index, entries) + f" of {used} bytes to the group from rank {self.src}"
-            try:
-                slot.works.append(_broadcast(self.group, header, self.src))
-                slot.works.append(_broadcast(self.group, meta_t, self.src))
-                if used:
-                    slot.works.append(_broadcast(self.group, slot.buf[:used], self.src))
-            except Exception as e:
-                raise WeightSyncError(f"weight sync: broadcast of {slot.label} failed: {e}") from e
-            slot.keep = [header, meta_t]
-            stats.buckets += 1
-            if bar is not None:
-                bar.update(sum(e[4] for e in entries))
-            entries = []
-            index += 1
-            cur ^= 1
-            # The next bucket reuses the other buffer: its previous broadcast must be done.
-            self._slots[cur].wait()
-
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Packs one tensor (broadcasting the buckets it fills)."""
+        if self.done:
+            raise WeightSyncError("weight sync: add() after finish()")
         try:
-            for name, t in named_tensors:
-                in_flight = name
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"weight sync: {name!r} is a {type(t).__name__}, not a tensor")
-                if t.is_sparse or t.layout != torch.strided:
-                    raise TypeError(f"weight sync: {name!r} has layout {t.layout}; only strided tensors")
-                t = t.detach()
-                if device is None:
-                    device = t.device
-                elsize = t.element_size()
-                pieces = packer.add(name, t.dtype, tuple(t.shape), elsize)
-                for flush_now, entry in pieces:
-                    if flush_now:
-                        flush(False)
-                        continue
-                    entries.append(entry)
-                    _, _, _, off, nbytes, chunk_off, tot = entry
-                    if nbytes == 0:
-                        continue
-                    buf = self._buffer(self._slots[cur], device)
-                    dst = buf[off : off + nbytes].view(t.dtype)
-                    if nbytes == tot:
-                        dst.view(t.shape).copy_(t)
-                    else:
-                        _copy_flat_range(dst, t, chunk_off // elsize, (chunk_off + nbytes) // elsize)
-                stats.tensors += 1
-                stats.bytes += t.numel() * elsize
-            in_flight = "<end of the weights>"
-            flush(True)
-            for s in self._slots:
-                s.wait()
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
+            if t.layout != torch.strided:
+                raise TypeError(f"{name!r} has layout {t.layout}; only strided tensors are supported")
+            t = t.detach()
+            elsize = t.element_size()
+            for flush_now, entry in self.packer.add(name, t.dtype, tuple(t.shape), elsize):
+                if flush_now:
+                    self._flush(False)
+                    continue
+                self.entries.append(entry)
+                _, _, _, off, nbytes, chunk_off, tot = entry
+                if nbytes == 0:
+                    continue
+                dst = self._buffer()[off : off + nbytes].view(t.dtype)
+                if nbytes == tot:
+                    dst.view(t.shape).copy_(t)  # one strided copy, contiguous or not
+                else:
+                    _copy_flat_range(dst, t, chunk_off // elsize, (chunk_off + nbytes) // elsize)
         except WeightSyncError:
             raise
         except Exception as e:
             raise WeightSyncError(
-                f"weight sync: send failed at bucket {index} while packing {in_flight!r}: "
+                f"weight sync: send failed at bucket {self.index} while packing {name!r}: "
                 f"{type(e).__name__}: {e}"
             ) from e
+        self.stats.tensors += 1
+        self.stats.bytes += t.numel() * elsize
+
+    def finish(self) -> SyncStats:
+        """Sends the last bucket and waits for every broadcast."""
+        if self.done:
+            raise WeightSyncError("weight sync: finish() called twice")
+        self.done = True
+        try:
+            self._flush(True)
+            for slot in self.s._slots:
+                self._wait(slot)
+            if self.s.device.type != "cpu":
+                # An accelerator backend's wait() only orders streams: finish the transfers.
+                _synchronize(self.s.device)
         finally:
-            if bar is not None:
-                bar.close()
-        if device is not None and device.type != "cpu":
-            _synchronize(device)
-        stats.seconds = time.perf_counter() - t0
-        self.last_stats = stats
-        return stats
+            if self.bar is not None:
+                self.bar.close()
+        self.stats.seconds = time.perf_counter() - self.t0
+        self.s.last_stats = self.stats
+        return self.stats
+
+    def abort(self, reason: str = "the sender gave up") -> None:
+        """Gives up (the producer of the weights failed): the receivers get an abort notice in
+        place of the next bucket header and raise ``WeightSyncError`` with ``reason``, rather
+        than wait for the group timeout or take a truncated model for a complete one. When a
+        broadcast already failed, only waits for what is still in flight."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            if not self.broken:
+                slot = self.s._slots[self.cur]
+                slot.label = f"the abort notice at bucket {self.index}"
+                header, meta_t = self._header({"i": self.index, "abort": str(reason)[:2000]}, 0, _ABORTED)
+                self._post(slot, header, meta_t, 0)
+            for slot in self.s._slots:
+                try:
+                    slot.wait()
+                except WeightSyncError:
+                    pass
+        except WeightSyncError:
+            pass
+        finally:
+            if self.bar is not None:
+                self.bar.close()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -436,13 +504,16 @@ def _synchronize(device: torch.device) -> None:
 class WeightReceiver:
     """Receives what a :class:`WeightSender` on rank ``src`` of ``group`` sends.
 
-    ``device`` is where the receive buckets and the received tensors live (default: CPU).
-    ``bucket_bytes`` is only a hint: buffer sizes come from the sender's headers, so a
-    receiver given a different value still works. Nothing is allocated before the first
-    ``receive``; buffers are kept for the next one until :meth:`release`.
+    ``device`` is where received tensors are placed (default: ``bucket_device``);
+    ``bucket_device`` is where the two receive buckets live (default: CPU; ``"cuda"`` for an
+    NCCL group). ``bucket_bytes`` is only a hint: buffer sizes come from the sender's
+    headers, so a receiver given a different value still works. Nothing is allocated before
+    the first ``receive``; buffers are kept for the next one until :meth:`release`.
     """
 
-    def __init__(self, group, src: int = 0, bucket_bytes: Optional[int] = None, device=None):
+    def __init__(
+        self, group, src: int = 0, bucket_bytes: Optional[int] = None, device=None, bucket_device=None
+    ):
         rank, size = _group_rank_size(group)
         if not 0 <= src < size:
             raise ValueError(f"WeightReceiver: src {src} is not a rank of a group of size {size}")
@@ -451,7 +522,8 @@ class WeightReceiver:
         self.group = group
         self.src = src
         self.bucket_bytes = bucket_bytes
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.bucket_device = torch.device(bucket_device) if bucket_device is not None else torch.device("cpu")
+        self.device = torch.device(device) if device is not None else self.bucket_device
         self._bufs: list[Optional[torch.Tensor]] = [None, None]
         self.last_stats: Optional[SyncStats] = None
 
@@ -465,11 +537,11 @@ class WeightReceiver:
             # so that later buckets reuse it.
             n = used if is_last else max(used, capacity)
             buf = self._bufs[i] = None  # free the old one first
-            buf = self._bufs[i] = torch.empty(n, dtype=torch.uint8, device=self.device)
+            buf = self._bufs[i] = torch.empty(n, dtype=torch.uint8, device=self.bucket_device)
         return buf
 
     def _recv_header(self, index: int) -> list[int]:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.bucket_device)
         try:
             _broadcast(self.group, header, self.src).wait()
         except Exception as e:
@@ -490,7 +562,7 @@ class WeightReceiver:
         return h
 
     def _recv_meta(self, index: int, nbytes: int) -> dict:
-        meta_t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        meta_t = torch.empty(nbytes, dtype=torch.uint8, device=self.bucket_device)
         try:
             _broadcast(self.group, meta_t, self.src).wait()
         except Exception as e:
@@ -516,6 +588,11 @@ class WeightReceiver:
             while True:
                 h = self._recv_header(index)
                 meta = self._recv_meta(index, h[_H_META])
+                if h[_H_LAST] == _ABORTED:
+                    raise WeightSyncError(
+                        f"weight sync: the sender (rank {self.src}) aborted at bucket {index}: "
+                        f"{meta.get('abort', '?')}"
+                    )
                 used, is_last = h[_H_USED], bool(h[_H_LAST])
                 if index == 0 and progress:
                     total = meta.get("total", -1)
@@ -567,7 +644,8 @@ class WeightReceiver:
             if total == 0:
                 out = torch.empty(shape, dtype=dtype, device=self.device)
             elif chunk_off == 0 and nbytes == total:
-                out = buf[off : off + nbytes].view(dtype).view(shape).clone()
+                src = buf[off : off + nbytes].view(dtype).view(shape)
+                out = src.clone() if self.device == self.bucket_device else src.to(self.device)
             else:
                 if chunk_off == 0:
                     if pending is not None:
@@ -575,7 +653,7 @@ class WeightReceiver:
                             f"weight sync: bucket {index}: {name!r} starts before "
                             f"{pending['name']!r} is complete"
                         )
-                    t = torch.empty(shape, dtype=dtype, device=self.device)
+                    t = torch.empty(shape, dtype=dtype, device=self.device)  # contiguous
                     pending = {"name": name, "t": t, "bytes": t.view(-1).view(torch.uint8),
                                "done": 0, "total": total}
                 if pending is None or pending["name"] != name or pending["done"] != chunk_off:

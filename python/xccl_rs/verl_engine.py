@@ -1,0 +1,329 @@
+"""A verl checkpoint engine, ``"xccl_rs"``: trainer rank 0 broadcasts weights to the rollout
+workers over a private xccl_rs process group, with :mod:`xccl_rs.weight_sync`.
+
+Use it from a verl config::
+
+    actor_rollout_ref.rollout.checkpoint_engine.backend: xccl_rs
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module: xccl_rs.verl_engine
+    actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs:
+      xccl_rs: {rebuild_group: false, device: cuda, timeout_s: 600}
+
+verl imports ``custom_backend_module`` in every trainer and rollout worker, which registers
+the engine in ``verl.checkpoint_engine.CheckpointEngineRegistry``. Importing this module
+without verl installed does nothing (``XcclRsCheckpointEngine`` is then ``None``).
+
+How an update runs (verl's ``CheckpointEngineManager.update_weights``):
+
+1. ``prepare()`` on every worker. The master (trainer rank 0, ``is_master=True``) starts a
+   TCPStore on a free port once and reports its address; every worker reports the group it
+   holds (if any).
+2. ``build_topology`` (a classmethod, in the manager): trainer rank 0 is group rank 0, the
+   source; the other trainer ranks get rank -1 (not in the group); rollout worker ``i`` is
+   group rank ``1 + i``. The group is kept when every member already holds the same one
+   (same master, generation, size and rank) and ``rebuild_group`` is off; otherwise a new
+   generation is built on the store prefix ``<group_name>/gen<generation>/`` (so elastic
+   changes of the rollout side rebuild it).
+3. ``init_process_group(rank, world_size, master, generation)`` builds the group with
+   ``xccl_rs.new_group``.
+4. ``send_weights`` on every trainer rank (rank -1 ranks drain the generator, since producing
+   the weights is collective over the trainers) and ``receive_weights`` on the rollout side.
+5. ``finalize()`` frees the buckets, and the group too when ``rebuild_group``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import uuid
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .weight_sync import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["XcclRsCheckpointEngine", "make_group", "destroy_group"]
+
+
+def make_group(store, rank: int, world_size: int, timeout: timedelta, device=None, name: str = "xccl_rs_verl"):
+    """A private xccl_rs ProcessGroup on ``store`` (nothing registered in the default world)."""
+    import xccl_rs
+
+    return xccl_rs.new_group(store, rank, world_size, timeout=timeout, device=device, name=name)
+
+
+def destroy_group(pg) -> None:
+    import xccl_rs
+
+    try:
+        xccl_rs.destroy_group(pg)
+    except Exception as e:  # noqa: BLE001 - a dead peer must not stop the next rebuild
+        logger.warning("xccl_rs verl engine: destroying the weight-sync group failed: %s", e)
+
+
+def _node_address() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address().strip("[]")
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    return "cpu"
+
+
+async def _drain(weights) -> None:
+    if hasattr(weights, "__aiter__"):
+        async for _ in weights:
+            pass
+    else:
+        for _ in weights:
+            pass
+
+
+async def _aiter(weights):
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
+_END = object()
+
+
+class _EngineImpl:
+    """The engine; combined with verl's ``CheckpointEngine`` base below when verl imports.
+
+    Args (``engine_kwargs``):
+        bucket_size: bucket bytes (verl passes ``update_weights_bucket_megabytes << 20``).
+        is_master: trainer rank 0 (verl passes it on the trainer side).
+        group_name: store prefix of the group.
+        rebuild_group: build a new group at every update (and destroy it in ``finalize``).
+        device: where received tensors are placed (default: the accelerator, else CPU).
+        bucket_device: where buckets live (default CPU: this xccl_rs build moves CPU tensors).
+        timeout_s: the group's collective timeout, and the rendezvous timeout.
+        master_addr / master_port: address the master's TCPStore binds and advertises
+            (default: Ray's node IP / the host's address, and a free port).
+        progress: show a tqdm bar on long syncs.
+    """
+
+    def __init__(
+        self,
+        bucket_size: int = DEFAULT_BUCKET_BYTES,
+        is_master: bool = False,
+        group_name: str = "xccl_rs_weight_sync",
+        rebuild_group: bool = False,
+        device: Optional[str] = None,
+        bucket_device: str = "cpu",
+        timeout_s: float = 600.0,
+        master_addr: Optional[str] = None,
+        master_port: int = 0,
+        progress: bool = False,
+        **unused: Any,
+    ) -> None:
+        if unused:
+            logger.info("xccl_rs verl engine: ignoring engine kwargs %s", sorted(unused))
+        self.bucket_size = int(bucket_size)
+        self.is_master = bool(is_master)
+        self.group_name = group_name
+        self.rebuild_group = bool(rebuild_group)
+        self.device = device
+        self.bucket_device = bucket_device
+        self.timeout = timedelta(seconds=float(timeout_s))
+        self.master_addr = master_addr
+        self.master_port = int(master_port)
+        self.progress = bool(progress)
+        self.nonce = uuid.uuid4().hex if self.is_master else None
+        self.rank: Optional[int] = None
+        self.world_size: Optional[int] = None
+        self.group = None
+        self.group_key = None  # (master nonce, generation, world_size, rank)
+        self.generation = 0  # the master's latest generation
+        self._server = None  # the master's TCPStore
+        self._client = None  # (addr, port, store) of a non-master worker
+        self._sender: Optional[WeightSender] = None
+        self._receiver: Optional[WeightReceiver] = None
+
+    # ---- topology -----------------------------------------------------------------------
+
+    def prepare(self) -> dict:
+        meta = {"is_master": self.is_master, "group": self.group_key}
+        if self.is_master:
+            if self._server is None:
+                addr = self.master_addr or _node_address()
+                self._server = dist.TCPStore(
+                    addr, self.master_port, None, True, timeout=self.timeout, wait_for_workers=False
+                )
+                self._addr = addr
+            meta.update(addr=self._addr, port=self._server.port, nonce=self.nonce,
+                        generation=self.generation, rebuild_group=self.rebuild_group)
+        return meta
+
+    @classmethod
+    def build_topology(cls, actor_world_size: int, rollout_world_size: int, metadata: list):
+        master = metadata[0]
+        if not (isinstance(master, dict) and master.get("is_master")):
+            raise ValueError(
+                "xccl_rs verl engine: metadata[0] must come from the master (trainer rank 0 with "
+                f"is_master=True), got {master!r}"
+            )
+        world_size = 1 + rollout_world_size
+        actor_ranks = [0] + [-1] * (actor_world_size - 1)
+        rollout_ranks = list(range(1, world_size))
+        members = [(metadata[0], 0)] + [
+            (metadata[actor_world_size + i], rollout_ranks[i]) for i in range(rollout_world_size)
+        ]
+        gen = master["generation"]
+        keep = (
+            gen > 0
+            and not master["rebuild_group"]
+            and all(
+                m.get("group") is not None and tuple(m["group"]) == (master["nonce"], gen, world_size, r)
+                for m, r in members
+            )
+        )
+        generation = gen if keep else gen + 1
+        where = {"addr": master["addr"], "port": master["port"], "nonce": master["nonce"]}
+        actor_kwargs = {
+            "rank": actor_ranks,
+            "world_size": [world_size] * actor_world_size,
+            "master_metadata": [where] * actor_world_size,
+            "generation": [generation] * actor_world_size,
+        }
+        rollout_kwargs = {
+            "rank": rollout_ranks,
+            "world_size": [world_size] * rollout_world_size,
+            "master_metadata": [where] * rollout_world_size,
+            "generation": [generation] * rollout_world_size,
+        }
+        return actor_kwargs, rollout_kwargs
+
+    def init_process_group(self, rank: int, world_size: int, master_metadata: dict, generation: int):
+        self.rank, self.world_size = rank, world_size
+        if rank < 0:
+            return
+        key = (master_metadata["nonce"], generation, world_size, rank)
+        if self.group is not None and self.group_key == key:
+            return
+        self._drop_group()
+        if self.is_master:
+            store = self._server
+        else:
+            addr, port = master_metadata["addr"], master_metadata["port"]
+            if self._client is None or self._client[:2] != (addr, port):
+                self._client = (addr, port, dist.TCPStore(addr, port, None, False, timeout=self.timeout))
+            store = self._client[2]
+        prefix = dist.PrefixStore(f"{self.group_name}/gen{generation}/", store)
+        self.group = make_group(prefix, rank, world_size, self.timeout, device=self.bucket_device)
+        self.group_key = key
+        if self.is_master:
+            self.generation = generation
+        logger.info("xccl_rs verl engine: rank %d of %d, generation %d", rank, world_size, generation)
+
+    def _drop_group(self) -> None:
+        if self._sender is not None:
+            self._sender.release()
+        self._sender = self._receiver = None
+        if self.group is not None:
+            destroy_group(self.group)
+        self.group = None
+        self.group_key = None
+
+    def finalize(self):
+        if self._sender is not None:
+            self._sender.release()
+        if self._receiver is not None:
+            self._receiver.release()
+        if self.rebuild_group:
+            self._drop_group()
+
+    # ---- transfer -----------------------------------------------------------------------
+
+    def _check_member(self, what: str) -> None:
+        if self.rank is None:
+            raise RuntimeError(f"xccl_rs verl engine: {what} before init_process_group")
+
+    async def send_weights(self, weights, global_steps: Optional[int] = None):
+        """On every trainer rank: rank 0 broadcasts; the others only drain ``weights``."""
+        self._check_member("send_weights")
+        if self.rank < 0:
+            await _drain(weights)
+            return {}
+        if self.rank != 0:
+            raise RuntimeError(f"xccl_rs verl engine: rank {self.rank} is a rollout rank; it cannot send")
+        if self._sender is None:
+            self._sender = WeightSender(self.group, src=0, bucket_bytes=self.bucket_size, device=self.bucket_device)
+        stream = self._sender.stream(progress=self.progress)
+        name = "<first tensor>"
+        try:
+            async for name, tensor in _aiter(weights):
+                stream.add(name, tensor)
+                await asyncio.sleep(0)
+            stats = await asyncio.to_thread(stream.finish)
+        except BaseException as e:
+            stream.abort(f"{type(e).__name__} after {name!r}: {e}")
+            raise
+        logger.info("xccl_rs verl engine: step %s sent %s", global_steps, stats)
+        return {
+            "xccl_rs/sync_seconds": stats.seconds,
+            "xccl_rs/sync_bytes": stats.bytes,
+            "xccl_rs/sync_gbps": stats.gbps,
+        }
+
+    async def receive_weights(self, global_steps: Optional[int] = None):
+        """On every rollout rank: an async generator of ``(name, tensor)``. The blocking waits
+        run in a worker thread, so the event loop stays free."""
+        self._check_member("receive_weights")
+        if self.rank <= 0:
+            raise RuntimeError(f"xccl_rs verl engine: rank {self.rank} does not receive weights")
+        if self._receiver is None:
+            self._receiver = WeightReceiver(
+                self.group, src=0, bucket_bytes=self.bucket_size,
+                device=self.device or _default_device(), bucket_device=self.bucket_device,
+            )
+        it = self._receiver.receive(progress=self.progress)
+        try:
+            while True:
+                item = await asyncio.to_thread(next, it, _END)
+                if item is _END:
+                    break
+                yield item
+        finally:
+            try:
+                it.close()
+            except ValueError:  # still running in the worker thread (the consumer was cancelled)
+                pass
+        logger.info("xccl_rs verl engine: step %s received %s", global_steps, self._receiver.last_stats)
+
+
+try:
+    from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+except ImportError:  # verl is optional
+    CheckpointEngine = CheckpointEngineRegistry = None
+    XcclRsCheckpointEngine = None
+else:
+
+    @CheckpointEngineRegistry.register("xccl_rs")
+    class XcclRsCheckpointEngine(_EngineImpl, CheckpointEngine):
+        __doc__ = _EngineImpl.__doc__
+
+        def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
+            _EngineImpl.__init__(self, bucket_size=bucket_size, is_master=is_master, **engine_kwargs)
+

@@ -1,0 +1,235 @@
+"""The verl checkpoint engine "xccl_rs" (xccl_rs.verl_engine), driven through the real verl
+package's registry and base class the way verl's CheckpointEngineManager drives it:
+prepare on every worker -> build_topology -> init_process_group -> send_weights on every
+trainer rank / receive_weights on every rollout rank -> finalize.
+
+Four processes: trainer ranks 0, 1 (actor world 2; rank 0 is the master) and rollout workers
+2, 3. The trainers' weight generator is collective over the trainer group (an all_reduce per
+tensor), so trainer rank 1, outside the sync group, must drain it or rank 0 hangs. Skipped
+when verl is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+pytest.importorskip("verl.checkpoint_engine")
+
+from harness import ctx, run_ranks  # noqa: E402
+from test_weight_sync import compare, make_tensors  # noqa: E402
+
+ACTOR_WS, ROLLOUT_WS = 2, 2
+BUCKET = 64 << 10
+
+
+def _exchange(store, key, rank, world, value):
+    """all-gather of picklable values through the harness store (the manager's ray.get)."""
+    store.set(f"{key}/{rank}", pickle.dumps(value))
+    return [pickle.loads(store.get(f"{key}/{r}")) for r in range(world)]
+
+
+def w_verl_engine(rank, world_size):
+    import asyncio
+
+    import torch
+    import torch.distributed as dist
+
+    import xccl_rs.verl_engine as ve
+    from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
+
+    store = ctx().connect_store()
+    trainers = dist.new_group([0, 1])  # the trainers' own collectives (every rank calls new_group)
+    is_trainer = rank < ACTOR_WS
+    out = {"problems": [], "keys": []}
+    cls = CheckpointEngineRegistry.get("xccl_rs")
+    if cls is not ve.XcclRsCheckpointEngine or not issubclass(cls, CheckpointEngine):
+        out["problems"].append(f"registry gave {cls}")
+
+    def weights(step):
+        for name, t in make_tensors(f"verl{step}", BUCKET):
+            x = torch.ones(1)
+            dist.all_reduce(x, group=trainers)  # producing a weight is collective
+            if x.item() != ACTOR_WS:
+                raise AssertionError("trainer all_reduce")
+            yield name, t
+
+    async def aweights(step):
+        for item in weights(step):
+            yield item
+
+    async def receive(engine, step):
+        return [item async for item in engine.receive_weights(global_steps=step)]
+
+    step = 0
+    for rebuild in (False, True):
+        engine = CheckpointEngineRegistry.new(
+            "xccl_rs", bucket_size=BUCKET, is_master=(rank == 0),
+            rebuild_group=rebuild, device="cpu", timeout_s=30, group_name=f"t{int(rebuild)}",
+        )
+        for _ in range(2):
+            meta = engine.prepare()
+            metadata = _exchange(store, f"meta{step}", rank, world_size, meta)
+            actor_kwargs, rollout_kwargs = cls.build_topology(ACTOR_WS, ROLLOUT_WS, metadata)
+            kw, i = (actor_kwargs, rank) if is_trainer else (rollout_kwargs, rank - ACTOR_WS)
+            engine.init_process_group(**{k: v[i] for k, v in kw.items()})
+            if is_trainer:
+                src = aweights(step) if step % 2 else weights(step)
+                metrics = asyncio.run(engine.send_weights(src, global_steps=step))
+                if rank == 0 and not metrics.get("xccl_rs/sync_bytes"):
+                    out["problems"].append(f"step {step}: metrics {metrics}")
+            else:
+                got = asyncio.run(receive(engine, step))
+                out["problems"] += [f"step {step}: {p}" for p in compare(got, make_tensors(f"verl{step}", BUCKET))]
+            out["keys"].append((rebuild, engine.group_key and engine.group_key[1:]))
+            engine.finalize()
+            step += 1
+        engine._drop_group()
+    return out
+
+
+def test_verl_engine():
+    res = run_ranks(ACTOR_WS + ROLLOUT_WS, w_verl_engine, timeout_s=120)
+    problems = []
+    for rank in range(ACTOR_WS + ROLLOUT_WS):
+        problems += [f"rank {rank}: {p}" for p in res.value(rank)["problems"]]
+    assert not problems, "\n".join(problems)
+    # rank 1 is outside the group; the others keep generation 1 with rebuild_group=False and
+    # build generations 1 and 2 with rebuild_group=True
+    assert res.value(1)["keys"] == [(False, None), (False, None), (True, None), (True, None)]
+    for rank, grank in ((0, 0), (2, 1), (3, 2)):
+        assert res.value(rank)["keys"] == [
+            (False, (1, 3, grank)), (False, (1, 3, grank)), (True, (1, 3, grank)), (True, (2, 3, grank))
+        ], res.value(rank)["keys"]
+
+
+def test_registry_and_topology():
+    """In-process: registration, the ABC is satisfied, topology of 3 trainers and 2 rollouts."""
+    import xccl_rs.verl_engine as ve
+    from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
+
+    assert CheckpointEngineRegistry.get("xccl_rs") is ve.XcclRsCheckpointEngine
+    eng = CheckpointEngineRegistry.new("xccl_rs", bucket_size=1 << 20, is_master=False)
+    assert isinstance(eng, CheckpointEngine)
+    assert eng.prepare() == {"is_master": False, "group": None}
+    master = {"is_master": True, "group": None, "addr": "h", "port": 1, "nonce": "n",
+              "generation": 0, "rebuild_group": False}
+    other = {"is_master": False, "group": None}
+    a, r = ve.XcclRsCheckpointEngine.build_topology(3, 2, [master, other, other, other, other])
+    assert a["rank"] == [0, -1, -1] and r["rank"] == [1, 2]
+    assert a["world_size"] == [3] * 3 and r["world_size"] == [3] * 2
+    assert a["generation"] == [1] * 3
+    # everyone already holds generation 1 of this master: kept
+    held = dict(master, generation=1, group=("n", 1, 3, 0))
+    members = [held, other, other] + [{"is_master": False, "group": ("n", 1, 3, k)} for k in (1, 2)]
+    assert ve.XcclRsCheckpointEngine.build_topology(3, 2, members)[1]["generation"] == [1, 1]
+    # a new rollout worker (no group): rebuilt as generation 2
+    members[-1] = other
+    assert ve.XcclRsCheckpointEngine.build_topology(3, 2, members)[1]["generation"] == [2, 2]
+    with pytest.raises(ValueError, match="master"):
+        ve.XcclRsCheckpointEngine.build_topology(1, 1, [other, other])
+
+
+# --------------------------------------------------------------------------------------
+# verl's own manager and rollout harness, over Ray (opt-in: slow, several processes)
+# --------------------------------------------------------------------------------------
+
+
+def _tiny_qwen2(path) -> str:
+    """A 2-layer bf16 Qwen2 and a WordLevel tokenizer saved locally (no hub access)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(252)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+def _trainer_cls():
+    """A plain verl Worker on the trainer side that sends a Hugging Face model's state_dict
+    (verl's FSDP trainer engine needs an accelerator)."""
+    import torch
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import Dispatch, register
+
+    class Trainer(Worker):
+        def __init__(self, model_path, checkpoint_engine_config):
+            super().__init__()
+            import xccl_rs.verl_engine  # noqa: F401  (registers "xccl_rs")
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.bfloat16)
+            cfg = checkpoint_engine_config
+            self.checkpoint_engine = CheckpointEngineRegistry.new(
+                cfg.backend, bucket_size=cfg.update_weights_bucket_megabytes << 20,
+                is_master=(self.rank == 0), **cfg.engine_kwargs.get(cfg.backend, {}),
+            )
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        async def update_weights(self, global_steps=None, mode="auto"):
+            return await self.checkpoint_engine.send_weights(
+                iter(self.model.state_dict().items()), global_steps=global_steps
+            )
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+        def execute_checkpoint_engine(self, method, *args, **kwargs):
+            return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+    return Trainer
+
+
+@pytest.mark.skipif(bool(os.environ.get("XCCL_RS_SKIP_VERL_RAY")), reason="XCCL_RS_SKIP_VERL_RAY is set")
+@pytest.mark.parametrize("rebuild_group", [False, True])
+def test_verl_manager_over_ray(tmp_path, rebuild_group):
+    """verl's CheckpointEngineManager.update_weights x3 from 2 trainers to 2 rollout workers
+    (verl's CheckpointEngineWorker + MockServerAdapter), each followed by verl's check_weights."""
+    import asyncio
+
+    import ray
+
+    from tests.checkpoint_engine.test_utils import create_rollout_worker_group
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.single_controller.ray.base import split_resource_pool
+    from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+
+    model_path = _tiny_qwen2(tmp_path / "qwen2")
+    here = os.path.dirname(os.path.abspath(__file__))
+    ray.init(num_cpus=4, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": here, "OMP_NUM_THREADS": "1"}})
+    try:
+        cfg = CheckpointEngineConfig(
+            backend="xccl_rs", update_weights_bucket_megabytes=1,
+            custom_backend_module="xccl_rs.verl_engine",
+            engine_kwargs={"xccl_rs": {"rebuild_group": rebuild_group, "timeout_s": 60, "device": "cpu"}},
+        )
+        model_config = HFModelConfig(path=model_path, use_remove_padding=True)
+        rollout_config = RolloutConfig(name="vllm", checkpoint_engine=cfg)
+        pool = RayResourcePool(process_on_nodes=[4], use_gpu=False, max_colocate_count=1)
+        trainer_pool, rollout_pool = split_resource_pool(pool, [2, 2])
+        actor_wg = RayWorkerGroup(
+            resource_pool=trainer_pool, device_name="cpu",
+            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(_trainer_cls()), model_path=model_path,
+                                                   checkpoint_engine_config=cfg),
+        )
+        rollout, replicas = asyncio.run(create_rollout_worker_group(rollout_pool, model_config, rollout_config))
+        manager = CheckpointEngineManager(config=cfg, actor_wg=actor_wg, replicas=replicas)
+        for step in range(3):
+            metrics = manager.update_weights(global_steps=step)
+            assert metrics.get("xccl_rs/sync_bytes", 0) > 0, metrics
+            rollout.check_weights()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,423 @@
+"""xccl_rs.weight_sync: bucketed weight broadcast (the verl weight-sync pattern).
+
+Every rank regenerates the sender's tensors from a seed, so receivers compare what they got
+with an independent reference, bit for bit (byte views: NaN payloads count). One spawn per
+scenario, a few MB each:
+
+* round trips (world 3, source rank 1): mixed dtypes, odd / zero-size / 0-d / non-contiguous
+  tensors, tensors larger than a bucket (contiguous and not), a bucket filled exactly, a
+  receiver with a different bucket_bytes, an empty sync, a bucket_bytes above 2 GiB;
+* group layout: a sync group over global ranks [0, 2] of a world of 3 (dist.new_group), and a
+  private group from xccl_rs.new_group;
+* failure: a receiver that dies mid-sync makes the sender raise within the group timeout.
+
+The packing plan is also checked in-process on the meta device with sizes above 4 GiB.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from harness import ctx, run_ranks, seed_of
+
+BUCKET = 64 << 10  # small buckets: many buckets from a few MB
+
+
+# --------------------------------------------------------------------------------------
+# reference tensors (any rank can build them)
+# --------------------------------------------------------------------------------------
+
+
+def make_tensors(case: str, bucket: int = BUCKET):
+    """[(name, tensor)] with every dtype / layout the sync must carry; bit patterns random."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed_of("weight_sync", case))
+
+    def rnd(dtype, *shape):
+        n = 1
+        for s in shape:
+            n *= s
+        if dtype == torch.bool:
+            return (torch.rand(shape, generator=g) < 0.5)
+        item = torch.empty((), dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (n * item,), dtype=torch.uint8, generator=g)
+        return raw.view(dtype).view(shape)  # any bit pattern, NaNs and infs included
+
+    out = [
+        ("embed.weight", rnd(torch.float32, 37, 129)),
+        ("layers.0.attn.qkv", rnd(torch.bfloat16, 3, 5, 7)),
+        ("layers.0.mlp.up.T", rnd(torch.float16, 64, 33).t()),  # non-contiguous
+        ("step", rnd(torch.int64, 1001)),
+        ("mask", rnd(torch.bool, 17, 13)),
+        ("empty", rnd(torch.float32, 0, 5)),
+        ("scalar", rnd(torch.float64, )),
+        ("odd.int8", rnd(torch.int8, 3)),
+        # larger than a bucket: contiguous, then strided (every other column)
+        ("big.contig", rnd(torch.float32, (3 * bucket) // 4 + 77)),
+        ("big.strided", rnd(torch.bfloat16, 211, 2 * 401)[:, ::2]),
+        # exactly one bucket: starts a fresh bucket and fills it to the last byte
+        ("exact", rnd(torch.int32, bucket // 4)),
+        ("after.exact", rnd(torch.float16, 5, 5)),
+        ("empty.bf16", rnd(torch.bfloat16, 4, 0, 3)),
+    ]
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        dt = getattr(torch, name, None)
+        if dt is not None:
+            out.append((f"fp8.{name}", rnd(dt, 300, 7)))
+    out.append(("expanded", rnd(torch.float32, 1, 50).expand(40, 50)))  # stride 0
+    out.append(("tail.fp32", rnd(torch.float32, 999)))
+    return out
+
+
+def _bytes(t):
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def compare(received, expected) -> list[str]:
+    """Problems between [(name, tensor)] lists: names, order, dtype, shape, bytes."""
+    import torch
+
+    probs = []
+    if [n for n, _ in received] != [n for n, _ in expected]:
+        return [f"names differ: got {[n for n, _ in received]}, expected {[n for n, _ in expected]}"]
+    for (name, a), (_, b) in zip(received, expected):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            probs.append(f"{name}: got {a.dtype}{tuple(a.shape)}, expected {b.dtype}{tuple(b.shape)}")
+        elif not torch.equal(_bytes(a), _bytes(b)):
+            diff = (_bytes(a) != _bytes(b)).nonzero()
+            probs.append(f"{name}: {diff.numel()} bytes differ, first at byte {diff[0].item()}")
+        elif not a.is_contiguous():
+            probs.append(f"{name}: received tensor is not contiguous")
+    return probs
+
+
+def _store_barrier(store, key, n, timeout_s=60.0):
+    store.add(key, 1)
+    t0 = time.monotonic()
+    while int(store.add(key, 0)) < n:
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"store barrier {key}")
+        time.sleep(0.005)
+
+
+# --------------------------------------------------------------------------------------
+# worker side
+# --------------------------------------------------------------------------------------
+
+
+def _sync(pg, src, case, bucket, recv_bucket=None, progress=False, gen=False, sender_kwargs=None):
+    """One sync of make_tensors(case) from group rank src; returns (problems, stats)."""
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender
+
+    expected = make_tensors(case, BUCKET)
+    if pg.rank() == src:
+        s = WeightSender(pg, src=src, bucket_bytes=bucket, **(sender_kwargs or {}))
+        assert all(slot.buf is None for slot in s._slots), "sender allocated at construction"
+        items = (x for x in expected) if gen else expected
+        stats = s.send(items, progress=progress)
+        return [], stats
+    r = WeightReceiver(pg, src=src, bucket_bytes=recv_bucket)
+    assert r._bufs == [None, None], "receiver allocated at construction"
+    got = list(r.receive(progress=progress))
+    probs = compare(got, expected)
+    cap = max(b.numel() for b in r._bufs if b is not None) if any(b is not None for b in r._bufs) else 0
+    if cap > bucket:
+        probs.append(f"receiver buffer of {cap} bytes > bucket_bytes {bucket}")
+    return probs, r.last_stats
+
+
+def w_round_trips(rank, world_size):
+    import torch.distributed as dist
+
+    from xccl_rs.weight_sync import plan_buckets
+
+    pg = dist.group.WORLD
+    src = 1
+    res = {}
+    # mixed tensors over many 64 KiB buckets, a generator on the sender, tqdm on
+    probs, stats = _sync(pg, src, "mixed", BUCKET, progress=True, gen=True)
+    plan = plan_buckets(make_tensors("mixed"), BUCKET)
+    used = [max((e[3] + e[4] for e in b), default=0) for b in plan]
+    if BUCKET not in used:
+        probs.append(f"no bucket filled exactly: used {used}")
+    if sum(1 for b in plan for e in b if e[0] == "big.strided") < 2:
+        probs.append("big.strided was not split")
+    res["mixed"] = (probs, stats.buckets, len(plan))
+    # the receivers think buckets are 1 MiB and the sender uses 4 KiB: headers rule
+    res["other_bucket"] = _sync(pg, src, "other", 4096, recv_bucket=1 << 20)[0]
+    # nothing to send
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender
+
+    if rank == src:
+        st = WeightSender(pg, src=src, bucket_bytes=BUCKET).send([])
+        res["empty"] = [] if st.tensors == 0 and st.buckets == 1 else [f"stats {st}"]
+    else:
+        got = list(WeightReceiver(pg, src=src).receive())
+        res["empty"] = [] if got == [] else [f"got {len(got)} tensors"]
+    # bucket_bytes above 2 GiB (the buffer is allocated lazily, only its used part touched)
+    res["2gib"] = _sync(pg, src, "2gib", (2 << 30) + 4096)[0]
+    # the source rank 0 this time, same objects reused for two syncs
+    sender = receiver = None
+    probs = []
+    for i in range(2):
+        case = f"reuse{i}"
+        expected = make_tensors(case)
+        if rank == 0:
+            sender = sender or WeightSender(pg, src=0, bucket_bytes=3 * BUCKET)
+            sender.send(expected)
+        else:
+            receiver = receiver or WeightReceiver(pg, src=0)
+            probs += compare(list(receiver.receive()), expected)
+    res["reuse"] = probs
+    # the sender's producer fails mid-sync: receivers get an abort notice, the group stays usable
+    probs = []
+
+    def failing():
+        for i, item in enumerate(make_tensors("abort")):
+            if i == 9:
+                raise KeyError("producer broke")
+            yield item
+
+    try:
+        if rank == src:
+            WeightSender(pg, src=src, bucket_bytes=BUCKET).send(failing())
+        else:
+            list(WeightReceiver(pg, src=src).receive())
+        probs.append("no error")
+    except Exception as e:  # noqa: BLE001
+        want = "producer broke" if rank == src else "aborted"
+        if want not in str(e):
+            probs.append(f"{type(e).__name__}: {e}")
+    probs += _sync(pg, src, "after_abort", BUCKET)[0]
+    res["abort"] = probs
+    return {k: (v if isinstance(v, tuple) else (v, None, None)) for k, v in res.items()}
+
+
+def w_group_layout(rank, world_size):
+    """World of 3; the sync group is global ranks [0, 2], source global rank 2 (group rank 1)."""
+    import torch
+    import torch.distributed as dist
+
+    import xccl_rs
+
+    res = {}
+    sub = dist.new_group([0, 2])
+    if rank in (0, 2):
+        res["new_group"] = _sync(sub, 1, "layout", BUCKET)[0]
+    # the default world still works beside it
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    res["world"] = [] if t.tolist() == [3.0] * 3 else [f"world all_reduce gave {t.tolist()}"]
+    c = ctx()
+    if rank in (0, 2):
+        store = dist.PrefixStore("ws_private/", c.connect_store())
+        pg = xccl_rs.new_group(store, rank // 2, 2, timeout=c.timeout())
+        res["private"] = _sync(pg, 0, "private", BUCKET)[0]
+        xccl_rs.destroy_group(pg)
+    return res
+
+
+def w_dead_receiver(rank, world_size):
+    """Rank 2 dies after its first tensor; the sender (rank 0) must raise, not hang."""
+    import torch.distributed as dist
+
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender
+
+    pg = dist.group.WORLD
+    big = make_tensors("dead") * 6  # several MB over 64 KiB buckets: the sender must block
+    big = [(f"{i}.{n}", t) for i, (n, t) in enumerate(big)]
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            WeightSender(pg, src=0, bucket_bytes=BUCKET).send(big)
+        except Exception as e:  # noqa: BLE001
+            return {"raised": True, "type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+        return {"raised": False, "elapsed": time.monotonic() - t0}
+    it = WeightReceiver(pg, src=0).receive()
+    next(it)
+    if rank == 2:
+        os._exit(0)
+    try:
+        for _ in it:
+            pass
+    except Exception as e:  # noqa: BLE001
+        return {"raised": True, "msg": str(e)}
+    return {"raised": False}
+
+
+# --------------------------------------------------------------------------------------
+# tests
+# --------------------------------------------------------------------------------------
+
+
+def test_round_trips():
+    res = run_ranks(3, w_round_trips, timeout_s=90)
+    problems = []
+    for rank in range(3):
+        for case, (probs, nb, nplan) in res.value(rank).items():
+            problems += [f"rank {rank} {case}: {p}" for p in probs]
+            if nb is not None and nb != nplan:
+                problems.append(f"rank {rank} {case}: {nb} buckets, plan says {nplan}")
+            if case == "mixed" and nb is not None and nb < 3:
+                problems.append(f"rank {rank}: only {nb} buckets")
+    assert not problems, "\n".join(problems)
+
+
+def test_group_layout():
+    res = run_ranks(3, w_group_layout, timeout_s=90)
+    problems = []
+    for rank in range(3):
+        for case, probs in res.value(rank).items():
+            problems += [f"rank {rank} {case}: {p}" for p in (probs or [])]
+    assert "new_group" in res.value(0) and "new_group" in res.value(2)
+    assert not problems, "\n".join(problems)
+
+
+def test_dead_receiver_raises():
+    pg_timeout = 8.0
+    res = run_ranks(3, w_dead_receiver, timeout_s=90, pg_timeout_s=pg_timeout, expect_fail_ranks=(1, 2), check=False)
+    out = res.value(0)
+    assert out is not None, res.report()
+    assert out["raised"], f"sender did not raise: {out}"
+    assert out["type"] == "WeightSyncError", out
+    assert "bucket" in out["msg"], out["msg"]
+    assert out["elapsed"] < pg_timeout + 20, out
+
+
+def test_plan_64bit():
+    """Packing arithmetic with sizes past 2^31 and 2^32 bytes (meta tensors: no memory)."""
+    import torch
+
+    from xccl_rs.weight_sync import plan_buckets
+
+    bucket = (5 << 30) // 2  # 2.5 GiB
+    ts = [
+        ("a", torch.empty(100, dtype=torch.bfloat16, device="meta")),
+        ("b", torch.empty(3 << 30, dtype=torch.uint8, device="meta")),  # 3 GiB: split
+        ("c", torch.empty(600 << 20, dtype=torch.float32, device="meta")),  # 2.34 GiB: own bucket
+        ("d", torch.empty(5, dtype=torch.float64, device="meta")),
+    ]
+    plan = plan_buckets(ts, bucket)
+    chunks = [e for b in plan for e in b if e[0] == "b"]
+    assert sum(e[4] for e in chunks) == 3 << 30 and len(chunks) == 2
+    assert chunks[0][3] == 256 and chunks[0][3] + chunks[0][4] == bucket  # fills bucket 0
+    assert chunks[1][5] == bucket - 256 and chunks[1][3] == 0
+    c = [e for b in plan for e in b if e[0] == "c"]
+    assert len(c) == 1 and c[0][3] == 0 and c[0][4] == 600 << 22  # fresh bucket, not split
+    for b in plan:
+        for name, _, _, off, n, _, _ in b:
+            assert off + n <= bucket
+    d = [e for b in plan for e in b if e[0] == "d"][0]
+    assert d[3] % 256 == 0 and d[3] >= 600 << 22
+
+
+def test_constructor_checks():
+    """Argument errors (a one-rank gloo group in-process)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender
+
+    store = dist.HashStore()
+    pg = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
+    with pytest.raises(ValueError, match="src"):
+        WeightSender(pg, src=1)
+    with pytest.raises(ValueError, match="source rank"):
+        WeightReceiver(pg, src=0)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        WeightSender(pg, src=0, bucket_bytes=16)
+
+
+# --------------------------------------------------------------------------------------
+# accelerator and large-size scenarios (not run on the CPU-only CI machine)
+# --------------------------------------------------------------------------------------
+
+
+def w_gpu(rank, world_size):
+    """CUDA tensors in and out: over an NCCL group with CUDA buckets (2+ devices), and over a
+    CPU group (the harness's backend) with CPU buckets (device-to-host packing, host-to-device
+    output)."""
+    import torch
+    import torch.distributed as dist
+
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    probs = []
+    for backend, bucket_dev in (("nccl", dev), (None, torch.device("cpu"))):
+        if backend == "nccl" and (not dist.is_nccl_available() or torch.cuda.device_count() < world_size):
+            continue
+        pg = dist.new_group(backend=backend) if backend else dist.group.WORLD
+        case = f"gpu-{backend}"
+        expected = [(n, t.to(dev)) for n, t in make_tensors(case)]
+        if rank == 0:
+            WeightSender(pg, src=0, bucket_bytes=BUCKET, device=bucket_dev).send(expected)
+        else:
+            got = list(WeightReceiver(pg, src=0, device=dev, bucket_device=bucket_dev).receive())
+            probs += [f"{backend}: {n} on {t.device}" for n, t in got if t.device != dev]
+            probs += [f"{backend}: {p}" for p in compare([(n, t.cpu()) for n, t in got],
+                                                          [(n, t.cpu()) for n, t in expected])]
+    return probs
+
+
+@pytest.mark.gpu
+def test_gpu_tensors():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    res = run_ranks(2, w_gpu, timeout_s=180)
+    probs = res.value(0) + res.value(1)
+    assert not probs, "\n".join(probs)
+
+
+def large_tensors():
+    """About 5.4 GB: a 3 GiB tensor split across a 2.5 GiB bucket boundary, then a 1.9 GiB
+    one and a small one at bucket offsets beyond 2^31 (cheap deterministic patterns)."""
+    import torch
+
+    def pat(n, dtype, k):
+        x = (torch.arange(n, dtype=torch.int64) * (2 * k + 1) + k) % 251
+        return x.to(torch.uint8).view(dtype) if dtype == torch.uint8 else x.to(dtype)
+
+    return [
+        ("head", pat(100, torch.bfloat16, 1)),
+        ("split_3gib", pat(3 << 30, torch.uint8, 2)),
+        ("f32_1_9gib", pat(490 << 20, torch.float32, 3)),
+        ("tail", pat(1001, torch.float64, 4)),
+    ]
+
+
+def w_large(rank, world_size):
+    import torch.distributed as dist
+
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender, plan_buckets
+
+    bucket = (5 << 30) // 2
+    expected = large_tensors()
+    plan = plan_buckets(expected, bucket)
+    tail = [e for b in plan for e in b if e[0] == "tail"][0]
+    probs = [] if tail[3] > (1 << 31) else [f"tail at offset {tail[3]}"]
+    pg = dist.group.WORLD
+    if rank == 0:
+        st = WeightSender(pg, src=0, bucket_bytes=bucket).send(expected)
+        return probs + ([] if st.buckets == len(plan) else [f"{st.buckets} buckets"]), str(st)
+    r = WeightReceiver(pg, src=0)
+    got = list(r.receive())
+    return probs + compare(got, expected), str(r.last_stats)
+
+
+@pytest.mark.skipif(not os.environ.get("XCCL_RS_TEST_LARGE"), reason="set XCCL_RS_TEST_LARGE=1 (needs ~25 GB of memory)")
+def test_large_bucket_above_2gib():
+    res = run_ranks(2, w_large, timeout_s=600, pg_timeout_s=300)
+    probs = res.value(0)[0] + res.value(1)[0]
+    print(res.value(0)[1], "|", res.value(1)[1])
+    assert not probs, "\n".join(probs)
