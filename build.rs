@@ -96,6 +96,11 @@ fn main() {
 
 #[cfg(feature = "bridge")]
 fn build_bridge() {
+    println!("cargo:rerun-if-env-changed=XCCL_RS_BRIDGE_EXPORT");
+    if let Some(dir) = std::env::var_os("XCCL_RS_BRIDGE_EXPORT").filter(|d| !d.is_empty()) {
+        export_bridge(PathBuf::from(dir));
+        return;
+    }
     let torch = find_torch();
     if torch.version < (2, 8) {
         panic!("\n\nxccl_rs needs torch >= 2.8, found {}.{}\n", torch.version.0, torch.version.1);
@@ -130,6 +135,27 @@ fn build_bridge() {
     // built against. In practice `import torch` has already loaded them by the time we load.
     println!("cargo:rustc-cdylib-link-arg=-Wl,-rpath,$ORIGIN/../torch/lib:{lib}");
     println!("cargo:rustc-env=XCCL_RS_TORCH_VERSION={}.{}", torch.version.0, torch.version.1);
+}
+
+/// Cross-building for a machine whose torch differs (scripts/gpu/): generates the cxx bridge's
+/// C++ (header, glue source, `rust/cxx.h`) and copies it to `dir`, but compiles no C++ and links
+/// no torch. Built as a staticlib, the crate then leaves the bridge's C++ symbols undefined; the
+/// other machine compiles `csrc/` and the glue against its own torch and links them in.
+#[cfg(feature = "bridge")]
+fn export_bridge(dir: PathBuf) {
+    let _ = cxx_build::bridge("src/ffi.rs"); // writes the generated files into OUT_DIR
+    let generated = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("cxxbridge");
+    let copies = [
+        ("include/xccl_rs/src/ffi.rs.h", "include/xccl_rs/src/ffi.rs.h"),
+        ("include/rust/cxx.h", "include/rust/cxx.h"),
+        ("sources/xccl_rs/src/ffi.rs.cc", "ffi.rs.cc"),
+    ];
+    for (from, to) in copies {
+        let to = dir.join(to);
+        std::fs::create_dir_all(to.parent().unwrap()).expect("create the export directory");
+        std::fs::copy(generated.join(from), &to).unwrap_or_else(|e| panic!("copy {from} to {}: {e}", to.display()));
+    }
+    println!("cargo:rerun-if-changed=src/ffi.rs");
 }
 
 #[cfg(not(feature = "bridge"))]

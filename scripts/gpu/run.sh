@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the GPU machine: builds the bridge (build.sh), then runs what is asked and writes logs and
+# JSON into $OUT (the device tool brings that folder back):
+#   scripts/gpu/run.sh tests          # python_tests marked gpu, plus the CPU suite's quick files
+#   scripts/gpu/run.sh bench ARGS...  # python -m xccl_rs.bench ARGS (JSON in $OUT/bench.json)
+#   scripts/gpu/run.sh demo ARGS...   # python -m xccl_rs.demo ARGS
+# From the development machine: scripts/gpu/prepare.sh, then the device tool's run with
+# carry [".gpu"] and the command `scripts/gpu/run.sh tests` (see docs/gpu.md).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${OUT:-$ROOT/.gpu/out}"
+mkdir -p "$OUT"
+cd "$ROOT"
+export PYTHONPATH="$ROOT/python:$ROOT/python_tests" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+"$ROOT/scripts/gpu/build.sh" 2>&1 | tee "$OUT/build.log" | tail -3
+[ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/machine.txt"
+echo "$(nproc) cores, $(python3 -c 'import torch; print("torch", torch.__version__)')" | tee -a "$OUT/machine.txt"
+what="${1:-tests}"
+shift || true
+case "$what" in
+  tests) python3 -m pytest python_tests -q -ra -m gpu -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest-gpu.log" ;;
+  bench) python3 -m xccl_rs.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" ;;
+  demo) python3 -m xccl_rs.demo "$@" 2>&1 | tee "$OUT/demo.log" ;;
+  *) echo "unknown: $what (tests | bench | demo)" >&2; exit 2 ;;
+esac
+exit "${PIPESTATUS[0]}"
