@@ -107,7 +107,7 @@ fn build_bridge() {
     }
     // torch >= 2.12 headers require C++20; older ones build with it too.
     let std_flag = "-std=c++20";
-    let sources = ["csrc/backend.cc", "csrc/work.cc", "csrc/store.cc", "csrc/module.cc"];
+    let sources = ["csrc/backend.cc", "csrc/device.cc", "csrc/work.cc", "csrc/store.cc", "csrc/module.cc"];
     let mut build = cxx_build::bridge("src/ffi.rs");
     build
         .files(sources)
@@ -123,7 +123,7 @@ fn build_bridge() {
         .define("TORCH_EXTENSION_NAME", "_C")
         .opt_level(2);
     build.compile("xccl_rs_bridge");
-    for f in sources.iter().chain(["csrc/include/xccl_rs/backend.h", "csrc/include/xccl_rs/work.h", "csrc/include/xccl_rs/store.h", "src/ffi.rs"].iter()) {
+    for f in sources.iter().chain(["csrc/include/xccl_rs/backend.h", "csrc/include/xccl_rs/device.h", "csrc/include/xccl_rs/work.h", "csrc/include/xccl_rs/store.h", "src/ffi.rs"].iter()) {
         println!("cargo:rerun-if-changed={f}");
     }
     let lib = torch.lib.display().to_string();

@@ -90,6 +90,16 @@ OpRequest request(uint8_t kind, const at::Tensor* like) {
 
 } // namespace
 
+// Seals a job's device staging (the copies to the host are all enqueued) and returns what the
+// Rust core waits for before running it; null for a job on host tensors.
+static std::unique_ptr<WorkReady> ready_of(WorkState& state) {
+  if (!state.staging) {
+    return nullptr;
+  }
+  state.staging->seal();
+  return std::make_unique<WorkReady>(WorkReady{state.staging});
+}
+
 CommHandle::~CommHandle() {
   try {
     comm->shutdown();
@@ -128,11 +138,41 @@ class XcclRsBackend::Job {
     if (t.layout() != c10::kStrided) {
       reject("sparse and other non-strided tensors are not supported (got layout " + c10::str(t.layout()) + ")");
     }
-    if (!t.device().is_cpu()) {
-      reject(
-          "got a tensor on " + t.device().str() +
-          "; this build of xccl_rs moves CPU tensors only (accelerator tensors are not supported yet)");
+    if (t.device().is_meta()) {
+      reject("got a tensor on the meta device, which holds no data");
     }
+    if (!t.device().is_cpu() && !c10::impl::hasDeviceGuardImpl(t.device().type())) {
+      reject("got a tensor on " + t.device().str() + ", which is neither the host nor an accelerator with streams");
+    }
+  }
+
+  // The host staging of this job's accelerator tensors, created on the first one. A rank is
+  // bound to one device: the group's bound device (init_process_group(device_id=...)), else
+  // the first device it used.
+  DeviceStaging& staging(const at::Tensor& t) {
+    const c10::Device device = t.device();
+    auto& bound = backend_.device_;
+    if (!bound) {
+      auto from_group = backend_.getBoundDeviceId();
+      bound = from_group ? *from_group : device;
+      if (bound->type() == device.type() && !bound->has_index()) {
+        bound = device;
+      }
+    }
+    if (*bound != device) {
+      reject_and_abort(
+          "got a tensor on " + device.str() + ", but this rank uses " + bound->str() +
+          " (one device per rank: set it with init_process_group(device_id=...) or torch.cuda/xpu.set_device)");
+    }
+    if (!state_->staging) {
+      state_->staging = std::make_shared<DeviceStaging>(device);
+      // A device-aware future: its users' streams wait for the copies back, as with NCCL.
+      state_->future = c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device});
+    } else if (state_->staging->device() != device) {
+      reject_and_abort("got tensors on " + state_->staging->device().str() + " and " + device.str() + " in one operation");
+    }
+    return *state_->staging;
   }
 
   void same_kind(const at::Tensor& t, const at::Tensor& like, const char* role) const {
@@ -142,18 +182,34 @@ class XcclRsBackend::Job {
     }
   }
 
-  // A tensor the op only reads: contiguous as is, or a contiguous copy.
+  // A tensor the op only reads: contiguous as is, or a contiguous copy; a host copy of an
+  // accelerator tensor.
   at::Tensor input(const at::Tensor& t) {
     check(t);
+    if (!t.device().is_cpu()) {
+      return staging(t).stage_in(t);
+    }
     at::Tensor c = t.is_contiguous() ? t : t.contiguous();
     state_->keep_alive.push_back(c);
     return c;
   }
 
-  // A tensor the op writes (and maybe reads): non-contiguous ones are staged and copied back.
+  // A tensor the op reads and writes (in place): non-contiguous ones are staged and copied
+  // back; accelerator tensors are staged to the host and back.
   at::Tensor output(const at::Tensor& t) {
+    return output(t, /*read=*/true);
+  }
+  // A tensor the op only writes: an accelerator tensor's old values are not copied to the host.
+  at::Tensor output_only(const at::Tensor& t) {
+    return output(t, /*read=*/false);
+  }
+
+  at::Tensor output(const at::Tensor& t, bool read) {
     check(t);
     state_->outputs.push_back(t);
+    if (!t.device().is_cpu()) {
+      return staging(t).stage_out(t, read);
+    }
     if (t.is_contiguous()) {
       state_->keep_alive.push_back(t);
       return t;
@@ -218,8 +274,9 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type
     return c10::make_intrusive<XcclRsWork>(getRank(), type, coalesced_state_);
   }
   auto done = std::make_unique<WorkDone>(WorkDone{job.state()});
+  auto ready = ready_of(*job.state());
   try {
-    comm_->comm->submit(std::move(job.ops()), std::move(done), caller_waits);
+    comm_->comm->submit(std::move(job.ops()), std::move(ready), std::move(done), caller_waits);
   } catch (const std::exception& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
   }
@@ -238,8 +295,9 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::endCoalescing() {
   coalescing_ = false;
   auto state = std::move(coalesced_state_);
   auto done = std::make_unique<WorkDone>(WorkDone{state});
+  auto ready = ready_of(*state);
   try {
-    comm_->comm->submit(std::move(coalesced_ops_), std::move(done), false);
+    comm_->comm->submit(std::move(coalesced_ops_), std::move(ready), std::move(done), false);
   } catch (const std::exception& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
   }
@@ -339,7 +397,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather(
     if (out.numel() != in.numel()) {
       job.reject_and_abort("an output tensor has shape " + shape_of(out) + " but the input has " + shape_of(in));
     }
-    r.outputs.push_back(view_of(job.output(out)));
+    r.outputs.push_back(view_of(job.output_only(out)));
   }
   job.add(std::move(r));
   return launch(job, c10d::OpType::ALLGATHER, XCCL_RS_CALLER_WAITS(opts));
@@ -357,7 +415,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::_allgather_base(
   }
   auto r = request(kAllGather, &input);
   r.inputs.push_back(view_of(job.input(input)));
-  r.outputs = split_views(job.output(output), getSize());
+  r.outputs = split_views(job.output_only(output), getSize());
   job.add(std::move(r));
   return launch(job, c10d::OpType::_ALLGATHER_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -379,7 +437,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_into_tensor_coalesced(
     }
     auto r = request(kAllGather, &inputs[i]);
     r.inputs.push_back(view_of(job.input(inputs[i])));
-    r.outputs = split_views(job.output(outputs[i]), getSize());
+    r.outputs = split_views(job.output_only(outputs[i]), getSize());
     job.add(std::move(r));
   }
   return launch(job, c10d::OpType::COALESCED, XCCL_RS_CALLER_WAITS(opts));
@@ -403,7 +461,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_coalesced(
         job.reject_and_abort("output lists must match the inputs in length and sizes");
       }
       job.same_kind(list[i], inputs[i], "an output tensor");
-      r.outputs.push_back(view_of(job.output(list[i])));
+      r.outputs.push_back(view_of(job.output_only(list[i])));
     }
     job.add(std::move(r));
   }
@@ -433,7 +491,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather(
       if (out.numel() != in.numel()) {
         job.reject_and_abort("an output tensor has shape " + shape_of(out) + " but the input has " + shape_of(in));
       }
-      r.outputs.push_back(view_of(job.output(out)));
+      r.outputs.push_back(view_of(job.output_only(out)));
     }
   } else if (!outputs.empty() && !outputs[0].empty()) {
     job.reject_and_abort("only the root (rank " + std::to_string(opts.rootRank) + ") passes output tensors");
@@ -457,7 +515,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather_single(
       job.reject_and_abort("the output has shape " + shape_of(output) + ", expected " + std::to_string(getSize()) +
                            " times the input's " + std::to_string(input.numel()) + " elements");
     }
-    r.outputs = split_views(job.output(output), getSize());
+    r.outputs = split_views(job.output_only(output), getSize());
   }
   job.add(std::move(r));
   return launch(job, c10d::OpType::GATHER, XCCL_RS_CALLER_WAITS(opts));
@@ -489,7 +547,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::scatter(
   } else if (!inputs.empty() && !inputs[0].empty()) {
     job.reject_and_abort("only the root (rank " + std::to_string(opts.rootRank) + ") passes input tensors");
   }
-  r.outputs.push_back(view_of(job.output(out)));
+  r.outputs.push_back(view_of(job.output_only(out)));
   job.add(std::move(r));
   return launch(job, c10d::OpType::SCATTER, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -518,7 +576,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter(
     }
     r.inputs.push_back(view_of(job.input(in)));
   }
-  r.outputs.push_back(view_of(job.output(out)));
+  r.outputs.push_back(view_of(job.output_only(out)));
   job.add(std::move(r));
   return launch(job, c10d::OpType::REDUCE_SCATTER, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -536,7 +594,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::_reduce_scatter_base(
                          " times the output's " + std::to_string(output.numel()) + " elements");
   }
   r.inputs = split_views(job.input(input), getSize());
-  r.outputs.push_back(view_of(job.output(output)));
+  r.outputs.push_back(view_of(job.output_only(output)));
   job.add(std::move(r));
   return launch(job, c10d::OpType::_REDUCE_SCATTER_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -559,7 +617,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter_tensor_coalesced(
                            " elements");
     }
     r.inputs = split_views(job.input(inputs[i]), getSize());
-    r.outputs.push_back(view_of(job.output(outputs[i])));
+    r.outputs.push_back(view_of(job.output_only(outputs[i])));
     job.add(std::move(r));
   }
   return launch(job, c10d::OpType::COALESCED, XCCL_RS_CALLER_WAITS(opts));
@@ -587,7 +645,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall_base(
   job.same_kind(output, input, "the output tensor");
   auto r = request(kAllToAll, &input);
   r.inputs = split_rows(job, job.input(input), inputSplits, getSize(), "input");
-  r.outputs = split_rows(job, job.output(output), outputSplits, getSize(), "output");
+  r.outputs = split_rows(job, job.output_only(output), outputSplits, getSize(), "output");
   job.add(std::move(r));
   return launch(job, c10d::OpType::ALLTOALL_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -606,7 +664,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall(
     job.same_kind(inputs[i], inputs[0], "an input tensor");
     job.same_kind(outputs[i], inputs[0], "an output tensor");
     r.inputs.push_back(view_of(job.input(inputs[i])));
-    r.outputs.push_back(view_of(job.output(outputs[i])));
+    r.outputs.push_back(view_of(job.output_only(outputs[i])));
   }
   job.add(std::move(r));
   return launch(job, c10d::OpType::ALLTOALL, XCCL_RS_CALLER_WAITS(opts));
@@ -635,7 +693,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::recv(std::vector<at::Tensor>& tens
   auto r = request(kRecv, &tensors[0]);
   r.root = srcRank;
   r.tag = tag;
-  r.outputs.push_back(view_of(job.output(tensors[0])));
+  r.outputs.push_back(view_of(job.output_only(tensors[0])));
   job.add(std::move(r));
   return launch(job, c10d::OpType::RECV);
 }
@@ -648,7 +706,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::recvAnysource(std::vector<at::Tens
   auto r = request(kRecvAnySource, &tensors[0]);
   r.root = -1;
   r.tag = tag;
-  r.outputs.push_back(view_of(job.output(tensors[0])));
+  r.outputs.push_back(view_of(job.output_only(tensors[0])));
   job.add(std::move(r));
   return launch(job, c10d::OpType::RECVANYSOURCE);
 }

@@ -21,6 +21,28 @@ std::shared_ptr<WorkState> new_work_state(const std::string& what) {
   return state;
 }
 
+void work_ready(std::unique_ptr<WorkReady> ready) {
+  ready->staging->wait_inputs();
+}
+
+namespace {
+
+// Completes the future; for staged device outputs it must run with the copy stream current,
+// so that a device-aware future orders its users after the copies back.
+void complete_future(WorkState& state, const std::exception_ptr& failure) {
+  try {
+    if (failure) {
+      state.future->setError(failure);
+    } else {
+      state.future->markCompleted(c10::IValue(state.outputs));
+    }
+  } catch (...) {
+    // A future callback threw: it must not unwind into the Rust progress thread.
+  }
+}
+
+} // namespace
+
 void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_rank) {
   auto state = done->state;
   std::exception_ptr failure;
@@ -36,6 +58,17 @@ void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_r
           std::string("xccl_rs: ") + state->what + ": copying the result into a non-contiguous output failed: " + e.what());
     }
   }
+  bool copied_back = false;
+  if (!failure && state->staging) {
+    try {
+      state->staging->copy_results_back();
+      copied_back = true;
+    } catch (const std::exception& e) {
+      failure = make_backend_error(
+          std::string("xccl_rs: ") + state->what + ": copying the result back to " + state->staging->device().str() +
+          " failed: " + e.what());
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(state->mu);
     state->error = failure;
@@ -46,14 +79,14 @@ void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_r
     state->copy_back.clear();
   }
   state->cv.notify_all();
-  try {
-    if (failure) {
-      state->future->setError(failure);
-    } else {
-      state->future->markCompleted(c10::IValue(state->outputs));
-    }
-  } catch (...) {
-    // A future callback threw: it must not unwind into the Rust progress thread.
+  if (copied_back) {
+    // The copies back are enqueued; a device-aware future records its events on the stream
+    // current while it is marked completed: the copy stream.
+    c10::DeviceGuard device_guard(state->staging->device());
+    c10::StreamGuard stream_guard(state->staging->copy_stream());
+    complete_future(*state, failure);
+  } else {
+    complete_future(*state, failure);
   }
 }
 
@@ -98,7 +131,15 @@ bool XcclRsWork::wait(std::chrono::milliseconds timeout) {
   if (state_->error) {
     std::rethrow_exception(state_->error);
   }
+  lock.unlock();
+  if (state_->staging) {
+    state_->staging->make_current_stream_wait();
+  }
   return true;
+}
+
+void XcclRsWork::synchronize() {
+  wait();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> XcclRsWork::getFuture() {

@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use crate::comm::Communicator;
+use crate::comm::{Communicator, OnReady};
 use crate::config::Config;
 use crate::error::{CommError, Result};
-use crate::ffi::ffi::{self, BufferView, OpRequest, StoreRef, WorkDone};
+use crate::ffi::ffi::{self, BufferView, OpRequest, StoreRef, WorkDone, WorkReady};
 use crate::op::Op;
 use crate::reduce::Reduction;
 use crate::rendezvous::Store;
@@ -23,6 +23,9 @@ unsafe impl Sync for StoreRef {}
 // SAFETY: WorkDone owns a shared_ptr to a mutex-protected state; it is moved to the progress
 // thread and used there once.
 unsafe impl Send for WorkDone {}
+// SAFETY: WorkReady owns a shared_ptr to the same state; it is moved to the thread that runs
+// the job and consumed there once.
+unsafe impl Send for WorkReady {}
 
 struct BridgeStore(cxx::UniquePtr<StoreRef>);
 
@@ -74,11 +77,21 @@ fn to_op(r: &OpRequest) -> Result<Op> {
 }
 
 impl RustComm {
-    pub fn submit(&self, ops: Vec<OpRequest>, done: cxx::UniquePtr<WorkDone>, caller_waits: bool) -> std::result::Result<(), String> {
+    pub fn submit(
+        &self,
+        ops: Vec<OpRequest>,
+        ready: cxx::UniquePtr<WorkReady>,
+        done: cxx::UniquePtr<WorkDone>,
+        caller_waits: bool,
+    ) -> std::result::Result<(), String> {
         catch(|| {
             let ops = ops.iter().map(to_op).collect::<Result<Vec<_>>>()?;
+            let ready: Option<OnReady> = (!ready.is_null()).then(|| {
+                Box::new(move || ffi::work_ready(ready).map_err(|e| CommError::io(e.what().to_string()))) as OnReady
+            });
             self.0.submit_with(
                 ops,
+                ready,
                 Box::new(move |result| match result {
                     Ok(c) => ffi::work_done(done, "", c.source_rank),
                     Err(e) => ffi::work_done(done, &e.message, -1),

@@ -36,8 +36,13 @@ use crate::types::OpKind;
 /// Called once when a job finishes, on the progress thread.
 pub type OnDone = Box<dyn FnOnce(Result<Completion>) + Send>;
 
+/// Called once on the thread that runs a job, just before it runs: it returns when the job's
+/// buffers hold their inputs (accelerator tensors staged to the host are copied only when the
+/// caller's stream gets there). An error fails the job and the group, like a transport error.
+pub type OnReady = Box<dyn FnOnce() -> Result<()> + Send>;
+
 enum Job {
-    Run { ops: Vec<Op>, done: OnDone },
+    Run { ops: Vec<Op>, ready: Option<OnReady>, done: OnDone },
     /// This rank rejected its part of `op` locally: tell the peers and fail the communicator.
     Abort { op: OpKind, message: String },
 }
@@ -118,12 +123,12 @@ impl Communicator {
     /// Queues a job; `done` runs on the progress thread when it finishes. Layout errors are
     /// returned here, before anything is queued.
     pub fn submit(&self, ops: Vec<Op>, done: OnDone) -> Result<()> {
-        self.submit_with(ops, done, false)
+        self.submit_with(ops, None, done, false)
     }
 
     /// As [`submit`](Self::submit); with `caller_waits`, the job may run on the calling thread
-    /// (then `done` has run when this returns).
-    pub fn submit_with(&self, ops: Vec<Op>, done: OnDone, caller_waits: bool) -> Result<()> {
+    /// (then `done` has run when this returns); `ready` runs first, on the same thread.
+    pub fn submit_with(&self, ops: Vec<Op>, ready: Option<OnReady>, done: OnDone, caller_waits: bool) -> Result<()> {
         for op in &ops {
             op.validate(self.rank, self.size).map_err(|e| {
                 CommError::new(e.kind, format!("xccl_rs: rank {}: {}", self.rank, e.message))
@@ -139,14 +144,14 @@ impl Communicator {
             if let Some(mut worker) = self.shared.worker.try_lock() {
                 // Later submitters queue behind us: the progress thread needs this lock.
                 drop(queue);
-                let result = worker.run_job_guarded(&ops);
+                let result = worker.run_when_ready(&ops, ready);
                 drop(worker);
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result)));
                 return Ok(());
             }
         }
         self.shared.pending.fetch_add(1, Ordering::AcqRel);
-        let sent = queue.as_ref().map(|tx| tx.send(Job::Run { ops, done }).is_ok()).unwrap_or(false);
+        let sent = queue.as_ref().map(|tx| tx.send(Job::Run { ops, ready, done }).is_ok()).unwrap_or(false);
         if !sent {
             self.shared.pending.fetch_sub(1, Ordering::AcqRel);
             return Err(CommError::new(ErrorKind::Aborted, "xccl_rs: the progress thread has exited"));
@@ -199,8 +204,8 @@ impl Shared {
     fn serve(&self, rx: mpsc::Receiver<Job>) {
         while let Ok(job) = rx.recv() {
             match job {
-                Job::Run { ops, done } => {
-                    let result = self.worker.lock().run_job_guarded(&ops);
+                Job::Run { ops, ready, done } => {
+                    let result = self.worker.lock().run_when_ready(&ops, ready);
                     self.pending.fetch_sub(1, Ordering::AcqRel);
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result)));
                 }
@@ -236,6 +241,24 @@ impl Worker {
         }
         self.shm = None;
         self.transport.close();
+    }
+
+    /// Runs `ready`, then the job. A failed `ready` (this rank's inputs never arrived) fails
+    /// the group, so that peers already in the collective fail at once with this message.
+    fn run_when_ready(&mut self, ops: &[Op], ready: Option<OnReady>) -> Result<Completion> {
+        let Some(ready) = ready else { return self.run_job_guarded(ops) };
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(ready))
+            .unwrap_or_else(|_| Err(CommError::io("xccl_rs: internal error (a panic while staging inputs)")));
+        match outcome {
+            Ok(()) => self.run_job_guarded(ops),
+            Err(e) => {
+                let kind = ops.first().map(|op| op.kind).unwrap_or(OpKind::Barrier);
+                let ctx = self.ctx(kind, self.seq);
+                let e = CommError::new(e.kind, format!("xccl_rs: {} #{} on rank {}: {}", kind.name(), self.seq, ctx.rank, e.message));
+                self.fail(&ctx, e.clone());
+                Err(e)
+            }
+        }
     }
 
     /// Runs a job; a panic becomes an error (and fails the communicator) instead of unwinding

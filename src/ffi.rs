@@ -31,8 +31,15 @@ pub mod ffi {
         /// Connects to the group (blocking) and starts its progress thread.
         fn new_comm(store: UniquePtr<StoreRef>, rank: i32, size: i32, timeout_ms: u64) -> Result<Box<RustComm>>;
         /// Queues a job; `done` is completed on the progress thread, or before this returns when
-        /// `caller_waits` let it run on the calling thread.
-        fn submit(self: &RustComm, ops: Vec<OpRequest>, done: UniquePtr<WorkDone>, caller_waits: bool) -> Result<()>;
+        /// `caller_waits` let it run on the calling thread. `ready` (null for host tensors) is
+        /// waited for on that thread before the job runs.
+        fn submit(
+            self: &RustComm,
+            ops: Vec<OpRequest>,
+            ready: UniquePtr<WorkReady>,
+            done: UniquePtr<WorkDone>,
+            caller_waits: bool,
+        ) -> Result<()>;
         /// Fails the group because this rank rejected its part of an op of `kind`.
         fn abort_op(self: &RustComm, kind: u8, message: &str);
         fn next_seq(self: &RustComm) -> u64;
@@ -50,9 +57,13 @@ pub mod ffi {
         type StoreRef;
         /// The completion side of one Work.
         type WorkDone;
+        /// What a job on accelerator tensors waits for before it runs (its staged inputs).
+        type WorkReady;
 
         fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(store: &StoreRef, key: &str, timeout_ms: u64) -> Result<Vec<u8>>;
+        /// Blocks until the job's staged inputs are on the host; Err if staging failed.
+        fn work_ready(ready: UniquePtr<WorkReady>) -> Result<()>;
         /// Marks the work finished: `error` empty on success.
         fn work_done(done: UniquePtr<WorkDone>, error: &str, source_rank: i64);
     }

@@ -5,7 +5,7 @@ on xccl_rs side by side, in one run, over the same tensors. Prints time, algorit
 bus bandwidth (nccl-tests formulas) and xccl_rs's speed-up over gloo; writes JSON with --json.
 
 Bus bandwidth (n ranks, S bytes, t seconds; nccl-tests' PERFORMANCE.md):
-  all_reduce      algbw = S / t,  busbw = algbw * 2 (n-1) / n
+  all_reduce      algbw = S / t,  busbw = algbw * 2 (n-1) / n   (all_reduce_avg: ReduceOp.AVG)
   broadcast       algbw = S / t,  busbw = algbw
   all_gather      algbw = S / t,  busbw = algbw * (n-1) / n     (S: the gathered output)
   reduce_scatter  algbw = S / t,  busbw = algbw * (n-1) / n     (S: the full input)
@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter"]
+OPS = ["all_reduce", "all_reduce_avg", "broadcast", "all_gather", "reduce_scatter"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_SIZES = ["8", "1K", "64K", "1M", "16M", "64M", "256M"]
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_reduce_avg": lambda n: 2 * (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -62,39 +63,74 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make(op: str, nbytes: int, dtype: torch.dtype, rank: int, world: int):
+def _make(op: str, nbytes: int, dtype: torch.dtype, rank: int, world: int, device: torch.device):
     """The tensors of one op, and a closure that runs it on a group."""
     esz = torch.tensor([], dtype=dtype).element_size()
     count = max(1, nbytes // esz)
-    if op == "all_reduce":
-        t = torch.full((count,), float(rank + 1), dtype=dtype)
-        return lambda g: dist.all_reduce(t, group=g)
+    kw = {"dtype": dtype, "device": device}
+    if op in ("all_reduce", "all_reduce_avg"):
+        t = torch.full((count,), float(rank + 1), **kw)
+        reduce_op = dist.ReduceOp.AVG if op == "all_reduce_avg" else dist.ReduceOp.SUM
+        return lambda g: dist.all_reduce(t, op=reduce_op, group=g)
     if op == "broadcast":
-        t = torch.full((count,), float(rank), dtype=dtype)
+        t = torch.full((count,), float(rank), **kw)
         return lambda g: dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
     if op == "all_gather":
         per = max(1, count // world)
-        out = torch.empty(per * world, dtype=dtype)
-        inp = torch.full((per,), float(rank), dtype=dtype)
+        out = torch.empty(per * world, **kw)
+        inp = torch.full((per,), float(rank), **kw)
         return lambda g: dist.all_gather_into_tensor(out, inp, group=g)
     if op == "reduce_scatter":
         per = max(1, count // world)
-        inp = torch.full((per * world,), float(rank), dtype=dtype)
-        out = torch.empty(per, dtype=dtype)
+        inp = torch.full((per * world,), float(rank), **kw)
+        out = torch.empty(per, **kw)
         return lambda g: dist.reduce_scatter_tensor(out, inp, group=g)
     raise ValueError(op)
+
+
+def _issue_async(group, control, device: torch.device, count: int) -> dict:
+    """How long issuing `count` async all_reduces of 1 MiB takes on the host (the calls only,
+    not their completion), the slowest rank's."""
+    ts = [torch.ones(1 << 18, device=device) for _ in range(count)]
+    for w in [dist.all_reduce(t, group=group, async_op=True) for t in ts[:4]]:
+        w.wait()  # warm-up
+    _sync(device)
+    dist.barrier(group=control)
+    t0 = time.perf_counter()
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in ts]
+    issue = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    for w in works:
+        w.wait()
+    _sync(device)
+    total = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(issue, op=dist.ReduceOp.MAX, group=control)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=control)
+    return {"op": "issue_async", "count": count, "bytes": 1 << 20, "device": str(device),
+            "issue_ms": issue.item() * 1e3, "complete_ms": total.item() * 1e3}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
 
 
 def _worker(rank, world, port, args, queue):
     import xccl_rs  # noqa: F401
 
     torch.set_num_threads(1)
+    device = torch.device(args.device)
+    if device.type != "cpu":
+        getattr(torch, device.type).set_device(device)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10))
     groups = {"gloo": dist.group.WORLD, "xccl_rs": dist.new_group(backend="xccl_rs")}
     groups = {k: v for k, v in groups.items() if k in args.backends}
     control = dist.new_group(backend="gloo")
     rows = []
+    if args.issue_async and "xccl_rs" in groups:
+        rows.append(_issue_async(groups["xccl_rs"], control, device, args.issue_async))
+        if rank == 0:
+            queue.put(("note", rows[-1]))
     for op in args.ops:
         for dname in args.dtypes:
             for size_text in args.sizes:
@@ -102,13 +138,24 @@ def _worker(rank, world, port, args, queue):
                 iters = iterations(nbytes, args.scale)
                 row = {"op": op, "dtype": dname, "bytes": nbytes, "ranks": world, "iters": iters}
                 for name, group in groups.items():
-                    run = _make(op, nbytes, DTYPES[dname], rank, world)
-                    for _ in range(max(1, iters // 10)):
-                        run(group)
+                    run = _make(op, nbytes, DTYPES[dname], rank, world, device)
+                    failed = torch.zeros(1)
+                    try:
+                        for _ in range(max(1, iters // 10)):
+                            run(group)
+                        _sync(device)
+                    except RuntimeError as e:  # gloo lacks some ops on device tensors
+                        if rank == 0:
+                            print(f"  {name} {op} on {device}: {str(e).splitlines()[0][:100]}", flush=True)
+                        failed.fill_(1)
+                    dist.all_reduce(failed, group=control)
+                    if failed.item():
+                        continue
                     dist.barrier(group=control)
                     t0 = time.perf_counter()
                     for _ in range(iters):
                         run(group)
+                    _sync(device)
                     elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
                     sec = elapsed.item()
@@ -142,11 +189,14 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="bytes, e.g. 8 64K 16M")
     p.add_argument("--backends", nargs="+", default=["gloo", "xccl_rs"], choices=["gloo", "xccl_rs"])
+    p.add_argument("--device", default="cpu", help="where the tensors live: cpu, cuda, xpu (every rank on this device)")
+    p.add_argument("--issue-async", type=int, default=0, metavar="N",
+                   help="first time how long issuing N async 1 MiB all_reduces takes (xccl_rs)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of iterations")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"xccl_rs.bench: {args.ranks} ranks, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+    print(f"xccl_rs.bench: {args.ranks} ranks, {args.device} tensors, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     header = [f"{'op':<15}", f"{'dtype':<9}", f"{'size':>9}"]
     for b in args.backends:
         header.append(f"{b + ' time(us)':>12} {'algbw':>7} {'busbw':>7}")
@@ -164,13 +214,18 @@ def main(argv=None) -> int:
         kind, row = queue.get()
         if kind == "done":
             break
+        if kind == "note":
+            print(f"issuing {row['count']} async all_reduces of 1 MiB ({row['device']}): "
+                  f"{row['issue_ms']:.2f} ms to return, {row['complete_ms']:.2f} ms to complete", flush=True)
+            rows.append(row)
+            continue
         rows.append(row)
         _print_row(row, args.backends)
     for proc in procs:
         proc.join()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": args.ranks, "torch": torch.__version__, "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
+            json.dump({"ranks": args.ranks, "device": args.device, "torch": torch.__version__, "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
     return 0 if all(proc.exitcode == 0 for proc in procs) else 1
 
 

@@ -12,10 +12,12 @@ OUT="${OUT:-$ROOT/.gpu/out}"
 mkdir -p "$OUT"
 cd "$ROOT"
 export PYTHONPATH="$ROOT/python:$ROOT/python_tests" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-"$ROOT/scripts/gpu/build.sh" 2>&1 | tee "$OUT/build.log" | tail -3
-[ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+if [ -z "${XCCL_RS_SKIP_BUILD:-}" ]; then  # set it for a second run in the same call
+  "$ROOT/scripts/gpu/build.sh" 2>&1 | tee "$OUT/build.log" | tail -3
+  [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/machine.txt"
-echo "$(nproc) cores, $(python3 -c 'import torch; print("torch", torch.__version__)')" | tee -a "$OUT/machine.txt"
+echo "$(nproc --all) cores, $(python3 -c 'import torch; print("torch", torch.__version__)')" | tee -a "$OUT/machine.txt"
 what="${1:-tests}"
 shift || true
 case "$what" in

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -156,6 +157,8 @@ class XcclRsBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> launch(Job& job, c10d::OpType type, bool caller_waits = false);
 
   std::shared_ptr<CommHandle> comm_;
+  // The accelerator this rank's tensors live on, once known (see Job::staging).
+  std::optional<c10::Device> device_;
   bool coalescing_ = false;
   std::shared_ptr<WorkState> coalesced_state_;
   rust::Vec<OpRequest> coalesced_ops_;

@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "rust/cxx.h"
+#include "xccl_rs/device.h"
 
 namespace xccl_rs {
 
@@ -31,11 +32,21 @@ struct WorkState {
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
   c10::intrusive_ptr<c10::ivalue::Future> future;
   std::string what; // "allreduce" etc., for messages
+  // Accelerator tensors: their host staging (null for a job on host tensors only).
+  std::shared_ptr<DeviceStaging> staging;
 };
 
 struct WorkDone {
   std::shared_ptr<WorkState> state;
 };
+
+struct WorkReady {
+  std::shared_ptr<DeviceStaging> staging;
+};
+
+// Called on the thread that runs the job, before it runs: waits for the staged inputs.
+// Throws (cxx turns that into the Rust Err) on a device error.
+void work_ready(std::unique_ptr<WorkReady> ready);
 
 // Called on the progress thread: copies staged outputs back, then completes the work and its
 // future. Never throws.
@@ -53,7 +64,9 @@ class XcclRsWork : public c10d::Work {
   int sourceRank() const override;
   std::vector<at::Tensor> result() override;
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
-  void synchronize() override {}
+  // As with NCCL: the current stream waits for the results (the host waits for the host-side
+  // algorithm; accelerators cannot wait on host work through c10's generic interfaces).
+  void synchronize() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
