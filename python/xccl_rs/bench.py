@@ -120,6 +120,8 @@ def _worker(rank, world, port, args, queue):
     torch.set_num_threads(1)
     device = torch.device(args.device)
     if device.type != "cpu":
+        if device.index is None:
+            device = torch.device(device.type, 0)  # every rank on the one device
         getattr(torch, device.type).set_device(device)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10))
@@ -211,6 +213,14 @@ def main(argv=None) -> int:
         proc.start()
     rows = []
     while True:
+        if queue.empty():
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                print("a rank failed; stopping", file=sys.stderr, flush=True)
+                for proc in procs:
+                    proc.kill()
+                return 1
+            time.sleep(0.02)
+            continue
         kind, row = queue.get()
         if kind == "done":
             break

@@ -20,10 +20,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee
 echo "$(nproc --all) cores, $(python3 -c 'import torch; print("torch", torch.__version__)')" | tee -a "$OUT/machine.txt"
 what="${1:-tests}"
 shift || true
+LOG="$OUT/${XCCL_RS_RUN_TAG:-$what}.log"  # XCCL_RS_RUN_TAG: name this run's log (several per call)
 case "$what" in
-  tests) python3 -m pytest python_tests -q -ra -m gpu -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest-gpu.log" ;;
-  bench) python3 -m xccl_rs.bench --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" ;;
-  demo) python3 -m xccl_rs.demo "$@" 2>&1 | tee "$OUT/demo.log" ;;
+  tests) python3 -m pytest python_tests -q -ra -m gpu -p no:cacheprovider "$@" 2>&1 | tee "$LOG" ;;
+  bench) python3 -m xccl_rs.bench --json "${LOG%.log}.json" "$@" 2>&1 | tee "$LOG" ;;
+  demo) python3 -m xccl_rs.demo "$@" 2>&1 | tee "$LOG" ;;
   *) echo "unknown: $what (tests | bench | demo)" >&2; exit 2 ;;
 esac
 exit "${PIPESTATUS[0]}"
