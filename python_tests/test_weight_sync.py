@@ -341,9 +341,9 @@ def test_constructor_checks():
 
 
 def w_gpu(rank, world_size):
-    """CUDA tensors in and out: over an NCCL group with CUDA buckets (2+ devices), and over a
-    CPU group (the harness's backend) with CPU buckets (device-to-host packing, host-to-device
-    output)."""
+    """CUDA tensors in and out: over an NCCL group with CUDA buckets (2+ devices), and over the
+    harness's group with CPU buckets (device-to-host packing, host-to-device output) and with
+    CUDA buckets (xccl_rs stages them to the host and back)."""
     import torch
     import torch.distributed as dist
 
@@ -352,11 +352,12 @@ def w_gpu(rank, world_size):
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     probs = []
-    for backend, bucket_dev in (("nccl", dev), (None, torch.device("cpu"))):
+    # "cuda" without an index is the current device (a bucket on cuda:0 must count as on it)
+    for backend, bucket_dev in (("nccl", dev), (None, torch.device("cpu")), (None, "cuda")):
         if backend == "nccl" and (not dist.is_nccl_available() or torch.cuda.device_count() < world_size):
             continue
         pg = dist.new_group(backend=backend) if backend else dist.group.WORLD
-        case = f"gpu-{backend}"
+        case = f"gpu-{backend}-{bucket_dev}"
         expected = [(n, t.to(dev)) for n, t in make_tensors(case)]
         if rank == 0:
             WeightSender(pg, src=0, bucket_bytes=BUCKET, device=bucket_dev).send(expected)

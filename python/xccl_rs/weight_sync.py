@@ -99,6 +99,19 @@ def _dtype_of(name: str) -> torch.dtype:
     return dt
 
 
+def _device(device) -> torch.device:
+    """``device`` with its index: ``"cuda"`` means the current CUDA device, so that buffers
+    allocated there compare equal to it (``torch.device("cuda") != torch.device("cuda", 0)``)."""
+    if device is None:
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        mod = getattr(torch, device.type, None)
+        if mod is not None and hasattr(mod, "current_device"):
+            device = torch.device(device.type, mod.current_device())
+    return device
+
+
 def _elsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
@@ -306,7 +319,7 @@ class WeightSender:
         self.group = group
         self.src = src
         self.bucket_bytes = bucket_bytes
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = _device(device)
         self._slots = [_Slot(), _Slot()]
         self.last_stats: Optional[SyncStats] = None
 
@@ -522,8 +535,8 @@ class WeightReceiver:
         self.group = group
         self.src = src
         self.bucket_bytes = bucket_bytes
-        self.bucket_device = torch.device(bucket_device) if bucket_device is not None else torch.device("cpu")
-        self.device = torch.device(device) if device is not None else self.bucket_device
+        self.bucket_device = _device(bucket_device)
+        self.device = _device(device) if device is not None else self.bucket_device
         self._bufs: list[Optional[torch.Tensor]] = [None, None]
         self.last_stats: Optional[SyncStats] = None
 

@@ -12,7 +12,12 @@ export CARGO_TARGET_DIR="$CACHE/target-gpu"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 cd "$ROOT"
-XCCL_RS_BRIDGE_EXPORT="$OUT" cargo rustc --release --quiet --lib --features bridge --crate-type staticlib
+# build.rs writes the generated C++ to a fixed place when it runs (cargo reruns it only when
+# its inputs change, so the files are copied from there).
+EXPORT="$CARGO_TARGET_DIR/bridge-export"
+[ -f "$EXPORT/ffi.rs.cc" ] || touch build.rs
+XCCL_RS_BRIDGE_EXPORT="$EXPORT" cargo rustc --release --quiet --lib --features bridge --crate-type staticlib
+cp -r "$EXPORT/." "$OUT/"
 cp "$CARGO_TARGET_DIR/release/libxccl_rs.a" "$OUT/"
 strip --strip-debug "$OUT/libxccl_rs.a"
 echo "prepared $OUT ($(du -sh "$OUT" | cut -f1))"
