@@ -87,7 +87,7 @@ def new_group(
         pg.barrier().wait()
 
     ``device`` names the device the group's tensors live on (``"cpu"``, ``"cuda"``, ``"xpu"``
-    or a torch.device); this build moves CPU tensors. Destroy a group with
+    or a torch.device); accelerator tensors are staged through the host. Destroy a group with
     :func:`destroy_group`; building the next one under the same name over a new store prefix
     works any number of times.
     """

@@ -117,7 +117,8 @@ class _EngineImpl:
         group_name: store prefix of the group.
         rebuild_group: build a new group at every update (and destroy it in ``finalize``).
         device: where received tensors are placed (default: the accelerator, else CPU).
-        bucket_device: where buckets live (default CPU: this xccl_rs build moves CPU tensors).
+        bucket_device: where buckets live (default CPU; "xpu"/"cuda" keeps them on the device,
+            which xccl_rs stages through pinned host memory).
         timeout_s: the group's collective timeout, and the rendezvous timeout.
         master_addr / master_port: address the master's TCPStore binds and advertises
             (default: Ray's node IP / the host's address, and a free port).

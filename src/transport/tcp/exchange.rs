@@ -188,10 +188,33 @@ impl TcpTransport {
                     }
                 }
                 Err(e) if socket::would_block(&e) => return Ok(()),
-                Err(e) => return Err(closed_error(ctx, peer, &format!(" while rank {} was sending ({e})", ctx.rank))),
+                Err(e) => {
+                    // A peer that failed sends an abort frame, then may exit before we read it:
+                    // its reason explains more than the broken pipe it left.
+                    if let Some(message) = self.queued_abort(peer) {
+                        return Err(peer_abort_error(ctx, peer, &message));
+                    }
+                    return Err(closed_error(ctx, peer, &format!(" while rank {} was sending ({e})", ctx.rank)));
+                }
             }
         }
         Ok(())
+    }
+
+    /// The message of an abort frame that is the next thing queued on `peer`'s socket, if it
+    /// is there whole (read without consuming it; bounded by MAX_ABORT_MESSAGE).
+    fn queued_abort(&self, peer: usize) -> Option<Vec<u8>> {
+        let fd = self.fd(peer);
+        let mut header = [0u8; HEADER_LEN];
+        if socket::peek(fd, &mut header).ok()? != HEADER_LEN || !Header::peek_is_abort(&header) {
+            return None;
+        }
+        let h = Header::decode(&header).ok()?;
+        if h.kind != FrameKind::Abort || h.payload_len > MAX_ABORT_MESSAGE {
+            return None;
+        }
+        let mut frame = vec![0u8; HEADER_LEN + h.payload_len as usize];
+        (socket::peek(fd, &mut frame).ok()? == frame.len()).then(|| frame.split_off(HEADER_LEN))
     }
 
     /// Reads `peer`'s frames into the pending receives, stopping after the last one so that
