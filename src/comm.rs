@@ -26,6 +26,7 @@ use crate::algorithms::{Step, run_collective};
 use crate::config::{Config, TransportChoice};
 use crate::error::{CommError, ErrorKind, Result};
 use crate::op::{Completion, Op};
+use crate::par::Par;
 use crate::rendezvous::{Store, agree_on_token};
 use crate::transport::shm::ShmGroup;
 use crate::transport::shm::group::host_identity;
@@ -69,7 +70,8 @@ impl Communicator {
         let token = agree_on_token(store, rank, config.timeout)?;
         let transport = TcpTransport::connect(store, rank, size, token, config.socket_host.as_deref(), config.timeout)?;
         let shm = if size > 1 && config.transport == TransportChoice::Auto && all_on_this_host(store, rank, size, config.timeout)? {
-            Some(ShmGroup::setup(store, rank, size, config.shm_chunk_bytes, config.spin, config.timeout)?)
+            let par = Par::new(config.threads_for(size), config.thread_min_bytes);
+            Some(ShmGroup::setup(store, rank, size, config.shm_chunk_bytes, config.spin, config.timeout, par)?)
         } else {
             None
         };

@@ -27,6 +27,13 @@ pub struct Config {
     pub shm_oneshot_bytes: usize,
     /// `XCCL_RS_SPIN_US` (default 50): how long a waiting rank spins before it sleeps on a futex.
     pub spin: Duration,
+    /// `XCCL_RS_THREADS` (default 0: the cores available to this process divided by the ranks
+    /// on this host, at most 8): threads a rank uses for the copies and reductions of large
+    /// shared-memory blocks.
+    pub threads: usize,
+    /// `XCCL_RS_THREAD_MIN_BYTES` (default 256 KiB): the smallest piece of a block step a
+    /// helper thread takes; smaller steps stay on one thread.
+    pub thread_min_bytes: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +45,8 @@ pub enum TransportChoice {
 pub const DEFAULT_SHM_CHUNK_BYTES: usize = 4 << 20;
 
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
+
+pub const DEFAULT_THREAD_MIN_BYTES: usize = 256 << 10;
 
 impl Config {
     /// Reads the environment; `timeout` comes from the group (`init_process_group(timeout=...)`).
@@ -58,7 +67,18 @@ impl Config {
                 .unwrap_or(DEFAULT_SHM_CHUNK_BYTES),
             shm_oneshot_bytes: env_usize("XCCL_RS_SHM_ONESHOT_BYTES").unwrap_or(64 << 10),
             spin: Duration::from_micros(env_usize("XCCL_RS_SPIN_US").unwrap_or(50) as u64),
+            threads: env_usize("XCCL_RS_THREADS").unwrap_or(0),
+            thread_min_bytes: env_usize("XCCL_RS_THREAD_MIN_BYTES").unwrap_or(DEFAULT_THREAD_MIN_BYTES),
         }
+    }
+
+    /// The threads a rank uses when `local_ranks` ranks share this host (see `threads`).
+    pub fn threads_for(&self, local_ranks: usize) -> usize {
+        if self.threads > 0 {
+            return self.threads;
+        }
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        (cores / local_ranks.max(1)).clamp(1, 8)
     }
 
     /// Defaults with the given timeout, for tests and embedders.
@@ -71,6 +91,8 @@ impl Config {
             shm_chunk_bytes: DEFAULT_SHM_CHUNK_BYTES,
             shm_oneshot_bytes: 64 << 10,
             spin: Duration::from_micros(50),
+            threads: 0,
+            thread_min_bytes: DEFAULT_THREAD_MIN_BYTES,
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod comm;
 pub mod config;
 pub mod error;
 pub mod op;
+pub mod par;
 pub mod reduce;
 pub mod rendezvous;
 pub mod transport;

@@ -20,17 +20,19 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<
         let g = g0 + b as u64;
         let (start, len) = block_range(input.len(), piece, b);
         wait_slot_free(shm, g, ctx)?;
-        input.sub(start, len).copy_to(shm.slot(rank, g).sub(0, len));
+        shm.par().copy(input.sub(start, len), shm.slot(rank, g).sub(0, len));
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         if reads {
-            for peer in (0..size).filter(|&p| p != rank) {
-                shm.slot(peer, g).sub(0, len).copy_to(op.outputs[peer].sub(start, len));
-            }
+            let copies: Vec<_> = (0..size)
+                .filter(|&p| p != rank)
+                .map(|peer| (shm.slot(peer, g).sub(0, len), op.outputs[peer].sub(start, len)))
+                .collect();
+            shm.par().copy_all(&copies);
         }
         finish_block(shm, g);
     }
     if reads {
-        input.copy_to(op.outputs[rank]);
+        shm.par().copy(input, op.outputs[rank]);
     }
     Ok(())
 }

@@ -68,9 +68,11 @@ fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         let mine = shm.slot(rank, g);
         let (my_start, my_len) = part(rank);
         // Peers own everything but my part: copy what lies before and after it.
-        block.sub(0, my_start).copy_to(mine.sub(0, my_start));
         let after = my_start + my_len;
-        block.sub(after, len - after).copy_to(mine.sub(after, len - after));
+        shm.par().copy_all(&[
+            (block.sub(0, my_start), mine.sub(0, my_start)),
+            (block.sub(after, len - after), mine.sub(after, len - after)),
+        ]);
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
 
         let srcs: Vec<*const u8> = (0..size)
@@ -80,14 +82,17 @@ fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
             // SAFETY: peers' slots hold their inputs for my part (they published Produced for g
             // after copying); my own part is read from my tensor; the destination, my slot's
             // part, is disjoint from all of these (I never copied my own part into it).
-            unsafe { reduce_raw(&reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, true) };
+            unsafe { shm.par().reduce(&reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, esz) };
         }
         shm.publish(Counter::Reduced, g);
         shm.wait_all(Counter::Reduced, g, ctx)?;
-        for r in 0..size {
-            let (s, l) = part(r);
-            shm.slot(r, g).sub(s, l).copy_to(block.sub(s, l));
-        }
+        let copies: Vec<_> = (0..size)
+            .map(|r| {
+                let (s, l) = part(r);
+                (shm.slot(r, g).sub(s, l), block.sub(s, l))
+            })
+            .collect();
+        shm.par().copy_all(&copies);
         finish_block(shm, g);
     }
     Ok(())

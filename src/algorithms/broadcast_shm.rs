@@ -20,11 +20,11 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         let (start, len) = block_range(buf.len(), piece, b);
         wait_slot_free(shm, g, ctx)?;
         if rank == root {
-            buf.sub(start, len).copy_to(shm.slot(rank, g).sub(0, len));
+            shm.par().copy(buf.sub(start, len), shm.slot(rank, g).sub(0, len));
         }
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         if rank != root {
-            shm.slot(root, g).sub(0, len).copy_to(buf.sub(start, len));
+            shm.par().copy(shm.slot(root, g).sub(0, len), buf.sub(start, len));
         }
         finish_block(shm, g);
     }

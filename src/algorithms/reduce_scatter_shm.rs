@@ -6,7 +6,6 @@
 use super::shm_blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
 use crate::op::Op;
-use crate::reduce::reduce_raw;
 use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::OpCtx;
 
@@ -23,9 +22,9 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         let (start, len) = block_range(output.len(), lane, b);
         wait_slot_free(shm, g, ctx)?;
         let slot = shm.slot(rank, g);
-        for peer in (0..size).filter(|&p| p != rank) {
-            op.inputs[peer].sub(start, len).copy_to(slot.sub(peer * lane, len));
-        }
+        let copies: Vec<_> =
+            (0..size).filter(|&p| p != rank).map(|peer| (op.inputs[peer].sub(start, len), slot.sub(peer * lane, len))).collect();
+        shm.par().copy_all(&copies);
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         let srcs: Vec<*const u8> = (0..size)
             .map(|r| if r == rank { op.inputs[rank].sub(start, len).ptr() } else { shm.slot(r, g).sub(rank * lane, len).ptr() } as *const u8)
@@ -34,7 +33,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
             // SAFETY: peers' lanes for this rank hold `len` bytes of their inputs (published
             // Produced for g); the destination is this rank's output, which c10d guarantees is
             // not one of its input views, and is disjoint from every slot.
-            unsafe { reduce_raw(&reduction, output.sub(start, len).ptr(), &srcs, len / esz, true) };
+            unsafe { shm.par().reduce(&reduction, output.sub(start, len).ptr(), &srcs, len / esz, esz) };
         }
         finish_block(shm, g);
     }

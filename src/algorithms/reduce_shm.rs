@@ -6,7 +6,6 @@ use super::shm_blocks::{block_count, block_range, exchange_produced, finish_bloc
 use super::split_range;
 use crate::error::Result;
 use crate::op::Op;
-use crate::reduce::reduce_raw;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 use crate::transport::OpCtx;
 
@@ -30,9 +29,11 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         wait_slot_free(shm, g, ctx)?;
         let mine = shm.slot(rank, g);
         let (my_start, my_len) = part(rank);
-        block.sub(0, my_start).copy_to(mine.sub(0, my_start));
         let after = my_start + my_len;
-        block.sub(after, len - after).copy_to(mine.sub(after, len - after));
+        shm.par().copy_all(&[
+            (block.sub(0, my_start), mine.sub(0, my_start)),
+            (block.sub(after, len - after), mine.sub(after, len - after)),
+        ]);
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         let srcs: Vec<*const u8> = (0..size)
             .map(|r| if r == rank { block.sub(my_start, my_len).ptr() } else { shm.slot(r, g).sub(my_start, my_len).ptr() } as *const u8)
@@ -40,15 +41,18 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         if my_len > 0 {
             // SAFETY: as in allreduce_shm: peers' slots hold my part of their inputs, my part
             // comes from my tensor, and the destination (my slot's part) is disjoint from both.
-            unsafe { reduce_raw(&reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, true) };
+            unsafe { shm.par().reduce(&reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, esz) };
         }
         shm.publish(Counter::Reduced, g);
         if rank == root {
             shm.wait_all(Counter::Reduced, g, ctx)?;
-            for r in 0..size {
-                let (s, l) = part(r);
-                shm.slot(r, g).sub(s, l).copy_to(block.sub(s, l));
-            }
+            let copies: Vec<_> = (0..size)
+                .map(|r| {
+                    let (s, l) = part(r);
+                    (shm.slot(r, g).sub(s, l), block.sub(s, l))
+                })
+                .collect();
+            shm.par().copy_all(&copies);
         }
         finish_block(shm, g);
     }

@@ -21,18 +21,18 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         wait_slot_free(shm, g, ctx)?;
         if rank == root {
             let slot = shm.slot(rank, g);
-            for peer in (0..size).filter(|&p| p != rank) {
-                op.inputs[peer].sub(start, len).copy_to(slot.sub(peer * lane, len));
-            }
+            let copies: Vec<_> =
+                (0..size).filter(|&p| p != rank).map(|peer| (op.inputs[peer].sub(start, len), slot.sub(peer * lane, len))).collect();
+            shm.par().copy_all(&copies);
         }
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         if rank != root {
-            shm.slot(root, g).sub(rank * lane, len).copy_to(output.sub(start, len));
+            shm.par().copy(shm.slot(root, g).sub(rank * lane, len), output.sub(start, len));
         }
         finish_block(shm, g);
     }
     if rank == root {
-        op.inputs[rank].copy_to(output);
+        shm.par().copy(op.inputs[rank], output);
     }
     Ok(())
 }

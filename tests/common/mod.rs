@@ -429,7 +429,16 @@ pub fn net_config(net: Net, timeout: Duration, segment_bytes: usize) -> Config {
     let base = config(timeout, segment_bytes);
     match net {
         Net::Tcp => Config { transport: TransportChoice::Tcp, ..base },
-        Net::Shm => Config { transport: TransportChoice::Auto, shm_chunk_bytes: 4096, shm_oneshot_bytes: 1024, ..base },
+        // Three threads per rank with 64-byte pieces, so that the split copies and reductions
+        // of large blocks run on these small blocks too.
+        Net::Shm => Config {
+            transport: TransportChoice::Auto,
+            shm_chunk_bytes: 4096,
+            shm_oneshot_bytes: 1024,
+            threads: 3,
+            thread_min_bytes: 64,
+            ..base
+        },
     }
 }
 

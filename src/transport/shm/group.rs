@@ -20,6 +20,7 @@ use super::futex;
 use super::layout::{ABORT_CLOSED, ABORT_FAILED, Desc, RankHeader};
 use super::segment::Segment;
 use crate::error::{CommError, ErrorKind, Result};
+use crate::par::Par;
 use crate::rendezvous::{Store, rendezvous_error};
 use crate::transport::{OpCtx, RawBuf};
 use crate::types::{DType, OpKind, ReduceOp};
@@ -38,6 +39,8 @@ pub struct ShmGroup {
     segments: Vec<Segment>,
     next_block: u64,
     spin: Duration,
+    /// This rank's threads for large block steps.
+    par: Par,
     /// Peers' pids are meaningful here (same pid namespace), so a vanished pid means a dead rank.
     pids_visible: bool,
 }
@@ -74,7 +77,15 @@ fn pid_alive(pid: u64) -> bool {
 impl ShmGroup {
     /// Creates this rank's segment, maps every peer's, and unlinks ours once all ranks have
     /// mapped everything.
-    pub fn setup(store: &dyn Store, rank: usize, size: usize, chunk: usize, spin: Duration, timeout: Duration) -> Result<ShmGroup> {
+    pub fn setup(
+        store: &dyn Store,
+        rank: usize,
+        size: usize,
+        chunk: usize,
+        spin: Duration,
+        timeout: Duration,
+        par: Par,
+    ) -> Result<ShmGroup> {
         let (own, name) = Segment::create(chunk)?;
         store.set(&format!("xccl_rs/shm/{rank}"), name.as_bytes())?;
         let mut segments = Vec::with_capacity(size);
@@ -98,7 +109,7 @@ impl ShmGroup {
             }
         }
         let pids_visible = segments.iter().all(|s| pid_alive(s.header().pid.0.load(Ordering::Relaxed)));
-        Ok(ShmGroup { rank, size, chunk, segments, next_block: 1, spin, pids_visible })
+        Ok(ShmGroup { rank, size, chunk, segments, next_block: 1, spin, par, pids_visible })
     }
 
     pub fn rank(&self) -> usize {
@@ -107,6 +118,11 @@ impl ShmGroup {
     pub fn size(&self) -> usize {
         self.size
     }
+    /// This rank's threads for the copies and reductions of a block step.
+    pub fn par(&self) -> &Par {
+        &self.par
+    }
+
     /// Bytes of one data slot.
     pub fn chunk(&self) -> usize {
         self.chunk
