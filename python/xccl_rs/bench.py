@@ -90,23 +90,26 @@ def _make(op: str, nbytes: int, dtype: torch.dtype, rank: int, world: int, devic
 
 def _issue_async(group, control, device: torch.device, count: int) -> dict:
     """How long issuing `count` async all_reduces of 1 MiB takes on the host (the calls only,
-    not their completion), the slowest rank's."""
+    not their completion), the slowest rank's: the first time (cold: device runtimes allocate
+    pinned staging memory for sizes they have not seen) and the second (steady state, as in a
+    training loop)."""
     ts = [torch.ones(1 << 18, device=device) for _ in range(count)]
-    for w in [dist.all_reduce(t, group=group, async_op=True) for t in ts[:4]]:
-        w.wait()  # warm-up
-    _sync(device)
-    dist.barrier(group=control)
-    t0 = time.perf_counter()
-    works = [dist.all_reduce(t, group=group, async_op=True) for t in ts]
-    issue = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    for w in works:
-        w.wait()
-    _sync(device)
-    total = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(issue, op=dist.ReduceOp.MAX, group=control)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=control)
-    return {"op": "issue_async", "count": count, "bytes": 1 << 20, "device": str(device),
-            "issue_ms": issue.item() * 1e3, "complete_ms": total.item() * 1e3}
+    out = {"op": "issue_async", "count": count, "bytes": 1 << 20, "device": str(device)}
+    for label in ("cold", "warm"):
+        _sync(device)
+        dist.barrier(group=control)
+        t0 = time.perf_counter()
+        works = [dist.all_reduce(t, group=group, async_op=True) for t in ts]
+        issue = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        for w in works:
+            w.wait()
+        _sync(device)
+        total = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(issue, op=dist.ReduceOp.MAX, group=control)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=control)
+        out[f"{label}_issue_ms"] = issue.item() * 1e3
+        out[f"{label}_complete_ms"] = total.item() * 1e3
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -225,8 +228,10 @@ def main(argv=None) -> int:
         if kind == "done":
             break
         if kind == "note":
-            print(f"issuing {row['count']} async all_reduces of 1 MiB ({row['device']}): "
-                  f"{row['issue_ms']:.2f} ms to return, {row['complete_ms']:.2f} ms to complete", flush=True)
+            for label in ("cold", "warm"):
+                print(f"issuing {row['count']} async all_reduces of 1 MiB ({row['device']}, {label}): "
+                      f"{row[label + '_issue_ms']:.2f} ms to return, {row[label + '_complete_ms']:.2f} ms to complete",
+                      flush=True)
             rows.append(row)
             continue
         rows.append(row)
