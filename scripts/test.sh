@@ -19,7 +19,7 @@ cargo test --release --quiet
 
 echo "== pytest (ranks as processes)"
 set +e
-"$PY" -m pytest python_tests -q -ra "$@"
+"$PY" -X faulthandler -m pytest python_tests -q -ra "$@"  # a crash prints its stack
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -12,7 +12,7 @@
 //! once all have, each rank copies every part from its owner's slot into its output. Slots
 //! alternate, so the next block's copy overlaps peers' reading of this one.
 
-use super::shm_blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
+use super::shm_blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
 use super::split_range;
 use crate::error::Result;
 use crate::op::Op;
@@ -86,13 +86,7 @@ fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         }
         shm.publish(Counter::Reduced, g);
         shm.wait_all(Counter::Reduced, g, ctx)?;
-        let copies: Vec<_> = (0..size)
-            .map(|r| {
-                let (s, l) = part(r);
-                (shm.slot(r, g).sub(s, l), block.sub(s, l))
-            })
-            .collect();
-        shm.par().copy_all(&copies);
+        copy_reduced_parts(shm, g, block, part);
         finish_block(shm, g);
     }
     Ok(())

@@ -2,7 +2,7 @@
 //! part of each block into its slot), then only the root copies the parts into its tensor.
 //! Other ranks' tensors are left unchanged.
 
-use super::shm_blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
+use super::shm_blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
 use super::split_range;
 use crate::error::Result;
 use crate::op::Op;
@@ -46,13 +46,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         shm.publish(Counter::Reduced, g);
         if rank == root {
             shm.wait_all(Counter::Reduced, g, ctx)?;
-            let copies: Vec<_> = (0..size)
-                .map(|r| {
-                    let (s, l) = part(r);
-                    (shm.slot(r, g).sub(s, l), block.sub(s, l))
-                })
-                .collect();
-            shm.par().copy_all(&copies);
+            copy_reduced_parts(shm, g, block, part);
         }
         finish_block(shm, g);
     }

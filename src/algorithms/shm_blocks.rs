@@ -4,7 +4,7 @@
 //! then, after reading, announce the block consumed.
 
 use crate::error::Result;
-use crate::transport::OpCtx;
+use crate::transport::{OpCtx, RawBuf};
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 
 /// Number of blocks for `len` bytes in pieces of `piece` bytes: at least one, so that even an
@@ -36,6 +36,18 @@ pub fn exchange_produced(shm: &ShmGroup, g: u64, first: Option<Desc>, ctx: &OpCt
         shm.check_descs(g, ctx)?;
     }
     Ok(())
+}
+
+/// Copies every rank's reduced part of block g, `part(r)` = (offset, length) in bytes, from its
+/// owner's slot into `block` (after every rank's `Reduced` for g).
+pub fn copy_reduced_parts(shm: &ShmGroup, g: u64, block: RawBuf, part: impl Fn(usize) -> (usize, usize)) {
+    let copies: Vec<_> = (0..shm.size())
+        .map(|r| {
+            let (s, l) = part(r);
+            (shm.slot(r, g).sub(s, l), block.sub(s, l))
+        })
+        .collect();
+    shm.par().copy_all(&copies);
 }
 
 /// Publishes `Reduced` and `Consumed` for g: this rank is done with block g.
