@@ -93,9 +93,17 @@ void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_r
 XcclRsWork::XcclRsWork(int rank, c10d::OpType type, std::shared_ptr<WorkState> state)
     : c10d::Work(rank, type), state_(std::move(state)) {}
 
+// Done means the job finished *and* its future is completed: the future is completed right
+// after `done` is set (outside the lock, so that its callbacks may use this Work), and a
+// caller who saw the work completed may read the future's value at once.
 bool XcclRsWork::isCompleted() {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->done;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->done) {
+      return false;
+    }
+  }
+  return state_->future->completed();
 }
 
 bool XcclRsWork::isSuccess() const {
@@ -128,10 +136,17 @@ bool XcclRsWork::wait(std::chrono::milliseconds timeout) {
         "xccl_rs: " + state_->what + ": Work.wait timed out after " + std::to_string(timeout.count()) +
             " ms (the operation is still running; it fails by itself at the group timeout)");
   }
-  if (state_->error) {
-    std::rethrow_exception(state_->error);
-  }
+  const std::exception_ptr error = state_->error;
   lock.unlock();
+  // See isCompleted: the future completes (with the value or the error) just after `done`.
+  // (Its wait() also makes the current stream wait for a device future's events, which
+  // make_current_stream_wait repeats.)
+  if (!state_->future->completed()) {
+    state_->future->wait();
+  }
+  if (error) {
+    std::rethrow_exception(error);
+  }
   if (state_->staging) {
     state_->staging->make_current_stream_wait();
   }
