@@ -3,6 +3,7 @@
 // backends torch creates per device type of one group share one communicator.
 #include <map>
 #include <mutex>
+#include <optional>
 #include <utility>
 
 #include <pybind11/chrono.h>
@@ -102,9 +103,13 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_process_group(
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::string& name) {
+    const std::string& name,
+    std::optional<c10::Device> device) {
   timeout = checked(rank, size, timeout);
   auto backend = c10::make_intrusive<XcclRsBackend>(new_communicator(store, rank, size, timeout), rank, size, timeout);
+  if (device) {
+    backend->setBoundDeviceId(device); // the rank's accelerator (see Job::staging)
+  }
   auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   for (auto device : {c10::DeviceType::CPU, c10::DeviceType::CUDA, c10::DeviceType::XPU}) {
     pg->setBackend(device, c10d::ProcessGroup::BackendType::CUSTOM, backend);
@@ -136,6 +141,7 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
       pybind11::arg("size"),
       pybind11::arg("timeout"),
       pybind11::arg("name"),
+      pybind11::arg("device") = std::nullopt,
       "Create a private ProcessGroup served by xccl_rs over `store` (see xccl_rs.new_group).");
   m.attr("torch_version_built") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 }

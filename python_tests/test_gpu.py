@@ -248,3 +248,33 @@ def test_size_mismatch_on_cuda_raises_everywhere():
     for r in range(2):
         msg = res.value(r)
         assert msg and "mismatch" in msg, f"rank {r}: {msg!r}\n{res.report()}"
+
+
+def w_private_group_on_cuda(rank, world_size):
+    """xccl_rs.new_group(device="cuda"): bound to the current CUDA device; CUDA tensors work
+    through the group's own methods and dist.*(group=)."""
+    import torch
+    import torch.distributed as dist
+
+    import xccl_rs
+    from harness import ctx
+
+    torch.cuda.set_device(0)
+    probs = []
+    store = dist.PrefixStore("private_cuda/", ctx().connect_store())
+    pg = xccl_rs.new_group(store, rank, world_size, timeout=ctx().timeout(), device="cuda")
+    t = torch.full((4097,), float(rank + 1), device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+    want = (world_size + 1) / 2
+    if not torch.allclose(t.cpu(), torch.full((4097,), want)):
+        probs.append(f"AVG over the private group: {t[0].item()}, expected {want}")
+    b = torch.arange(100, dtype=torch.float32, device="cuda") * (rank == 0)
+    dist.broadcast(b, group_src=0, group=pg)
+    if not torch.equal(b.cpu(), torch.arange(100, dtype=torch.float32)):
+        probs.append("broadcast over the private group")
+    xccl_rs.destroy_group(pg)
+    return probs
+
+
+def test_private_group_on_cuda():
+    _check(run_ranks(2, w_private_group_on_cuda, timeout_s=120), 2)

@@ -169,3 +169,32 @@ def test_rebuild_five_times():
     res = run_ranks(3, w_rebuild, init="none", timeout_s=120)
     problems = [f"rank {r}: {p}" for r in range(3) for p in res.value(r)]
     assert not problems, "\n".join(problems)
+
+
+def w_device_argument(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    import xccl_rs
+
+    problems = []
+    store = dist.PrefixStore("dev/", ctx().connect_store())
+    pg = xccl_rs.new_group(store, rank, world_size, timeout=ctx().timeout(), device="cpu")
+    t = torch.ones(7)
+    pg.allreduce([t]).wait()
+    if t.tolist() != [float(world_size)] * 7:
+        problems.append(f"device='cpu' group gave {t.tolist()}")
+    xccl_rs.destroy_group(pg)
+    try:
+        xccl_rs.new_group(dist.PrefixStore("dev2/", store), rank, world_size, device="meta")
+        problems.append("device='meta' did not raise")
+    except ValueError as e:
+        if "meta" not in str(e):
+            problems.append(f"device='meta' raised {e!r}")
+    return problems
+
+
+def test_device_argument():
+    res = run_ranks(2, w_device_argument, init="none", timeout_s=90)
+    problems = [f"rank {r}: {p}" for r in range(2) for p in res.value(r)]
+    assert not problems, "\n".join(problems)

@@ -87,7 +87,9 @@ def new_group(
         pg.barrier().wait()
 
     ``device`` names the device the group's tensors live on (``"cpu"``, ``"cuda"``, ``"xpu"``
-    or a torch.device); accelerator tensors are staged through the host. Destroy a group with
+    or a torch.device; ``"cuda"`` alone means the current CUDA device): an accelerator binds
+    this rank to it, so a tensor on another device raises. Accelerator tensors are staged
+    through the host. Destroy a group with
     :func:`destroy_group`; building the next one under the same name over a new store prefix
     works any number of times.
     """
@@ -95,9 +97,22 @@ def new_group(
         raise TypeError(f"xccl_rs.new_group: store must be a torch.distributed.Store, got {type(store).__name__}")
     if world_size <= 0 or not 0 <= rank < world_size:
         raise ValueError(f"xccl_rs.new_group: rank {rank} is not in a group of size {world_size}")
-    if device is not None and torch.device(device).type not in DEVICES:
+    return _C.new_process_group(store, rank, world_size, timeout, name, _bound_device(device))
+
+
+def _bound_device(device) -> "torch.device | None":
+    """The accelerator a private group binds this rank to (None for the host or unset); a
+    device type without an index means that type's current device."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type not in DEVICES:
         raise ValueError(f"xccl_rs.new_group: device {device} is not one of {DEVICES}")
-    return _C.new_process_group(store, rank, world_size, timeout, name)
+    if device.type == "cpu":
+        return None
+    if device.index is None:
+        device = torch.device(device.type, getattr(torch, device.type).current_device())
+    return device
 
 
 def destroy_group(group: dist.ProcessGroup) -> None:
