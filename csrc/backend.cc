@@ -153,11 +153,7 @@ class XcclRsBackend::Job {
     const c10::Device device = t.device();
     auto& bound = backend_.device_;
     if (!bound) {
-      auto from_group = backend_.getBoundDeviceId();
-      bound = from_group ? *from_group : device;
-      if (bound->type() == device.type() && !bound->has_index()) {
-        bound = device;
-      }
+      bound = backend_.getBoundDeviceId().value_or(device); // both always carry an index
     }
     if (*bound != device) {
       reject_and_abort(

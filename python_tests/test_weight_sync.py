@@ -97,15 +97,6 @@ def compare(received, expected) -> list[str]:
     return probs
 
 
-def _store_barrier(store, key, n, timeout_s=60.0):
-    store.add(key, 1)
-    t0 = time.monotonic()
-    while int(store.add(key, 0)) < n:
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(f"store barrier {key}")
-        time.sleep(0.005)
-
-
 # --------------------------------------------------------------------------------------
 # worker side
 # --------------------------------------------------------------------------------------

@@ -52,15 +52,12 @@ impl Par {
                     .num_threads(threads - 1)
                     .thread_name(|i| format!("xccl_rs-copy-{i}"))
                     .build()
+                    .map_err(|e| tracing::warn!(threads, error = %e, "xccl_rs: no helper threads; copying on one"))
                     .ok()
             })
             .flatten();
         let threads = if pool.is_some() { threads } else { 1 };
         Par { pool, threads, min_piece: min_piece.max(ALIGN) }
-    }
-
-    pub fn threads(&self) -> usize {
-        self.threads
     }
 
     /// How many pieces `bytes` of work are cut into.

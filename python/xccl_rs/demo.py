@@ -137,7 +137,6 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
     # Trainer 1 takes no part in the sync: it holds its shard of the model, nothing for the sync.
     weights = initial_weights(args.layers, dtype, device) if sync_rank >= 0 else None
     kinds = ["xccl_rs"] + ([] if args.no_gloo else ["gloo"])
-    results = {k: [] for k in kinds}
     for round_ in range(args.rounds):
         if is_trainer:
             loss = torch.tensor([float(proc + 1) * (round_ + 1)], device=device)
@@ -152,14 +151,13 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
         for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
             if sync_rank < 0:
                 continue
-            pg, _master = _sync_group(kind, round_, sync_rank, launcher, timeout)
+            pg, _master = _sync_group(kind, round_, sync_rank, launcher, timeout)  # _master: keeps the store up
             bucket = args.bucket_mb << 20
             pg.barrier().wait()  # time the sync alone, not who arrived last
             if sync_rank == 0:
                 stats = WeightSender(pg, src=0, bucket_bytes=bucket, device=device).send(
                     weights, progress=args.progress and kind == "xccl_rs"
                 )
-                results[kind].append(stats.seconds)
                 queue.put(("sync", kind, round_, stats.bytes, stats.seconds))
             else:
                 receiver = WeightReceiver(pg, src=0, bucket_bytes=bucket, device=device, bucket_device=device)

@@ -419,7 +419,7 @@ class SendStream:
 
     def _buffer(self) -> torch.Tensor:
         slot = self.s._slots[self.cur]
-        if slot.buf is None or slot.buf.device != self.s.device:
+        if slot.buf is None:  # a sender's device never changes: allocate once, then reuse
             slot.buf = torch.empty(self.s.bucket_bytes, dtype=torch.uint8, device=self.s.device)
         return slot.buf
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds the bridge (build.sh), then runs what is asked and writes logs and
 # JSON into $OUT (the device tool brings that folder back):
-#   scripts/gpu/run.sh tests          # python_tests marked gpu, plus the CPU suite's quick files
+#   scripts/gpu/run.sh tests ARGS...  # the python_tests marked gpu (ARGS go to pytest)
 #   scripts/gpu/run.sh bench ARGS...  # python -m xccl_rs.bench ARGS (JSON in $OUT/bench.json)
 #   scripts/gpu/run.sh demo ARGS...   # python -m xccl_rs.demo ARGS
 # From the development machine: scripts/gpu/prepare.sh, then the device tool's run with
