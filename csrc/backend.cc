@@ -190,6 +190,14 @@ class XcclRsBackend::Job {
     return c;
   }
 
+  // A tensor the op only reads that is still part of the result (the future's value), like a
+  // reduce's tensor on the ranks other than the root.
+  at::Tensor unchanged_result(const at::Tensor& t) {
+    at::Tensor staged = input(t);
+    state_->outputs.push_back(t);
+    return staged;
+  }
+
   // A tensor the op reads and writes (in place): non-contiguous ones are staged and copied
   // back; accelerator tensors are staged to the host and back.
   at::Tensor output(const at::Tensor& t) {
@@ -235,6 +243,18 @@ class XcclRsBackend::Job {
   }
 
   void add(OpRequest r) {
+    if (state_->staging) {
+      // Its index in the job that will be submitted (a coalesced job gathers several calls).
+      const size_t index = (backend_.coalescing_ ? backend_.coalesced_ops_.size() : 0) + ops_.size();
+      std::vector<OpBuffer> buffers;
+      for (const auto& v : r.inputs) {
+        buffers.push_back(OpBuffer{v.ptr, v.bytes, false});
+      }
+      for (const auto& v : r.outputs) {
+        buffers.push_back(OpBuffer{v.ptr, v.bytes, true});
+      }
+      state_->staging->add_op(index, buffers, backend_.comm_->comm->chunk_bytes(r.kind));
+    }
     ops_.push_back(std::move(r));
   }
 
@@ -353,7 +373,9 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::broadcast(std::vector<at::Tensor>&
   }
   auto r = request(kBroadcast, &tensors[0]);
   r.root = opts.rootRank;
-  r.outputs.push_back(view_of(job.output(tensors[0])));
+  // Only the root's values are read: an accelerator tensor elsewhere is not copied to the host.
+  const bool is_root = opts.rootRank == getRank();
+  r.outputs.push_back(view_of(is_root ? job.output(tensors[0]) : job.output_only(tensors[0])));
   job.add(std::move(r));
   return launch(job, c10d::OpType::BROADCAST, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -366,7 +388,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce(std::vector<at::Tensor>& te
   auto r = request(kReduce, &tensors[0]);
   r.root = opts.rootRank;
   job.set_reduction(r, opts.reduceOp);
-  r.outputs.push_back(view_of(job.output(tensors[0])));
+  // Only the root's tensor changes: elsewhere it is an input only (nothing copied back).
+  r.outputs.push_back(view_of(opts.rootRank == getRank() ? job.output(tensors[0]) : job.unchanged_result(tensors[0])));
   job.add(std::move(r));
   return launch(job, c10d::OpType::REDUCE, XCCL_RS_CALLER_WAITS(opts));
 }

@@ -1,6 +1,8 @@
 // Host staging of accelerator tensors (see device.h for the protocol and its threads).
 #include "xccl_rs/device.h"
 
+#include <algorithm>
+
 #include <c10/util/Exception.h>
 
 namespace xccl_rs {
@@ -14,6 +16,15 @@ at::Tensor pinned_like(const at::Tensor& t) {
   return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true), at::MemoryFormat::Contiguous);
 }
 
+// Chunk k of a range of `bytes` bytes in chunks of `chunk` bytes: (start, length) (src/pipeline.rs).
+std::pair<size_t, size_t> chunk_range(size_t bytes, size_t chunk, size_t k) {
+  if (chunk == SIZE_MAX) {
+    return {0, k == 0 ? bytes : 0};
+  }
+  const size_t start = std::min(bytes, k * chunk);
+  return {start, std::min(chunk, bytes - start)};
+}
+
 } // namespace
 
 DeviceStaging::DeviceStaging(c10::Device device)
@@ -21,57 +32,153 @@ DeviceStaging::DeviceStaging(c10::Device device)
       impl_(device.type()),
       caller_stream_(impl_.getStream(device)),
       copy_stream_(impl_.getStreamFromGlobalPool(device, /*isHighPriority=*/false)),
-      inputs_staged_(device.type()),
+      staged_(device.type()),
       outputs_ready_(device.type()) {}
 
-at::Tensor DeviceStaging::stage_in(const at::Tensor& t) {
+at::Tensor DeviceStaging::stage(const at::Tensor& t, bool read, bool write) {
   TORCH_INTERNAL_ASSERT(!sealed_, "xccl_rs: staging after seal");
   at::Tensor host = pinned_like(t);
-  host.copy_(t, /*non_blocking=*/true); // on the caller's current stream; any strides
-  inputs_.push_back(host);
+  Buffer b{t, t.is_contiguous() ? t.reshape({-1}) : at::Tensor(), host.reshape({-1}), read, write};
+  buffers_.push_back(std::move(b));
   return host;
 }
 
-at::Tensor DeviceStaging::stage_out(const at::Tensor& t, bool read) {
-  TORCH_INTERNAL_ASSERT(!sealed_, "xccl_rs: staging after seal");
-  at::Tensor host = pinned_like(t);
-  if (read) {
-    host.copy_(t, /*non_blocking=*/true);
+void DeviceStaging::add_op(size_t index, const std::vector<OpBuffer>& buffers, size_t chunk_bytes) {
+  TORCH_INTERNAL_ASSERT(!sealed_, "xccl_rs: add_op after seal");
+  if (ops_.size() <= index) {
+    ops_.resize(index + 1);
   }
-  outputs_.emplace_back(t, host);
-  return host;
+  OpPlan& plan = ops_[index];
+  size_t piece = 0;
+  for (const auto& ob : buffers) {
+    piece = std::max(piece, ob.bytes);
+    if (ob.bytes == 0) {
+      continue;
+    }
+    for (size_t i = 0; i < buffers_.size(); ++i) {
+      const auto base = reinterpret_cast<size_t>(buffers_[i].host_flat.data_ptr());
+      const auto len = static_cast<size_t>(buffers_[i].host_flat.nbytes());
+      if (ob.ptr >= base && ob.ptr - base + ob.bytes <= len) {
+        plan.views.push_back(View{i, ob.ptr - base, ob.bytes, ob.output});
+        break;
+      }
+    }
+    // A buffer in no staged tensor is a host tensor of a mixed job: nothing to copy.
+  }
+  plan.chunk_bytes = chunk_bytes;
+  plan.chunks = chunk_bytes == SIZE_MAX ? 1 : std::max<size_t>(1, (piece + chunk_bytes - 1) / chunk_bytes);
+}
+
+const DeviceStaging::OpPlan* DeviceStaging::plan_of(size_t op) const {
+  return op < ops_.size() && !ops_[op].views.empty() ? &ops_[op] : nullptr;
+}
+
+void DeviceStaging::copy_range(const OpPlan& plan, const View& view, size_t chunk, bool to_host) {
+  const Buffer& b = buffers_[view.buffer];
+  const auto [start, len] = chunk_range(view.bytes, plan.chunk_bytes, chunk);
+  if (len == 0) {
+    return;
+  }
+  // Views and chunks start at whole elements (chunks are multiples of 64 bytes).
+  const auto esz = static_cast<size_t>(b.host_flat.element_size());
+  const auto first = static_cast<int64_t>((view.offset + start) / esz);
+  const auto count = static_cast<int64_t>(len / esz);
+  at::Tensor host = b.host_flat.narrow(0, first, count);
+  at::Tensor device = b.device_flat.narrow(0, first, count);
+  if (to_host) {
+    host.copy_(device, /*non_blocking=*/true);
+  } else {
+    device.copy_(host, /*non_blocking=*/true);
+  }
 }
 
 void DeviceStaging::seal() {
   TORCH_INTERNAL_ASSERT(!sealed_, "xccl_rs: seal called twice");
   sealed_ = true;
-  // Also for write-only outputs: the job may overwrite them only after the work queued before
-  // it (which may still read them) has run.
-  inputs_staged_.record(caller_stream_);
-}
-
-void DeviceStaging::wait_inputs() {
-  TORCH_INTERNAL_ASSERT(sealed_, "xccl_rs: wait_inputs before seal");
   c10::DeviceGuard device_guard(device_);
-  inputs_staged_.synchronize();
+  // On the caller's current stream: the copies follow the work queued before the collective.
+  for (auto& b : buffers_) {
+    if (b.read && !b.device_flat.defined()) {
+      b.host_flat.view(b.device.sizes()).copy_(b.device, /*non_blocking=*/true); // whole, any strides
+    }
+  }
+  size_t events = 0;
+  for (const auto& plan : ops_) {
+    events += plan.views.empty() ? 0 : plan.chunks;
+  }
+  chunk_events_.reserve(events);
+  for (auto& plan : ops_) {
+    if (plan.views.empty()) {
+      continue;
+    }
+    plan.first_event = chunk_events_.size();
+    for (size_t k = 0; k < plan.chunks; ++k) {
+      for (const auto& v : plan.views) {
+        const Buffer& b = buffers_[v.buffer];
+        if (b.read && b.device_flat.defined()) {
+          copy_range(plan, v, k, /*to_host=*/true);
+        }
+      }
+      // Also for chunks with nothing to copy (write-only outputs): the job may overwrite them
+      // only after the work queued before it (which may still read them) has run.
+      chunk_events_.emplace_back(device_.type());
+      chunk_events_.back().record(caller_stream_);
+    }
+  }
+  staged_.record(caller_stream_);
 }
 
-void DeviceStaging::copy_results_back() {
+void DeviceStaging::wait_chunk(size_t op, size_t chunk) {
+  TORCH_INTERNAL_ASSERT(sealed_, "xccl_rs: wait_chunk before seal");
+  const OpPlan* plan = plan_of(op);
+  if (plan == nullptr) {
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(chunk < plan->chunks, "xccl_rs: chunk ", chunk, " of an op of ", plan->chunks, " chunks");
+  c10::DeviceGuard device_guard(device_);
+  chunk_events_[plan->first_event + chunk].synchronize();
+}
+
+void DeviceStaging::copy_back_chunk(size_t op, size_t chunk) {
+  const OpPlan* plan = plan_of(op);
+  if (plan == nullptr) {
+    return;
+  }
   c10::DeviceGuard device_guard(device_);
   c10::StreamGuard stream_guard(copy_stream_);
-  // The copy stream starts after the caller's stream reached the staging point, so the copies
-  // back cannot overtake work that was queued before the collective.
-  inputs_staged_.block(copy_stream_);
-  for (auto& [device_tensor, host] : outputs_) {
-    device_tensor.copy_(host, /*non_blocking=*/true);
-    impl_.recordDataPtrOnStream(device_tensor.storage().data_ptr(), copy_stream_);
+  // The chunk's event has fired (wait_chunk), so the work queued before the collective is done.
+  for (const auto& v : plan->views) {
+    Buffer& b = buffers_[v.buffer];
+    if (!v.output || !b.write || !b.device_flat.defined()) {
+      continue;
+    }
+    if (!b.recorded) {
+      impl_.recordDataPtrOnStream(b.device.storage().data_ptr(), copy_stream_);
+      b.recorded = true;
+    }
+    copy_range(*plan, v, chunk, /*to_host=*/false);
+  }
+}
+
+void DeviceStaging::finish() {
+  c10::DeviceGuard device_guard(device_);
+  c10::StreamGuard stream_guard(copy_stream_);
+  staged_.block(copy_stream_);
+  for (auto& b : buffers_) {
+    if (b.write && !b.device_flat.defined()) {
+      b.device.copy_(b.host_flat.view(b.device.sizes()), /*non_blocking=*/true); // whole, any strides
+    }
+    if (b.write && !b.recorded) {
+      impl_.recordDataPtrOnStream(b.device.storage().data_ptr(), copy_stream_);
+      b.recorded = true;
+    }
   }
   outputs_ready_.record(copy_stream_);
   results_back_ = true;
   // The host buffers can go: the caching host allocator keeps each block until the copies
   // that use it have finished.
-  inputs_.clear();
-  outputs_.clear();
+  buffers_.clear();
+  chunk_events_.clear();
 }
 
 void DeviceStaging::make_current_stream_wait() {

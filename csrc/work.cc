@@ -21,8 +21,12 @@ std::shared_ptr<WorkState> new_work_state(const std::string& what) {
   return state;
 }
 
-void work_ready(std::unique_ptr<WorkReady> ready) {
-  ready->staging->wait_inputs();
+void chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk) {
+  ready.staging->wait_chunk(op, chunk);
+}
+
+void chunk_outputs_done(WorkReady& ready, size_t op, size_t chunk) {
+  ready.staging->copy_back_chunk(op, chunk);
 }
 
 namespace {
@@ -61,7 +65,7 @@ void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_r
   bool copied_back = false;
   if (!failure && state->staging) {
     try {
-      state->staging->copy_results_back();
+      state->staging->finish();
       copied_back = true;
     } catch (const std::exception& e) {
       failure = make_backend_error(

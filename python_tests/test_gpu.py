@@ -41,7 +41,7 @@ def _close(got, want, what, probs, exact=False):
         probs.append(f"{what}: max error {(got.float() - want.float()).abs().max().item()}")
 
 
-def w_every_collective(rank, world_size):
+def w_every_collective(rank, world_size, N=N):  # noqa: N803 (the element count, as above)
     import torch
     import torch.distributed as dist
 
@@ -50,7 +50,7 @@ def w_every_collective(rank, world_size):
     n = world_size
     probs = []
     for dtype in ("float32", "bfloat16"):
-        xs = _inputs(f"gpu-{dtype}", n, dtype=dtype)
+        xs = _inputs(f"gpu-{dtype}", n, n=N, dtype=dtype)
         mine = xs[rank].to(dev)
         stack = torch.stack([x.float() for x in xs])
         for op, ref in (
@@ -85,7 +85,13 @@ def w_every_collective(rank, world_size):
         dist.all_gather_into_tensor(out, mine)
         _close(out, torch.cat(xs), f"all_gather_into_tensor {dtype}", probs, exact=True)
 
-        per = [torch.stack([x.float() for x in _inputs(f"rs-{dtype}-{r}", n, dtype=dtype)]) for r in range(n)]
+        # in place: the input is this rank's block of the output
+        out = torch.zeros(n * N, dtype=mine.dtype, device=dev)
+        out[rank * N : (rank + 1) * N].copy_(mine)
+        dist.all_gather_into_tensor(out, out[rank * N : (rank + 1) * N])
+        _close(out, torch.cat(xs), f"all_gather_into_tensor in place {dtype}", probs, exact=True)
+
+        per = [torch.stack([x.float() for x in _inputs(f"rs-{dtype}-{r}", n, n=N, dtype=dtype)]) for r in range(n)]
         rs_in = torch.cat([per[rank][j].to(mine.dtype) for j in range(n)]).to(dev)
         rs_out = torch.empty(N, dtype=mine.dtype, device=dev)
         dist.reduce_scatter_tensor(rs_out, rs_in)
@@ -185,20 +191,20 @@ def w_futures(rank, world_size):
     return probs
 
 
-def w_mixed(rank, world_size):
+def w_mixed(rank, world_size, n=5000):
     """Rank 0 on the CPU, the others on CUDA: one group, one collective."""
     import torch
     import torch.distributed as dist
 
     dev = torch.device("cpu") if rank == 0 else torch.device("cuda", 0)
     probs = []
-    t = torch.full((5000,), float(rank + 1), device=dev)
+    t = torch.full((n,), float(rank + 1), device=dev)
     dist.all_reduce(t)
-    if t.device != dev or t.cpu().tolist() != [float(world_size * (world_size + 1) // 2)] * 5000:
+    if t.device != dev or t.cpu().tolist() != [float(world_size * (world_size + 1) // 2)] * n:
         probs.append(f"all_reduce: {t[0].item()} on {t.device}")
-    b = torch.arange(777, dtype=torch.float32, device=dev) if rank == 1 else torch.zeros(777, device=dev)
+    b = torch.arange(n + 7, dtype=torch.float32, device=dev) if rank == 1 else torch.zeros(n + 7, device=dev)
     dist.broadcast(b, src=1)
-    if not torch.equal(b.cpu(), torch.arange(777, dtype=torch.float32)):
+    if not torch.equal(b.cpu(), torch.arange(n + 7, dtype=torch.float32)):
         probs.append("broadcast from a CUDA rank to a CPU rank")
     out = torch.empty(world_size * 3, device=dev)
     dist.all_gather_into_tensor(out, torch.full((3,), float(rank), device=dev))
@@ -231,8 +237,27 @@ def test_every_collective_on_cuda(world_size):
     _check(run_ranks(world_size, w_every_collective, timeout_s=240), world_size)
 
 
+# Chunks of 64 KiB (the smallest allowed): float32 tensors of 4 chunks, bfloat16 of 2, so that
+# every collective runs its chunk pipeline (src/pipeline.rs, csrc/device.cc) on device tensors.
+CHUNKED = {"XCCL_RS_PIPELINE_CHUNK_BYTES": str(64 << 10)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_collective_on_cuda_in_chunks(world_size):
+    res = run_ranks(world_size, w_every_collective, 3 * (16 << 10) + 37, timeout_s=240, env=CHUNKED)
+    _check(res, world_size)
+
+
+def test_mixed_cpu_cuda_group_in_chunks():
+    _check(run_ranks(3, w_mixed, 3 * (16 << 10) + 37, timeout_s=120, env=CHUNKED), 3)
+
+
 def test_stream_order():
     _check(run_ranks(2, w_stream_order, timeout_s=120), 2)
+
+
+def test_stream_order_in_chunks():
+    _check(run_ranks(2, w_stream_order, timeout_s=120, env=CHUNKED), 2)
 
 
 def test_async_futures():

@@ -5,11 +5,12 @@
 
 use std::time::Duration;
 
-use crate::comm::{Communicator, OnReady};
+use crate::comm::{Communicator, JobStaging};
 use crate::config::Config;
 use crate::error::{CommError, Result};
 use crate::ffi::ffi::{self, BufferView, OpRequest, StoreRef, WorkDone, WorkReady};
 use crate::op::Op;
+use crate::pipeline::{Staging, chunk_bytes_for};
 use crate::reduce::Reduction;
 use crate::rendezvous::Store;
 use crate::transport::RawBuf;
@@ -23,9 +24,22 @@ unsafe impl Sync for StoreRef {}
 // SAFETY: WorkDone owns a shared_ptr to a mutex-protected state; it is moved to the progress
 // thread and used there once.
 unsafe impl Send for WorkDone {}
-// SAFETY: WorkReady owns a shared_ptr to the same state; it is moved to the thread that runs
-// the job and consumed there once.
+// SAFETY: WorkReady owns a shared_ptr to the job's DeviceStaging; it is moved to the thread that
+// runs the job and used only there (the caller's thread no longer touches the staging's
+// chunk state after sealing it).
 unsafe impl Send for WorkReady {}
+
+/// The C++ staging of a job's accelerator tensors, as the core's [`Staging`] hooks.
+struct BridgeStaging(cxx::UniquePtr<WorkReady>);
+
+impl Staging for BridgeStaging {
+    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<()> {
+        ffi::chunk_inputs_ready(self.0.pin_mut(), op, chunk).map_err(|e| CommError::io(e.what().to_string()))
+    }
+    fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()> {
+        ffi::chunk_outputs_done(self.0.pin_mut(), op, chunk).map_err(|e| CommError::io(e.what().to_string()))
+    }
+}
 
 struct BridgeStore(cxx::UniquePtr<StoreRef>);
 
@@ -86,12 +100,10 @@ impl RustComm {
     ) -> std::result::Result<(), String> {
         catch(|| {
             let ops = ops.iter().map(to_op).collect::<Result<Vec<_>>>()?;
-            let ready: Option<OnReady> = (!ready.is_null()).then(|| {
-                Box::new(move || ffi::work_ready(ready).map_err(|e| CommError::io(e.what().to_string()))) as OnReady
-            });
+            let staging: Option<JobStaging> = (!ready.is_null()).then(|| Box::new(BridgeStaging(ready)) as JobStaging);
             self.0.submit_with(
                 ops,
-                ready,
+                staging,
                 Box::new(move |result| match result {
                     Ok(c) => ffi::work_done(done, "", c.source_rank),
                     Err(e) => ffi::work_done(done, &e.message, -1),
@@ -105,6 +117,12 @@ impl RustComm {
         if let Some(kind) = OpKind::from_code(kind) {
             self.0.abort(kind, message);
         }
+    }
+
+    /// The chunk size the core will run an op of `kind` in (src/pipeline.rs): the bridge plans
+    /// its copies of accelerator tensors with the same chunks.
+    pub fn chunk_bytes(&self, kind: u8) -> usize {
+        OpKind::from_code(kind).map_or(usize::MAX, |k| chunk_bytes_for(k, self.0.pipeline_chunk_bytes()))
     }
 
     pub fn next_seq(&self) -> u64 {

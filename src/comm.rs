@@ -27,6 +27,7 @@ use crate::config::{Config, TransportChoice};
 use crate::error::{CommError, ErrorKind, Result};
 use crate::op::{Completion, Op};
 use crate::par::Par;
+use crate::pipeline::{self, Staging};
 use crate::rendezvous::{Store, agree_on_token};
 use crate::transport::shm::ShmGroup;
 use crate::transport::shm::group::host_identity;
@@ -37,13 +38,12 @@ use crate::types::OpKind;
 /// Called once when a job finishes, on the progress thread.
 pub type OnDone = Box<dyn FnOnce(Result<Completion>) + Send>;
 
-/// Called once on the thread that runs a job, just before it runs: it returns when the job's
-/// buffers hold their inputs (accelerator tensors staged to the host are copied only when the
-/// caller's stream gets there). An error fails the job and the group, like a transport error.
-pub type OnReady = Box<dyn FnOnce() -> Result<()> + Send>;
+/// The staging of a job's accelerator tensors (pipeline.rs): its hooks run on the thread that
+/// runs the job, around each chunk of each op.
+pub type JobStaging = Box<dyn Staging>;
 
 enum Job {
-    Run { ops: Vec<Op>, ready: Option<OnReady>, done: OnDone },
+    Run { ops: Vec<Op>, staging: Option<JobStaging>, done: OnDone },
     /// This rank rejected its part of `op` locally: tell the peers and fail the communicator.
     Abort { op: OpKind, message: String },
 }
@@ -57,6 +57,7 @@ pub struct Communicator {
     timeout_ms: Arc<AtomicU64>,
     /// Collectives submitted so far: the number the next one will carry.
     submitted: AtomicU64,
+    pipeline_chunk_bytes: usize,
 }
 
 impl Communicator {
@@ -78,6 +79,7 @@ impl Communicator {
         tracing::info!(rank, size, shm = shm.is_some(), "xccl_rs communicator connected");
         let timeout_ms = Arc::new(AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64));
         let (tx, rx) = mpsc::channel();
+        let pipeline_chunk_bytes = config.pipeline_chunk_bytes;
         let worker = Worker {
             transport: Box::new(transport),
             config,
@@ -102,6 +104,7 @@ impl Communicator {
             thread: Mutex::new(Some(thread)),
             timeout_ms,
             submitted: AtomicU64::new(0),
+            pipeline_chunk_bytes,
         })
     }
 
@@ -111,6 +114,11 @@ impl Communicator {
 
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// The configured chunk size of large collectives (pipeline.rs).
+    pub fn pipeline_chunk_bytes(&self) -> usize {
+        self.pipeline_chunk_bytes
     }
 
     /// The sequence number the next collective will carry.
@@ -129,8 +137,8 @@ impl Communicator {
     }
 
     /// As [`submit`](Self::submit); with `caller_waits`, the job may run on the calling thread
-    /// (then `done` has run when this returns); `ready` runs first, on the same thread.
-    pub fn submit_with(&self, ops: Vec<Op>, ready: Option<OnReady>, done: OnDone, caller_waits: bool) -> Result<()> {
+    /// (then `done` has run when this returns); `staging`'s hooks run on the same thread.
+    pub fn submit_with(&self, ops: Vec<Op>, staging: Option<JobStaging>, done: OnDone, caller_waits: bool) -> Result<()> {
         for op in &ops {
             op.validate(self.rank, self.size).map_err(|e| {
                 CommError::new(e.kind, format!("xccl_rs: rank {}: {}", self.rank, e.message))
@@ -146,14 +154,14 @@ impl Communicator {
             if let Some(mut worker) = self.shared.worker.try_lock() {
                 // Later submitters queue behind us: the progress thread needs this lock.
                 drop(queue);
-                let result = worker.run_when_ready(&ops, ready);
+                let result = worker.run_job_guarded(&ops, staging);
                 drop(worker);
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result)));
                 return Ok(());
             }
         }
         self.shared.pending.fetch_add(1, Ordering::AcqRel);
-        let sent = queue.as_ref().map(|tx| tx.send(Job::Run { ops, ready, done }).is_ok()).unwrap_or(false);
+        let sent = queue.as_ref().map(|tx| tx.send(Job::Run { ops, staging, done }).is_ok()).unwrap_or(false);
         if !sent {
             self.shared.pending.fetch_sub(1, Ordering::AcqRel);
             return Err(CommError::new(ErrorKind::Aborted, "xccl_rs: the progress thread has exited"));
@@ -206,8 +214,8 @@ impl Shared {
     fn serve(&self, rx: mpsc::Receiver<Job>) {
         while let Ok(job) = rx.recv() {
             match job {
-                Job::Run { ops, ready, done } => {
-                    let result = self.worker.lock().run_when_ready(&ops, ready);
+                Job::Run { ops, staging, done } => {
+                    let result = self.worker.lock().run_job_guarded(&ops, staging);
                     self.pending.fetch_sub(1, Ordering::AcqRel);
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result)));
                 }
@@ -245,28 +253,10 @@ impl Worker {
         self.transport.close();
     }
 
-    /// Runs `ready`, then the job. A failed `ready` (this rank's inputs never arrived) fails
-    /// the group, so that peers already in the collective fail at once with this message.
-    fn run_when_ready(&mut self, ops: &[Op], ready: Option<OnReady>) -> Result<Completion> {
-        let Some(ready) = ready else { return self.run_job_guarded(ops) };
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(ready))
-            .unwrap_or_else(|_| Err(CommError::io("xccl_rs: internal error (a panic while staging inputs)")));
-        match outcome {
-            Ok(()) => self.run_job_guarded(ops),
-            Err(e) => {
-                let kind = ops.first().map(|op| op.kind).unwrap_or(OpKind::Barrier);
-                let ctx = self.ctx(kind, self.seq);
-                let e = CommError::new(e.kind, format!("xccl_rs: {} #{} on rank {}: {}", kind.name(), self.seq, ctx.rank, e.message));
-                self.fail(&ctx, e.clone());
-                Err(e)
-            }
-        }
-    }
-
     /// Runs a job; a panic becomes an error (and fails the communicator) instead of unwinding
     /// into the caller or killing the progress thread.
-    fn run_job_guarded(&mut self, ops: &[Op]) -> Result<Completion> {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job(ops))) {
+    fn run_job_guarded(&mut self, ops: &[Op], mut staging: Option<JobStaging>) -> Result<Completion> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job(ops, staging.as_deref_mut()))) {
             Ok(r) => r,
             Err(panic) => {
                 let what = panic
@@ -305,7 +295,10 @@ impl Worker {
     }
 
     /// Runs a job's ops in order; consecutive sends/receives with known peers form one phase.
-    fn run_job(&mut self, ops: &[Op]) -> Result<Completion> {
+    /// `staging` (accelerator tensors) is told before each op or chunk needs its inputs and
+    /// after its outputs are final; an error there fails the group like a transport error, so
+    /// that peers already in the collective fail at once with this rank's message.
+    fn run_job(&mut self, ops: &[Op], mut staging: Option<&mut (dyn Staging + '_)>) -> Result<Completion> {
         if let Some(e) = &self.failed {
             return Err(CommError::new(
                 ErrorKind::Aborted,
@@ -319,20 +312,22 @@ impl Worker {
             let result = if matches!(op.kind, OpKind::Send | OpKind::Recv) {
                 let end = i + ops[i..].iter().take_while(|o| matches!(o.kind, OpKind::Send | OpKind::Recv)).count();
                 let ctx = self.ctx(op.kind, self.p2p_seq(op));
-                let r = p2p::run_batch(self.transport.as_mut(), &ops[i..end], &mut self.p2p, &ctx);
+                let r = self.with_staging(&mut staging, i..end, &ctx, |w| {
+                    p2p::run_batch(w.transport.as_mut(), &ops[i..end], &mut w.p2p, &ctx)
+                });
                 i = end;
                 r.map_err(|e| (ctx, e))
             } else if op.kind == OpKind::RecvAnySource {
                 let ctx = self.ctx(op.kind, 0);
+                let r = self.with_staging(&mut staging, i..i + 1, &ctx, |w| p2p::recv_any(w.transport.as_mut(), op, &mut w.p2p, &ctx));
                 i += 1;
-                p2p::recv_any(self.transport.as_mut(), op, &mut self.p2p, &ctx)
-                    .map(|c| completion = c)
-                    .map_err(|e| (ctx, e))
+                r.map(|c| completion = c).map_err(|e| (ctx, e))
             } else {
                 let ctx = self.ctx(op.kind, self.seq);
                 self.seq += 1;
+                let r = self.run_one(op, i, &ctx, staging.as_deref_mut());
                 i += 1;
-                self.run_one(op, &ctx).map_err(|e| (ctx, e))
+                r.map_err(|e| (ctx, e))
             };
             if let Err((ctx, e)) = result {
                 self.fail(&ctx, e.clone());
@@ -342,12 +337,33 @@ impl Worker {
         Ok(completion)
     }
 
+    /// Runs point-to-point ops `ops` (one phase, not chunked) between their staging hooks.
+    fn with_staging<T>(
+        &mut self,
+        staging: &mut Option<&mut (dyn Staging + '_)>,
+        ops: std::ops::Range<usize>,
+        ctx: &OpCtx,
+        run: impl FnOnce(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        if let Some(inner) = staging.as_deref_mut() {
+            let mut s = Described { inner, ctx };
+            ops.clone().try_for_each(|i| s.inputs_ready(i, 0))?;
+        }
+        let result = run(self)?;
+        if let Some(inner) = staging.as_deref_mut() {
+            let mut s = Described { inner, ctx };
+            ops.clone().try_for_each(|i| s.outputs_done(i, 0))?;
+        }
+        Ok(result)
+    }
+
     fn p2p_seq(&self, op: &Op) -> u64 {
         let peer = op.root as usize;
         if op.kind == OpKind::Send { self.p2p.sent[peer] } else { self.p2p.received[peer] }
     }
 
-    fn run_one(&mut self, op: &Op, ctx: &OpCtx) -> Result<()> {
+    /// Runs collective `op` (op `index` of its job), chunk by chunk (pipeline.rs).
+    fn run_one(&mut self, op: &Op, index: usize, ctx: &OpCtx, staging: Option<&mut (dyn Staging + '_)>) -> Result<()> {
         let esz = op.dtype.size() as u64;
         let elems = |b: Option<&crate::transport::RawBuf>| b.map_or(0, |b| b.len() as u64 / esz);
         let count = match op.kind {
@@ -359,18 +375,43 @@ impl Worker {
             OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter => op.root,
             _ => 0,
         };
-        let mut step = Step {
-            transport: self.transport.as_mut(),
-            ctx,
-            dtype: op.dtype,
-            count,
-            key,
-            segment_bytes: self.config.segment_bytes,
-            scratch: &mut self.scratch,
-            shm: self.shm.as_mut(),
-            shm_oneshot_bytes: self.config.shm_oneshot_bytes,
-        };
-        run_collective(&mut step, op)
+        let chunk_bytes = self.config.pipeline_chunk_bytes;
+        pipeline::run_chunks(op, index, chunk_bytes, staging.map(|inner| Described { inner, ctx }).as_mut().map(|d| d as &mut dyn Staging), |chunk| {
+            let mut step = Step {
+                transport: self.transport.as_mut(),
+                ctx,
+                dtype: op.dtype,
+                count,
+                key,
+                segment_bytes: self.config.segment_bytes,
+                scratch: &mut self.scratch,
+                shm: self.shm.as_mut(),
+                shm_oneshot_bytes: self.config.shm_oneshot_bytes,
+                chunk_log: chunk_bytes.trailing_zeros(),
+            };
+            run_collective(&mut step, chunk)
+        })
+    }
+}
+
+/// Staging hooks whose errors (a device error while copying) say which operation they broke.
+struct Described<'a, 'b> {
+    inner: &'a mut (dyn Staging + 'b),
+    ctx: &'a OpCtx,
+}
+
+impl Described<'_, '_> {
+    fn describe(&self, e: CommError) -> CommError {
+        CommError::new(e.kind, format!("{}: {}", self.ctx.describe(), e.message))
+    }
+}
+
+impl Staging for Described<'_, '_> {
+    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<()> {
+        self.inner.inputs_ready(op, chunk).map_err(|e| self.describe(e))
+    }
+    fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()> {
+        self.inner.outputs_done(op, chunk).map_err(|e| self.describe(e))
     }
 }
 

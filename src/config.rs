@@ -34,6 +34,11 @@ pub struct Config {
     /// `XCCL_RS_THREAD_MIN_BYTES` (default 256 KiB): the smallest piece of a block step a
     /// helper thread takes; smaller steps stay on one thread.
     pub thread_min_bytes: usize,
+    /// `XCCL_RS_PIPELINE_CHUNK_BYTES` (default 16 MiB, a power of two, at least 64 KiB; other
+    /// values are rounded down to one): larger collectives run in chunks of this many bytes
+    /// per buffer (src/pipeline.rs), so that the copies of accelerator tensors to and from the
+    /// host overlap the communication. Must be the same on every rank.
+    pub pipeline_chunk_bytes: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +52,14 @@ pub const DEFAULT_SHM_CHUNK_BYTES: usize = 4 << 20;
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 
 pub const DEFAULT_THREAD_MIN_BYTES: usize = 256 << 10;
+
+pub const DEFAULT_PIPELINE_CHUNK_BYTES: usize = 16 << 20;
+
+/// The largest power of two ≤ `bytes`, at least 64 KiB.
+fn pipeline_chunk(bytes: usize) -> usize {
+    let b = bytes.max(64 << 10);
+    1usize << (usize::BITS - 1 - b.leading_zeros())
+}
 
 impl Config {
     /// Reads the environment; `timeout` comes from the group (`init_process_group(timeout=...)`).
@@ -69,6 +82,7 @@ impl Config {
             spin: Duration::from_micros(env_usize("XCCL_RS_SPIN_US").unwrap_or(50) as u64),
             threads: env_usize("XCCL_RS_THREADS").unwrap_or(0),
             thread_min_bytes: env_usize("XCCL_RS_THREAD_MIN_BYTES").unwrap_or(DEFAULT_THREAD_MIN_BYTES),
+            pipeline_chunk_bytes: pipeline_chunk(env_usize("XCCL_RS_PIPELINE_CHUNK_BYTES").unwrap_or(DEFAULT_PIPELINE_CHUNK_BYTES)),
         }
     }
 
@@ -93,6 +107,7 @@ impl Config {
             spin: Duration::from_micros(50),
             threads: 0,
             thread_min_bytes: DEFAULT_THREAD_MIN_BYTES,
+            pipeline_chunk_bytes: DEFAULT_PIPELINE_CHUNK_BYTES,
         }
     }
 }

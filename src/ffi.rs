@@ -42,6 +42,10 @@ pub mod ffi {
         ) -> Result<()>;
         /// Fails the group because this rank rejected its part of an op of `kind`.
         fn abort_op(self: &RustComm, kind: u8, message: &str);
+        /// The chunk size (bytes of each buffer) the core runs an op of `kind` in; usize::MAX
+        /// when such ops are not chunked. Chunk k of a buffer of L bytes is [k*c, min((k+1)*c, L)),
+        /// and there are max(1, ceil(L / c)) chunks.
+        fn chunk_bytes(self: &RustComm, kind: u8) -> usize;
         fn next_seq(self: &RustComm) -> u64;
         fn set_timeout_ms(self: &RustComm, timeout_ms: u64);
         fn shutdown(self: &RustComm);
@@ -62,8 +66,10 @@ pub mod ffi {
 
         fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(store: &StoreRef, key: &str, timeout_ms: u64) -> Result<Vec<u8>>;
-        /// Blocks until the job's staged inputs are on the host; Err if staging failed.
-        fn work_ready(ready: UniquePtr<WorkReady>) -> Result<()>;
+        /// Blocks until chunk `chunk` of op `op`'s staged inputs is on the host; Err if staging failed.
+        fn chunk_inputs_ready(ready: Pin<&mut WorkReady>, op: usize, chunk: usize) -> Result<()>;
+        /// Chunk `chunk` of op `op`'s outputs is final: enqueues its copy back to the device.
+        fn chunk_outputs_done(ready: Pin<&mut WorkReady>, op: usize, chunk: usize) -> Result<()>;
         /// Marks the work finished: `error` empty on success.
         fn work_done(done: UniquePtr<WorkDone>, error: &str, source_rank: i64);
     }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod op;
 pub mod par;
+pub mod pipeline;
 pub mod reduce;
 pub mod rendezvous;
 pub mod transport;

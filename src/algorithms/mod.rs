@@ -51,6 +51,9 @@ pub struct Step<'a> {
     pub shm: Option<&'a mut ShmGroup>,
     /// All-reduces up to this many bytes take the one-shot shared-memory path.
     pub shm_oneshot_bytes: usize,
+    /// log2 of the pipeline's chunk size (pipeline.rs), part of the shared-memory description
+    /// so that ranks configured differently fail instead of exchanging different ranges.
+    pub chunk_log: u32,
 }
 
 impl Step<'_> {
@@ -151,7 +154,10 @@ pub fn run_collective(step: &mut Step<'_>, op: &Op) -> Result<()> {
         if let Some(shm) = step.shm.as_deref_mut() {
             let desc = Desc {
                 seq: step.ctx.seq,
-                kind: op.kind as u64 | (op.dtype as u64) << 8 | if op.is_reduction() { (op.reduce_op as u64) << 16 } else { 0 },
+                kind: op.kind as u64
+                    | (op.dtype as u64) << 8
+                    | if op.is_reduction() { (op.reduce_op as u64) << 16 } else { 0 }
+                    | (step.chunk_log as u64) << 24,
                 count: step.count,
                 root: step.key as u64,
             };

@@ -428,15 +428,18 @@ pub enum Net {
 pub fn net_config(net: Net, timeout: Duration, segment_bytes: usize) -> Config {
     let base = config(timeout, segment_bytes);
     match net {
-        Net::Tcp => Config { transport: TransportChoice::Tcp, ..base },
+        // Pipeline chunks (pipeline.rs) of 32 KiB: the largest test sizes run as several
+        // chunks, the smaller ones (every multi-round path of a segment) in one.
+        Net::Tcp => Config { transport: TransportChoice::Tcp, pipeline_chunk_bytes: 32 << 10, ..base },
         // Three threads per rank with 64-byte pieces, so that the split copies and reductions
-        // of large blocks run on these small blocks too.
+        // of large blocks run on these small blocks too; chunks of two slots.
         Net::Shm => Config {
             transport: TransportChoice::Auto,
             shm_chunk_bytes: 4096,
             shm_oneshot_bytes: 1024,
             threads: 3,
             thread_min_bytes: 64,
+            pipeline_chunk_bytes: 8192,
             ..base
         },
     }

@@ -1,19 +1,26 @@
 // Accelerator (XPU, CUDA, ...) tensors through host staging, with c10's device-generic stream,
 // event and copy interfaces only, so that one code path serves every device type.
 //
-// The life of a job on device tensors, and the thread each step runs on:
-//   caller    stage_in/stage_out: device->host copies into pinned host buffers, enqueued on the
-//             caller's current stream (so they follow the work already queued there); seal()
-//             records `inputs_staged` after the last one. The call returns at once.
-//   progress  wait_inputs(): blocks until `inputs_staged` has fired; then the host algorithm
-//             runs on the host buffers; then copy_results_back(): host->device copies on the
-//             copy stream, `outputs_ready` recorded after them, and the work completes.
+// The Rust core runs large collectives in chunks (src/pipeline.rs: chunk k of an op is the byte
+// range [k*c, (k+1)*c) of each of its buffers); the staging moves the same chunks, so that the
+// copies overlap the communication. The life of a job on device tensors, and the thread each
+// step runs on:
+//   caller    stage(): a pinned host buffer per device tensor; add_op(): which ranges of which
+//             buffers each op uses, and its chunk size; seal(): enqueues the device->host
+//             copies chunk by chunk on the caller's current stream (so they follow the work
+//             already queued there), recording an event after each chunk. The call returns.
+//   progress  for each chunk: wait_chunk() blocks until its event has fired; the host algorithm
+//             runs on it; copy_back_chunk() enqueues its host->device copies on the copy stream.
+//             At the end finish() records `outputs_ready` on the copy stream; the work completes.
 //   caller    Work.wait(): waits for the host algorithm, then makes the current stream wait
 //             for `outputs_ready` (it does not wait for the copies themselves).
-// Device tensors are recorded on the copy stream, so the caching allocator cannot hand their
-// memory out while a copy back is pending, whatever the caller does with them.
+// So while the host works on chunk k, the device copies chunk k+1 out and chunk k-1 back.
+// Device tensors are recorded on the copy stream before the first copy back, so the caching
+// allocator cannot hand their memory out while a copy is pending, whatever the caller does.
+// Non-contiguous device tensors are copied whole (a strided copy cannot be cut into byte ranges).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -27,6 +34,13 @@
 
 namespace xccl_rs {
 
+// A buffer of an op as the core sees it: a host address range, and whether the op writes it.
+struct OpBuffer {
+  size_t ptr;
+  size_t bytes;
+  bool output;
+};
+
 class DeviceStaging {
  public:
   explicit DeviceStaging(c10::Device device);
@@ -38,34 +52,71 @@ class DeviceStaging {
     return copy_stream_;
   }
 
-  // A host copy of `t` that the job reads.
-  at::Tensor stage_in(const at::Tensor& t);
-  // A host buffer the job writes; its bytes go back into `t` when the job succeeds. `read`:
-  // the job also reads it (in-place ops), so it starts as a copy of `t`.
-  at::Tensor stage_out(const at::Tensor& t, bool read);
-  // Records `inputs_staged` on the caller's stream; call once, after the last stage_*.
+  // A host buffer the job reads: its contents come from `t`.
+  at::Tensor stage_in(const at::Tensor& t) {
+    return stage(t, /*read=*/true, /*write=*/false);
+  }
+  // A host buffer the job writes; its bytes go back into `t` when the job succeeds. `read`: the
+  // job also reads it (in-place ops), so it starts as a copy of `t`.
+  at::Tensor stage_out(const at::Tensor& t, bool read) {
+    return stage(t, read, /*write=*/true);
+  }
+  // Op `index` of the job uses these buffers (those inside staged buffers are recorded), in
+  // chunks of `chunk_bytes` (SIZE_MAX: one chunk).
+  void add_op(size_t index, const std::vector<OpBuffer>& buffers, size_t chunk_bytes);
+  // Enqueues the copies to the host, chunk by chunk; call once, after the last add_op.
   void seal();
 
-  // Progress thread: returns when the host buffers hold the inputs. Throws on a device error.
-  void wait_inputs();
-  // Progress thread: enqueues the host->device copies on the copy stream and records
-  // `outputs_ready` after them. Throws on a device error.
-  void copy_results_back();
+  // Progress thread: returns when chunk `chunk` of op `op`'s inputs is on the host.
+  void wait_chunk(size_t op, size_t chunk);
+  // Progress thread: chunk `chunk` of op `op`'s outputs is final; enqueues its copies back.
+  void copy_back_chunk(size_t op, size_t chunk);
+  // Progress thread, after the job succeeded: the remaining copies back (non-contiguous
+  // tensors), then `outputs_ready`. Throws on a device error.
+  void finish();
 
   // Caller: the current stream of the device waits for `outputs_ready`.
   void make_current_stream_wait();
 
  private:
+  struct Buffer {
+    at::Tensor device;      // the user's tensor
+    at::Tensor device_flat; // a flat view of it when contiguous (copied by chunks), else undefined
+    at::Tensor host_flat;   // the pinned host buffer, flat
+    bool read;
+    bool write;
+    bool recorded = false;  // device memory recorded on the copy stream
+  };
+  // A byte range of a staged buffer that an op uses.
+  struct View {
+    size_t buffer;
+    size_t offset; // bytes from the buffer's start
+    size_t bytes;
+    bool output;
+  };
+  struct OpPlan {
+    size_t chunk_bytes = SIZE_MAX;
+    size_t chunks = 1;
+    std::vector<View> views;
+    size_t first_event = 0; // index of chunk 0's event in chunk_events_
+  };
+
+  at::Tensor stage(const at::Tensor& t, bool read, bool write);
+  // Copies chunk `chunk` of `view` between device and host (to_host: device to host).
+  void copy_range(const OpPlan& plan, const View& view, size_t chunk, bool to_host);
+  const OpPlan* plan_of(size_t op) const;
+
   c10::Device device_;
   c10::impl::VirtualGuardImpl impl_;
   c10::Stream caller_stream_;
   c10::Stream copy_stream_;
-  c10::Event inputs_staged_;
-  c10::Event outputs_ready_;
+  c10::Event staged_;        // after every copy to the host
+  c10::Event outputs_ready_; // after every copy back
   bool sealed_ = false;
   bool results_back_ = false;
-  std::vector<at::Tensor> inputs_;                             // host copies the job reads
-  std::vector<std::pair<at::Tensor, at::Tensor>> outputs_;     // (device tensor, host buffer)
+  std::vector<Buffer> buffers_;
+  std::vector<OpPlan> ops_;
+  std::vector<c10::Event> chunk_events_;
 };
 
 } // namespace xccl_rs

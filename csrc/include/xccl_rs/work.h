@@ -44,9 +44,11 @@ struct WorkReady {
   std::shared_ptr<DeviceStaging> staging;
 };
 
-// Called on the thread that runs the job, before it runs: waits for the staged inputs.
-// Throws (cxx turns that into the Rust Err) on a device error.
-void work_ready(std::unique_ptr<WorkReady> ready);
+// Called on the thread that runs the job, before chunk `chunk` of op `op` runs: waits for its
+// staged inputs. Throws (cxx turns that into the Rust Err) on a device error.
+void chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk);
+// Called on the same thread after that chunk's outputs are final: enqueues their copies back.
+void chunk_outputs_done(WorkReady& ready, size_t op, size_t chunk);
 
 // Called on the progress thread: copies staged outputs back, then completes the work and its
 // future. Never throws.

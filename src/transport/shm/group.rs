@@ -194,6 +194,8 @@ impl ShmGroup {
                     "ranks must call the same collectives in the same order"
                 } else if theirs.kind != mine.kind && ((theirs.kind >> 8) & 0xff) != ((mine.kind >> 8) & 0xff) {
                     "dtype mismatch"
+                } else if (theirs.kind >> 24) != (mine.kind >> 24) {
+                    "XCCL_RS_PIPELINE_CHUNK_BYTES differs between the ranks"
                 } else if theirs.kind != mine.kind {
                     "reduce op mismatch"
                 } else if theirs.count != mine.count {

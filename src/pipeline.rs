@@ -1,0 +1,148 @@
+//! Large collectives run as a sequence of *chunks*, so that the staging of accelerator tensors
+//! overlaps the communication: while the host algorithm works on chunk k, the device copies
+//! chunk k + 1 to the host and chunk k − 1 back (csrc/device.cc).
+//!
+//! The chunk plan is the same on every rank, whatever device its tensors are on (a CPU rank of
+//! a mixed group must run the same sequence of sub-operations as a CUDA rank): every buffer of
+//! a chunkable op has the same length L (src/op.rs's layout table), and chunk k is the byte
+//! range `[k*c, min((k+1)*c, L))` of each buffer, with `c` = `XCCL_RS_PIPELINE_CHUNK_BYTES`.
+//! All chunks of an op carry the op's sequence number and its full element count, so the
+//! usual checks still compare whole operations across ranks; the chunk size is part of the
+//! shared-memory description too, so ranks configured differently fail with a clear error.
+//!
+//! Chunks of shared-memory collectives follow each other without a pause: their blocks are
+//! consecutive generations of the same double-buffered slots (shm_blocks.rs).
+
+use crate::error::Result;
+use crate::op::Op;
+use crate::types::OpKind;
+
+/// The bridge's side of a job on staged accelerator tensors. `op` is the index of the op in its
+/// job, `chunk` its chunk (0 for ops that are not chunked). Both are called on the thread that
+/// runs the job, in chunk order; an error fails the job and the group.
+pub trait Staging: Send {
+    /// Returns when chunk `chunk` of every input of op `op` is on the host.
+    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<()>;
+    /// Chunk `chunk` of every output of op `op` is final on the host: copy it back.
+    fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()>;
+}
+
+/// The length every buffer of `op` has, for the kinds that are chunked; None for the others
+/// (all-to-all's buffers differ in length, point-to-point and barrier are not chunked).
+fn piece_len(op: &Op) -> Option<usize> {
+    use OpKind::*;
+    match op.kind {
+        AllReduce | Broadcast | Reduce | Scatter | ReduceScatter => op.outputs.first().map(|b| b.len()),
+        AllGather | Gather => op.inputs.first().map(|b| b.len()),
+        AllToAll | Barrier | Send | Recv | RecvAnySource => None,
+    }
+}
+
+/// The chunk size in bytes for an op of `kind` whose buffers are `piece` bytes long, given the
+/// configured `chunk_bytes`: `usize::MAX` (one chunk: every buffer whole) for kinds that are
+/// not chunked. The bridge plans its copies with the same function.
+pub fn chunk_bytes_for(kind: OpKind, chunk_bytes: usize) -> usize {
+    use OpKind::*;
+    match kind {
+        AllReduce | Broadcast | Reduce | Scatter | ReduceScatter | AllGather | Gather => chunk_bytes,
+        AllToAll | Barrier | Send | Recv | RecvAnySource => usize::MAX,
+    }
+}
+
+/// How many chunks `piece` bytes make in chunks of `chunk` bytes: at least one.
+pub fn chunk_count(piece: usize, chunk: usize) -> usize {
+    piece.div_ceil(chunk.max(1)).max(1)
+}
+
+/// The plan of one op: its chunk size and number of chunks.
+pub fn plan(op: &Op, chunk_bytes: usize) -> (usize, usize) {
+    match piece_len(op) {
+        Some(len) => {
+            let c = chunk_bytes_for(op.kind, chunk_bytes);
+            (c, chunk_count(len, c))
+        }
+        None => (usize::MAX, 1),
+    }
+}
+
+/// Chunk `k` of `op` (chunk size `c`): the same op on byte range `[k*c, min((k+1)*c, L))` of
+/// every buffer.
+pub fn chunk_op(op: &Op, c: usize, k: usize) -> Op {
+    let sub = |b: &crate::transport::RawBuf| {
+        let start = k.saturating_mul(c).min(b.len());
+        b.sub(start, (b.len() - start).min(c))
+    };
+    Op { inputs: op.inputs.iter().map(sub).collect(), outputs: op.outputs.iter().map(sub).collect(), ..op.clone() }
+}
+
+/// Runs every chunk of a collective: `staging`'s hooks around each, `run` for the chunk itself.
+pub fn run_chunks(
+    op: &Op,
+    index: usize,
+    chunk_bytes: usize,
+    mut staging: Option<&mut (dyn Staging + '_)>,
+    mut run: impl FnMut(&Op) -> Result<()>,
+) -> Result<()> {
+    let (c, chunks) = plan(op, chunk_bytes);
+    for k in 0..chunks {
+        if let Some(s) = staging.as_deref_mut() {
+            s.inputs_ready(index, k)?;
+        }
+        if chunks == 1 {
+            run(op)?;
+        } else {
+            run(&chunk_op(op, c, k))?;
+        }
+        if let Some(s) = staging.as_deref_mut() {
+            s.outputs_done(index, k)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::RawBuf;
+    use crate::types::DType;
+
+    #[test]
+    fn chunks_cover_every_buffer_once() {
+        let mut a = vec![0u8; 1000];
+        let mut outs: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; 1000]).collect();
+        let mut op = Op::new(OpKind::AllGather, DType::UInt8);
+        op.inputs.push(RawBuf::from_slice(&mut a));
+        op.outputs = outs.iter_mut().map(|o| RawBuf::from_slice(o)).collect();
+        let (c, n) = plan(&op, 256);
+        assert_eq!((c, n), (256, 4));
+        let mut seen = vec![0u32; 1000];
+        for k in 0..n {
+            let sub = chunk_op(&op, c, k);
+            for (i, b) in sub.outputs.iter().enumerate() {
+                let start = b.ptr() as usize - op.outputs[i].ptr() as usize;
+                assert_eq!(start, k * 256);
+                if i == 0 {
+                    (start..start + b.len()).for_each(|j| seen[j] += 1);
+                }
+            }
+            assert_eq!(sub.inputs[0].len(), sub.outputs[0].len());
+        }
+        assert!(seen.iter().all(|&s| s == 1));
+    }
+
+    #[test]
+    fn unchunked_kinds_and_small_ops_are_one_chunk() {
+        let mut a = vec![0u8; 100];
+        let mut op = Op::new(OpKind::AllReduce, DType::UInt8);
+        op.outputs.push(RawBuf::from_slice(&mut a));
+        assert_eq!(plan(&op, 256).1, 1);
+        assert_eq!(plan(&op, 64).1, 2);
+        let empty = Op::new(OpKind::AllReduce, DType::UInt8);
+        assert_eq!(plan(&empty, 64), (usize::MAX, 1));
+        op.kind = OpKind::AllToAll;
+        assert_eq!(plan(&op, 64), (usize::MAX, 1));
+        assert_eq!(chunk_count(0, 64), 1);
+        assert_eq!(chunk_count(128, 64), 2);
+        assert_eq!(chunk_count(129, 64), 3);
+    }
+}

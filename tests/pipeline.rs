@@ -1,0 +1,210 @@
+//! The chunk pipeline (src/pipeline.rs) through its staging hooks, as the bridge uses them for
+//! accelerator tensors: a fake device copies each chunk into the host buffers only when the
+//! core asks for it (`inputs_ready`) and takes each chunk out only when the core says it is
+//! final (`outputs_done`). A core that read a chunk before asking, or reported it before it was
+//! final, would compute on (or return) the poison the host buffers start with.
+
+#[macro_use]
+mod common;
+use common::*;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use xccl_rs::pipeline::Staging;
+use xccl_rs::{CommError, Config, DType, OpKind, RawBuf, ReduceOp};
+
+const LIMIT: Duration = Duration::from_secs(60);
+const POISON: u8 = 0xFF; // all-ones f32 is a NaN: it would show in every sum
+
+fn cfg(net: Net) -> Config {
+    net_config(net, Duration::from_secs(20), 4096)
+}
+
+/// One buffer as the fake device holds it: `host` is what the core sees.
+struct Staged {
+    host: RawBuf,
+    device: Arc<Mutex<Vec<u8>>>,
+}
+
+/// The staged buffers of one op, and its chunk size.
+struct StagedOp {
+    chunk: usize,
+    inputs: Vec<Staged>,
+    outputs: Vec<Staged>,
+}
+
+struct FakeDevice {
+    ops: Vec<StagedOp>,
+    /// (op, chunk, 'i' or 'o') in the order the core called.
+    log: Arc<Mutex<Vec<(usize, usize, char)>>>,
+    /// Fail `inputs_ready` of this (op, chunk) with "device lost".
+    fail_at: Option<(usize, usize)>,
+}
+
+fn chunk_of(b: &RawBuf, chunk: usize, k: usize) -> (usize, usize) {
+    let start = (k * chunk).min(b.len());
+    (start, (b.len() - start).min(chunk))
+}
+
+impl Staging for FakeDevice {
+    fn inputs_ready(&mut self, op: usize, k: usize) -> Result<(), CommError> {
+        self.log.lock().unwrap().push((op, k, 'i'));
+        if self.fail_at == Some((op, k)) {
+            return Err(CommError::io("device lost"));
+        }
+        let o = &self.ops[op];
+        for s in &o.inputs {
+            let (start, len) = chunk_of(&s.host, o.chunk, k);
+            let mut dev = s.device.lock().unwrap();
+            RawBuf::from_slice(&mut dev[start..start + len]).copy_to(s.host.sub(start, len));
+        }
+        Ok(())
+    }
+
+    fn outputs_done(&mut self, op: usize, k: usize) -> Result<(), CommError> {
+        self.log.lock().unwrap().push((op, k, 'o'));
+        let o = &self.ops[op];
+        for s in &o.outputs {
+            let (start, len) = chunk_of(&s.host, o.chunk, k);
+            let mut dev = s.device.lock().unwrap();
+            s.host.sub(start, len).copy_to(RawBuf::from_slice(&mut dev[start..start + len]));
+        }
+        Ok(())
+    }
+}
+
+fn device(bytes: Vec<u8>) -> Arc<Mutex<Vec<u8>>> {
+    Arc::new(Mutex::new(bytes))
+}
+
+/// A job of an in-place all-reduce (several chunks), an all-gather (several chunks) and a
+/// small broadcast (one chunk), every buffer staged; results compared with references.
+fn staged_job(net: Net) {
+    let c = match net {
+        Net::Tcp => 32 << 10,
+        Net::Shm => 8192,
+    };
+    for size in [1usize, 2, 3] {
+        let chunk = c;
+        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+            let what = format!("size {size} rank {rank}");
+            assert_eq!(comm.pipeline_chunk_bytes(), chunk);
+            let n = 3 * chunk / 4 + 5; // f32 elements: 3 chunks and 20 bytes: 4 chunks
+            let ar_in: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
+            let ag_len = 2 * chunk + 100; // bytes per rank: 3 chunks
+            let ag_in = pattern(rank, 7, ag_len);
+            let bc_in = pattern(rank, 8, 300);
+
+            let mut ar_host = vec![POISON; n * 4];
+            let mut ag_host_in = vec![POISON; ag_len];
+            let mut ag_host_out = vec![POISON; ag_len * size];
+            let mut bc_host = vec![POISON; 300];
+            let ar_dev = device(f32_bytes(&ar_in));
+            let ag_dev_in = device(ag_in);
+            let ag_dev_out: Vec<_> = (0..size).map(|_| device(vec![0; ag_len])).collect();
+            let bc_dev = device(bc_in);
+
+            let mut ar = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut ar_host)]);
+            ar.reduce_op = ReduceOp::Sum;
+            let ag_views = views(&mut ag_host_out, size, ag_len);
+            let ag = op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut ag_host_in)], ag_views.clone());
+            let mut bc = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut bc_host)]);
+            bc.root = (size - 1) as i64;
+            let ar_buf = ar.outputs[0];
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let fake = FakeDevice {
+                ops: vec![
+                    StagedOp {
+                        chunk,
+                        inputs: vec![Staged { host: ar_buf, device: ar_dev.clone() }],
+                        outputs: vec![Staged { host: ar_buf, device: ar_dev.clone() }],
+                    },
+                    StagedOp {
+                        chunk,
+                        inputs: vec![Staged { host: ag.inputs[0], device: ag_dev_in.clone() }],
+                        outputs: ag_views.iter().zip(&ag_dev_out).map(|(v, d)| Staged { host: *v, device: d.clone() }).collect(),
+                    },
+                    StagedOp {
+                        chunk: usize::MAX,
+                        inputs: vec![Staged { host: bc.outputs[0], device: bc_dev.clone() }],
+                        outputs: vec![Staged { host: bc.outputs[0], device: bc_dev.clone() }],
+                    },
+                ],
+                log: log.clone(),
+                fail_at: None,
+            };
+            let (tx, rx) = std::sync::mpsc::channel();
+            comm.submit_with(vec![ar, ag, bc], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false)
+                .expect("submit");
+            rx.recv().unwrap().unwrap_or_else(|e| panic!("{what}: {e}"));
+
+            let got = bytes_f32(&ar_dev.lock().unwrap());
+            for (i, g) in got.iter().enumerate() {
+                let want: f32 = (0..size).map(|r| value(r, i)).sum();
+                assert_eq!(*g, want, "{what}: all-reduce element {i}");
+            }
+            for (r, d) in ag_dev_out.iter().enumerate() {
+                assert!(*d.lock().unwrap() == pattern(r, 7, ag_len), "{what}: all-gather block of rank {r}");
+            }
+            assert!(*bc_dev.lock().unwrap() == pattern(size - 1, 8, 300), "{what}: broadcast");
+            let want_log: Vec<(usize, usize, char)> = [(0, 4), (1, 3), (2, 1)]
+                .iter()
+                .flat_map(|&(op, chunks)| (0..chunks).flat_map(move |k| [(op, k, 'i'), (op, k, 'o')]))
+                .collect();
+            assert_eq!(*log.lock().unwrap(), want_log, "{what}: hook order");
+        });
+    }
+}
+
+/// A staging failure on one rank (a device error) fails the job on every rank, with its message.
+fn staging_failure_fails_every_rank(net: Net) {
+    let c = match net {
+        Net::Tcp => 32 << 10,
+        Net::Shm => 8192,
+    };
+    spawn_ranks(3, cfg(net), LIMIT, move |rank, comm, _| {
+        let n = 3 * c / 4;
+        let mut host = vec![0u8; n * 4];
+        let o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut host)]);
+        let fake = FakeDevice {
+            ops: vec![StagedOp { chunk: c, inputs: vec![], outputs: vec![] }],
+            log: Arc::new(Mutex::new(Vec::new())),
+            fail_at: (rank == 1).then_some((0, 1)),
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        comm.submit_with(vec![o], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false).expect("submit");
+        let e = expect_err(rx.recv().unwrap(), "a rank's staging failed");
+        assert_mentions(&e, &["device lost"], &format!("rank {rank}"));
+    });
+}
+
+/// Ranks configured with different chunk sizes fail with a message that names the setting
+/// (shared memory) or a size mismatch (TCP), instead of exchanging different ranges.
+fn chunk_size_mismatch(net: Net) {
+    let store = xccl_rs::MemoryStore::new();
+    let handles: Vec<_> = (0..2usize)
+        .map(|rank| {
+            let store = store.clone();
+            let base = cfg(match net {
+                Net::Tcp => Net::Tcp,
+                Net::Shm => Net::Shm,
+            });
+            std::thread::spawn(move || {
+                let cfg = Config { pipeline_chunk_bytes: 8192 << rank, ..base };
+                let comm = xccl_rs::Communicator::new(&store, rank, 2, cfg).expect("communicator");
+                let mut host = vec![0u8; 40_000];
+                let o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut host)]);
+                run(&comm, vec![o])
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let e = expect_err(h.join().unwrap(), "chunk sizes differ");
+        let needle = match net {
+            Net::Shm => "XCCL_RS_PIPELINE_CHUNK_BYTES",
+            Net::Tcp => "",
+        };
+        assert_mentions(&e, &[needle], &format!("rank {rank}"));
+    }
+}
+
+both_nets!(staged_job, staging_failure_fails_every_rank, chunk_size_mismatch);
