@@ -4,7 +4,8 @@ Times 100 calls of each: a pinned host buffer of 1 MiB, its device-to-host copy 
 event record, a device clone, and async xccl_rs all_reduces of 1 MiB on device and on host
 tensors, three times (the first pays pinned allocation). One rank:
     PYTHONPATH=$PWD/python python3 scripts/gpu/issue_cost.py
-Four ranks (rank 0 prints), started together:
+Four ranks, started together (VIA_NEW_GROUP=1: the group comes from
+dist.new_group(backend="xccl_rs") beside a gloo world, as in xccl_rs.bench):
     for r in 0 1 2 3; do RANK=$r WORLD=4 PYTHONPATH=$PWD/python python3 scripts/gpu/issue_cost.py & done; wait
 """
 
@@ -21,7 +22,11 @@ torch.cuda.set_device(dev)
 rank = int(os.environ.get("RANK", "0"))
 world = int(os.environ.get("WORLD", "1"))
 store = dist.TCPStore("127.0.0.1", int(os.environ.get("PORT", "29611")), world, rank == 0)
-group = xccl_rs.new_group(store, rank, world)
+if os.environ.get("VIA_NEW_GROUP"):  # as the benchmark does: a gloo world, then dist.new_group
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    group = dist.new_group(backend="xccl_rs")
+else:
+    group = xccl_rs.new_group(store, rank, world)
 tensors = [torch.ones(1 << 18, device=dev) for _ in range(100)]
 
 
@@ -34,8 +39,7 @@ def timed(label, calls):
         if hasattr(r, "wait"):
             r.wait()
     torch.cuda.synchronize()
-    if rank == 0:
-        print(f"world {world} {label}: {dt * 1e3:.2f} ms", flush=True)
+    print(f"world {world} rank {rank} {label}: {dt * 1e3:.2f} ms", flush=True)
 
 
 for _ in range(3):
