@@ -31,8 +31,9 @@ DeviceStaging::DeviceStaging(c10::Device device)
     : device_(device),
       impl_(device.type()),
       caller_stream_(impl_.getStream(device)),
+      copy_out_stream_(impl_.getStreamFromGlobalPool(device, /*isHighPriority=*/false)),
       copy_stream_(impl_.getStreamFromGlobalPool(device, /*isHighPriority=*/false)),
-      staged_(device.type()),
+      issued_(device.type()),
       outputs_ready_(device.type()) {}
 
 at::Tensor DeviceStaging::stage(const at::Tensor& t, bool read, bool write) {
@@ -96,10 +97,21 @@ void DeviceStaging::seal() {
   TORCH_INTERNAL_ASSERT(!sealed_, "xccl_rs: seal called twice");
   sealed_ = true;
   c10::DeviceGuard device_guard(device_);
-  // On the caller's current stream: the copies follow the work queued before the collective.
+  // Everything the collective copies follows the work queued before it on this stream.
+  issued_.record(caller_stream_);
+}
+
+void DeviceStaging::launch_copies_out() {
+  launched_ = true;
+  c10::DeviceGuard device_guard(device_);
+  c10::StreamGuard stream_guard(copy_out_stream_);
+  issued_.block(copy_out_stream_);
   for (auto& b : buffers_) {
-    if (b.read && !b.device_flat.defined()) {
-      b.host_flat.view(b.device.sizes()).copy_(b.device, /*non_blocking=*/true); // whole, any strides
+    if (b.read) {
+      impl_.recordDataPtrOnStream(b.device.storage().data_ptr(), copy_out_stream_);
+      if (!b.device_flat.defined()) {
+        b.host_flat.view(b.device.sizes()).copy_(b.device, /*non_blocking=*/true); // whole, any strides
+      }
     }
   }
   size_t events = 0;
@@ -122,10 +134,9 @@ void DeviceStaging::seal() {
       // Also for chunks with nothing to copy (write-only outputs): the job may overwrite them
       // only after the work queued before it (which may still read them) has run.
       chunk_events_.emplace_back(device_.type());
-      chunk_events_.back().record(caller_stream_);
+      chunk_events_.back().record(copy_out_stream_);
     }
   }
-  staged_.record(caller_stream_);
 }
 
 void DeviceStaging::wait_chunk(size_t op, size_t chunk) {
@@ -133,6 +144,9 @@ void DeviceStaging::wait_chunk(size_t op, size_t chunk) {
   const OpPlan* plan = plan_of(op);
   if (plan == nullptr) {
     return;
+  }
+  if (!launched_) {
+    launch_copies_out();
   }
   TORCH_INTERNAL_ASSERT(chunk < plan->chunks, "xccl_rs: chunk ", chunk, " of an op of ", plan->chunks, " chunks");
   c10::DeviceGuard device_guard(device_);
@@ -163,7 +177,7 @@ void DeviceStaging::copy_back_chunk(size_t op, size_t chunk) {
 void DeviceStaging::finish() {
   c10::DeviceGuard device_guard(device_);
   c10::StreamGuard stream_guard(copy_stream_);
-  staged_.block(copy_stream_);
+  issued_.block(copy_stream_);
   for (auto& b : buffers_) {
     if (b.write && !b.device_flat.defined()) {
       b.device.copy_(b.host_flat.view(b.device.sizes()), /*non_blocking=*/true); // whole, any strides

@@ -6,17 +6,21 @@
 // copies overlap the communication. The life of a job on device tensors, and the thread each
 // step runs on:
 //   caller    stage(): a pinned host buffer per device tensor; add_op(): which ranges of which
-//             buffers each op uses, and its chunk size; seal(): enqueues the device->host
-//             copies chunk by chunk on the caller's current stream (so they follow the work
-//             already queued there), recording an event after each chunk. The call returns.
-//   progress  for each chunk: wait_chunk() blocks until its event has fired; the host algorithm
-//             runs on it; copy_back_chunk() enqueues its host->device copies on the copy stream.
-//             At the end finish() records `outputs_ready` on the copy stream; the work completes.
+//             buffers each op uses, and its chunk size; seal(): records `issued` on the caller's
+//             current stream. The call returns: the caller's thread makes no copies.
+//   progress  first wait_chunk(): the copy-out stream waits for `issued` (so the copies follow
+//             the work queued before the collective), then the device->host copies are
+//             enqueued on it chunk by chunk, with an event after each chunk. For each chunk:
+//             wait_chunk() blocks until its event has fired; the host algorithm runs on it;
+//             copy_back_chunk() enqueues its host->device copies on the copy-back stream.
+//             At the end finish() records `outputs_ready` on that stream; the work completes.
 //   caller    Work.wait(): waits for the host algorithm, then makes the current stream wait
 //             for `outputs_ready` (it does not wait for the copies themselves).
-// So while the host works on chunk k, the device copies chunk k+1 out and chunk k-1 back.
-// Device tensors are recorded on the copy stream before the first copy back, so the caching
-// allocator cannot hand their memory out while a copy is pending, whatever the caller does.
+// So while the host works on chunk k, the device copies chunk k+1 out and chunk k-1 back, on
+// two streams (two directions of the link). As with NCCL, work the caller queues after the
+// collective and before Work.wait() runs concurrently with it: it must not write the inputs.
+// Device tensors are recorded on the stream that copies them, so the caching allocator cannot
+// hand their memory out while a copy is pending, whatever the caller does.
 // Non-contiguous device tensors are copied whole (a strided copy cannot be cut into byte ranges).
 #pragma once
 
@@ -85,7 +89,7 @@ class DeviceStaging {
     at::Tensor host_flat;   // the pinned host buffer, flat
     bool read;
     bool write;
-    bool recorded = false;  // device memory recorded on the copy stream
+    bool recorded = false;  // device memory recorded on the copy-back stream
   };
   // A byte range of a staged buffer that an op uses.
   struct View {
@@ -105,14 +109,18 @@ class DeviceStaging {
   // Copies chunk `chunk` of `view` between device and host (to_host: device to host).
   void copy_range(const OpPlan& plan, const View& view, size_t chunk, bool to_host);
   const OpPlan* plan_of(size_t op) const;
+  // The device->host copies of every chunk, on the copy-out stream (first wait_chunk).
+  void launch_copies_out();
 
   c10::Device device_;
   c10::impl::VirtualGuardImpl impl_;
   c10::Stream caller_stream_;
-  c10::Stream copy_stream_;
-  c10::Event staged_;        // after every copy to the host
-  c10::Event outputs_ready_; // after every copy back
+  c10::Stream copy_out_stream_; // device -> host
+  c10::Stream copy_stream_;     // host -> device (the copies back)
+  c10::Event issued_;           // the caller's stream at the call
+  c10::Event outputs_ready_;    // after every copy back
   bool sealed_ = false;
+  bool launched_ = false;
   bool results_back_ = false;
   std::vector<Buffer> buffers_;
   std::vector<OpPlan> ops_;
