@@ -14,9 +14,16 @@ pub struct Config {
     pub socket_host: Option<String>,
     /// The group timeout: every operation, and the connection set-up, must finish within it.
     pub timeout: Duration,
-    /// `XCCL_RS_TRANSPORT` (default `auto`): `auto` uses shared memory when every rank of the
-    /// group is on this host (same hostname and same /dev/shm), TCP otherwise; `tcp` forces TCP.
+    /// `XCCL_RS_TRANSPORT` (default `auto`): `auto` uses shared memory between ranks on the
+    /// same host (same hostname and same /dev/shm) and TCP between hosts; `tcp` forces TCP
+    /// between every pair.
     pub transport: TransportChoice,
+    /// `XCCL_RS_HOST_ID` (default unset: hostname and /dev/shm's device and inode): when set,
+    /// replaces this rank's host identity. Ranks with equal ids count as one host: for
+    /// containers that share /dev/shm under different hostnames, and for tests (one process
+    /// posing as several hosts). A group whose ranks span several hosts uses shared memory
+    /// within each host and TCP between hosts.
+    pub host_id: Option<String>,
     /// `XCCL_RS_SHM_CHUNK_BYTES` (default 4 MiB): bytes of each of the two data slots of a
     /// rank's shared-memory segment; a segment is `2 * chunk + 4 KiB`. Collectives move larger
     /// tensors in blocks of this size, double-buffered.
@@ -61,6 +68,7 @@ impl Config {
                 "tcp" => TransportChoice::Tcp,
                 _ => TransportChoice::Auto,
             },
+            host_id: std::env::var("XCCL_RS_HOST_ID").ok().filter(|s| !s.trim().is_empty()),
             shm_chunk_bytes: env_usize("XCCL_RS_SHM_CHUNK_BYTES")
                 .filter(|&b| b >= 4096)
                 .map(|b| b / 64 * 64)
@@ -88,6 +96,7 @@ impl Config {
             socket_host: None,
             timeout,
             transport: TransportChoice::Auto,
+            host_id: None,
             shm_chunk_bytes: DEFAULT_SHM_CHUNK_BYTES,
             shm_oneshot_bytes: 64 << 10,
             spin: Duration::from_micros(50),
