@@ -1,5 +1,18 @@
 //! Every `XCCL_RS_*` environment variable, its default and its meaning. `docs/env.md` lists the
 //! same table for users; keep the two in step.
+//!
+//! | variable | default | field |
+//! |---|---|---|
+//! | `XCCL_RS_SEGMENT_BYTES` | 1 MiB | `segment_bytes` |
+//! | `XCCL_RS_SOCKET_HOST` | this host's address | `socket_host` |
+//! | `XCCL_RS_TRANSPORT` | `auto` | `transport` |
+//! | `XCCL_RS_HOST_ID` | unset (hostname + /dev/shm identity) | `host_id`: ranks with equal ids count as one host |
+//! | `XCCL_RS_SHM_CHUNK_BYTES` | 4 MiB | `shm_chunk_bytes` |
+//! | `XCCL_RS_SHM_ONESHOT_BYTES` | 64 KiB | `shm_oneshot_bytes` |
+//! | `XCCL_RS_SPIN_US` | 50 | `spin` |
+//! | `XCCL_RS_THREADS` | 0 (auto) | `threads` |
+//! | `XCCL_RS_THREAD_MIN_BYTES` | 256 KiB | `thread_min_bytes` |
+//! | `XCCL_RS_LOG` | off | [`init_logging`] |
 
 use std::time::Duration;
 
