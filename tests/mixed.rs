@@ -294,8 +294,8 @@ fn direct_collectives() {
                 let mut outs: Vec<Vec<u8>> = (0..size).map(|src| vec![0u8; len(src, rank)]).collect();
                 let o = op_with(OpKind::AllToAll, DType::UInt8, ins.iter_mut().map(|v| buf(v)).collect(), outs.iter_mut().map(|v| buf(v)).collect());
                 run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                for src in 0..size {
-                    assert!(outs[src] == msg(src, rank), "{what}: from rank {src}");
+                for (src, got) in outs.iter().enumerate() {
+                    assert!(*got == msg(src, rank), "{what}: from rank {src}");
                 }
             }
         });
@@ -451,4 +451,33 @@ fn dead_rank_fails_every_host_promptly() {
             barrier.wait();
         });
     }
+}
+
+/// A broadcast whose receiver on another host (rank 3, a non-leader) disagrees about the size:
+/// that host's ranks fail in the broadcast (their shared-memory step compares descriptions);
+/// the root's host may already have finished its part, as in a direct broadcast, and then fails
+/// at its next operation, naming the mismatch. Nobody hangs, nobody continues silently.
+#[test]
+fn broadcast_mismatch_on_a_remote_non_leader() {
+    spawn_ranks_with(MemoryStore::new(), err_cfgs(LAYOUTS[0]), LIMIT, move |rank, comm, barrier| {
+        let what = format!("rank {rank}");
+        let n = if rank == 3 { 5001 } else { 5000 };
+        let mut data = vec![rank as u8; n];
+        let mut o = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut data)]);
+        o.root = 0;
+        let (r, took) = timed(&comm, vec![o]);
+        assert!(took < Duration::from_secs(1), "{what}: broadcast took {took:?}");
+        let e = match r {
+            Err(e) => e,
+            Ok(_) => {
+                assert!(rank < 2, "{what}: the mismatching host must fail in the broadcast");
+                let mut x = f32::to_bytes(&[1.0; 10]);
+                let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut x)])]);
+                assert!(took < Duration::from_secs(1), "{what}: the next op took {took:?}");
+                expect_err(r, &format!("{what}: the op after the mismatched broadcast"))
+            }
+        };
+        assert_mentions(&e, &["size mismatch"], &what);
+        barrier.wait();
+    });
 }

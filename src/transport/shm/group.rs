@@ -101,21 +101,21 @@ impl ShmGroup {
         store.set(&format!("xccl_rs/shm{namespace}/{rank}"), name.as_bytes())?;
         let mut segments = Vec::with_capacity(size);
         let mut own = Some(own);
-        for peer in 0..size {
+        for (peer, &member) in members.iter().enumerate() {
             if peer == rank {
                 segments.push(own.take().expect("own segment placed once"));
                 continue;
             }
             let peer_name = store
                 .get(&format!("xccl_rs/shm{namespace}/{peer}"), timeout)
-                .map_err(|e| rendezvous_error(me, members[peer], e))?;
+                .map_err(|e| rendezvous_error(me, member, e))?;
             segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), chunk)?);
         }
         store.set(&format!("xccl_rs/shm_mapped{namespace}/{rank}"), b"1")?;
-        for peer in 0..size {
+        for (peer, &member) in members.iter().enumerate() {
             store
                 .get(&format!("xccl_rs/shm_mapped{namespace}/{peer}"), timeout)
-                .map_err(|e| rendezvous_error(me, members[peer], e))?;
+                .map_err(|e| rendezvous_error(me, member, e))?;
         }
         segments[rank].unlink();
         for (peer, seg) in segments.iter().enumerate() {
