@@ -2,8 +2,8 @@
 //! span several hosts and some host has two or more of them (hosts.rs). Within a host, ranks
 //! talk through that host's shared-memory group (`Step::shm`, local indices 0..k, present when
 //! the host has k ≥ 2 ranks); between hosts, one rank per host — its *representative*: the
-//! leader, or the root on the root's host — talks over TCP, running a `*_direct.rs` algorithm
-//! unchanged on a [`Subset`] of the group's connections ([`among`]).
+//! leader, or the root on the root's host — talks over TCP on a [`Subset`] of the group's
+//! connections ([`among`]), running a `*_direct.rs` algorithm unchanged or phases of its own.
 //!
 //! Reductions run at two levels: each host reduces to its representative, then the
 //! representatives reduce across hosts. MIN, MAX, PRODUCT, SUM and the bitwise ops are the same
