@@ -2,8 +2,9 @@
 one "host" share memory and the hosts talk over TCP (hierarchical all-reduce, broadcast, reduce,
 all-gather and barrier; the other collectives direct over TCP). The whole collectives sweep of
 test_collectives.py runs on such a group — every collective x dtype x op x size x completion
-mode against torch references — for two layouts: hosts {0, 1} + {2, 3}, and interleaved
-{0, 2} + {1, 3}. Small shared-memory slots make the large cases run in many blocks.
+mode against torch references — for three layouts: hosts {0, 1} + {2, 3}, interleaved
+{0, 2} + {1, 3}, and uneven {0, 1, 2} + {3}. Small shared-memory slots make the large cases run
+in many blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(IS_GLOO, reason="xccl_rs host topology")
 LAYOUTS = {
     "blocks": ["a", "a", "b", "b"],
     "interleaved": ["a", "b", "a", "b"],
+    "uneven": ["a", "a", "a", "b"],
 }
 ENV = {"XCCL_RS_SHM_CHUNK_BYTES": "65536", "XCCL_RS_SHM_ONESHOT_BYTES": "4096"}
 
