@@ -71,13 +71,15 @@ impl Communicator {
         }
         let token = agree_on_token(store, rank, config.timeout)?;
         let transport = TcpTransport::connect(store, rank, size, token, config.socket_host.as_deref(), config.timeout)?;
-        let (shm, mixed) = if size > 1 && config.transport == TransportChoice::Auto {
+        let (shm, mixed, hosts) = if size > 1 && config.transport == TransportChoice::Auto {
             let mine = config.host_id.clone().or_else(host_identity).unwrap_or_default();
-            shared_memory(store, rank, HostMap::exchange(store, rank, size, &mine, config.timeout)?, &config)?
+            let map = HostMap::exchange(store, rank, size, &mine, config.timeout)?;
+            let hosts = map.host_count();
+            let (shm, mixed) = shared_memory(store, rank, map, &config)?;
+            (shm, mixed, hosts)
         } else {
-            (None, None)
+            (None, None, 1)
         };
-        let hosts = mixed.as_ref().map_or(1, |m| m.hosts.host_count());
         let local_ranks = shm.as_ref().map_or(1, |s| s.size());
         tracing::info!(rank, size, shm = shm.is_some(), hosts, local_ranks, "xccl_rs communicator connected");
         let timeout_ms = Arc::new(AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64));
