@@ -389,6 +389,7 @@ def run_ranks(
     timeout_s: float = 120.0,
     pg_timeout_s: float | None = None,
     env: dict | None = None,
+    rank_env=None,
     init: str = "store",
     expect_fail_ranks=(),
     import_backend: bool = True,
@@ -407,6 +408,8 @@ def run_ranks(
     pg_timeout_s: init_process_group(timeout=...).
     init: "store" (TCPStore served by the parent), "env" (env://, MASTER_ADDR/PORT,
       RANK, WORLD_SIZE set) or "none" (fn initialises; ctx().connect_store() helps).
+    rank_env: a function of the rank returning more environment for that rank only (applied
+      after ``env``), e.g. a per-rank XCCL_RS_HOST_ID.
     expect_fail_ranks: ranks allowed to raise / die without reporting (e.g. os._exit).
     check: raise AssertionError listing every problem (default); otherwise return the
       RunResult for the caller to inspect (result.report(prefix)).
@@ -457,6 +460,7 @@ def run_ranks(
                 "XCCL_RS_TEST_BACKEND": BACKEND,
             }
             child_env.update(env or {})
+            child_env.update(rank_env(rank) if rank_env else {})
             cfg = {
                 "fn": fn_ref,
                 "args": pickle.dumps((args, kwargs)),

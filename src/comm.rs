@@ -21,10 +21,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::algorithms::hier::Mixed;
 use crate::algorithms::p2p::{self, P2pCounters};
 use crate::algorithms::{Step, run_collective};
 use crate::config::{Config, TransportChoice};
 use crate::error::{CommError, ErrorKind, Result};
+use crate::hosts::HostMap;
 use crate::op::{Completion, Op};
 use crate::par::Par;
 use crate::pipeline::{self, Staging};
@@ -70,13 +72,17 @@ impl Communicator {
         }
         let token = agree_on_token(store, rank, config.timeout)?;
         let transport = TcpTransport::connect(store, rank, size, token, config.socket_host.as_deref(), config.timeout)?;
-        let shm = if size > 1 && config.transport == TransportChoice::Auto && all_on_this_host(store, rank, size, config.timeout)? {
-            let par = Par::new(config.threads_for(size), config.thread_min_bytes);
-            Some(ShmGroup::setup(store, rank, size, config.shm_chunk_bytes, config.spin, config.timeout, par)?)
+        let (shm, mixed, hosts) = if size > 1 && config.transport == TransportChoice::Auto {
+            let mine = config.host_id.clone().or_else(host_identity).unwrap_or_default();
+            let map = HostMap::exchange(store, rank, size, &mine, config.timeout)?;
+            let hosts = map.host_count();
+            let (shm, mixed) = shared_memory(store, rank, map, &config)?;
+            (shm, mixed, hosts)
         } else {
-            None
+            (None, None, 1)
         };
-        tracing::info!(rank, size, shm = shm.is_some(), "xccl_rs communicator connected");
+        let local_ranks = shm.as_ref().map_or(1, |s| s.size());
+        tracing::info!(rank, size, shm = shm.is_some(), hosts, local_ranks, "xccl_rs communicator connected");
         let timeout_ms = Arc::new(AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64));
         let (tx, rx) = mpsc::channel();
         let pipeline_chunk_bytes = config.pipeline_chunk_bytes;
@@ -88,6 +94,7 @@ impl Communicator {
             p2p: P2pCounters::new(size),
             scratch: Vec::new(),
             shm,
+            mixed,
             failed: None,
         };
         let shared = Arc::new(Shared { worker: Mutex::new(worker), pending: AtomicUsize::new(0) });
@@ -124,6 +131,12 @@ impl Communicator {
     /// The sequence number the next collective will carry.
     pub fn next_seq(&self) -> u64 {
         self.submitted.load(Ordering::Relaxed)
+    }
+
+    /// Blocks moved through shared memory so far (0 when this rank has no shared-memory
+    /// group): shows which transport a group uses, for diagnostics and tests.
+    pub fn shm_blocks_used(&self) -> u64 {
+        self.shared.worker.lock().shm.as_ref().map_or(0, |s| s.blocks_used())
     }
 
     pub fn set_timeout(&self, timeout: Duration) {
@@ -241,6 +254,10 @@ struct Worker {
     p2p: P2pCounters,
     scratch: Vec<u8>,
     shm: Option<ShmGroup>,
+    /// Present in a mixed group (several hosts, some sharing memory): then `shm` is this
+    /// host's ranks' group, and reductions, broadcasts, barriers and all-gathers run
+    /// hierarchically.
+    mixed: Option<Mixed>,
     failed: Option<CommError>,
 }
 
@@ -376,6 +393,7 @@ impl Worker {
             _ => 0,
         };
         let chunk_bytes = self.config.pipeline_chunk_bytes;
+        let world_size = self.transport.size();
         pipeline::run_chunks(op, index, chunk_bytes, staging.map(|inner| Described { inner, ctx }).as_mut().map(|d| d as &mut dyn Staging), |chunk| {
             let mut step = Step {
                 transport: self.transport.as_mut(),
@@ -386,7 +404,9 @@ impl Worker {
                 segment_bytes: self.config.segment_bytes,
                 scratch: &mut self.scratch,
                 shm: self.shm.as_mut(),
+                mixed: self.mixed.as_mut(),
                 shm_oneshot_bytes: self.config.shm_oneshot_bytes,
+                world_size,
                 chunk_log: chunk_bytes.trailing_zeros(),
             };
             run_collective(&mut step, chunk)
@@ -415,17 +435,24 @@ impl Staging for Described<'_, '_> {
     }
 }
 
-/// Whether every rank runs on this host with the same /dev/shm (so shared memory can connect
-/// them). Every rank reaches the same answer from the same published identities.
-fn all_on_this_host(store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<bool> {
-    let mine = host_identity().unwrap_or_default();
-    store.set(&format!("xccl_rs/host/{rank}"), mine.as_bytes())?;
-    let mut all_same = !mine.is_empty();
-    for peer in 0..size {
-        let theirs = store
-            .get(&format!("xccl_rs/host/{peer}"), timeout)
-            .map_err(|e| crate::rendezvous::rendezvous_error(rank, peer, e))?;
-        all_same &= theirs == mine.as_bytes();
+/// The shared memory a rank uses, from the group's host map: a single host shares memory among
+/// all ranks (the `*_shm.rs` algorithms); several hosts, some with two or more ranks, make a
+/// mixed group (`hier_*.rs`), with shared memory among this host's ranks when it has two or
+/// more; one rank per host leaves nothing to share (TCP only).
+fn shared_memory(store: &dyn Store, rank: usize, hosts: HostMap, config: &Config) -> Result<(Option<ShmGroup>, Option<Mixed>)> {
+    let host = hosts.host_of(rank);
+    let local = hosts.ranks(host).to_vec();
+    let setup = |namespace: &str| {
+        let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes);
+        let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin, config.timeout);
+        ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par)
+    };
+    if hosts.host_count() == 1 {
+        return Ok((Some(setup("")?), None));
     }
-    Ok(all_same)
+    if !hosts.any_shared() {
+        return Ok((None, None));
+    }
+    let shm = if local.len() > 1 { Some(setup(&format!("/h{host}"))?) } else { None };
+    Ok((shm, Some(Mixed::new(hosts))))
 }

@@ -1,5 +1,18 @@
 //! Every `XCCL_RS_*` environment variable, its default and its meaning. `docs/env.md` lists the
 //! same table for users; keep the two in step.
+//!
+//! | variable | default | field |
+//! |---|---|---|
+//! | `XCCL_RS_SEGMENT_BYTES` | 1 MiB | `segment_bytes` |
+//! | `XCCL_RS_SOCKET_HOST` | this host's address | `socket_host` |
+//! | `XCCL_RS_TRANSPORT` | `auto` | `transport` |
+//! | `XCCL_RS_HOST_ID` | unset (hostname + /dev/shm identity) | `host_id`: ranks with equal ids count as one host |
+//! | `XCCL_RS_SHM_CHUNK_BYTES` | 4 MiB | `shm_chunk_bytes` |
+//! | `XCCL_RS_SHM_ONESHOT_BYTES` | 64 KiB | `shm_oneshot_bytes` |
+//! | `XCCL_RS_SPIN_US` | 50 | `spin` |
+//! | `XCCL_RS_THREADS` | 0 (auto) | `threads` |
+//! | `XCCL_RS_THREAD_MIN_BYTES` | 256 KiB | `thread_min_bytes` |
+//! | `XCCL_RS_LOG` | off | [`init_logging`] |
 
 use std::time::Duration;
 
@@ -14,9 +27,16 @@ pub struct Config {
     pub socket_host: Option<String>,
     /// The group timeout: every operation, and the connection set-up, must finish within it.
     pub timeout: Duration,
-    /// `XCCL_RS_TRANSPORT` (default `auto`): `auto` uses shared memory when every rank of the
-    /// group is on this host (same hostname and same /dev/shm), TCP otherwise; `tcp` forces TCP.
+    /// `XCCL_RS_TRANSPORT` (default `auto`): `auto` uses shared memory between ranks on the
+    /// same host (same hostname and same /dev/shm) and TCP between hosts; `tcp` forces TCP
+    /// between every pair.
     pub transport: TransportChoice,
+    /// `XCCL_RS_HOST_ID` (default unset: hostname and /dev/shm's device and inode): when set,
+    /// replaces this rank's host identity. Ranks with equal ids count as one host: for
+    /// containers that share /dev/shm under different hostnames, and for tests (one process
+    /// posing as several hosts). A group whose ranks span several hosts uses shared memory
+    /// within each host and TCP between hosts.
+    pub host_id: Option<String>,
     /// `XCCL_RS_SHM_CHUNK_BYTES` (default 4 MiB): bytes of each of the two data slots of a
     /// rank's shared-memory segment; a segment is `2 * chunk + 4 KiB`. Collectives move larger
     /// tensors in blocks of this size, double-buffered.
@@ -74,6 +94,7 @@ impl Config {
                 "tcp" => TransportChoice::Tcp,
                 _ => TransportChoice::Auto,
             },
+            host_id: std::env::var("XCCL_RS_HOST_ID").ok().filter(|s| !s.trim().is_empty()),
             shm_chunk_bytes: env_usize("XCCL_RS_SHM_CHUNK_BYTES")
                 .filter(|&b| b >= 4096)
                 .map(|b| b / 64 * 64)
@@ -102,6 +123,7 @@ impl Config {
             socket_host: None,
             timeout,
             transport: TransportChoice::Auto,
+            host_id: None,
             shm_chunk_bytes: DEFAULT_SHM_CHUNK_BYTES,
             shm_oneshot_bytes: 64 << 10,
             spin: Duration::from_micros(50),

@@ -10,6 +10,7 @@ pub mod algorithms;
 pub mod comm;
 pub mod config;
 pub mod error;
+pub mod hosts;
 pub mod op;
 pub mod par;
 pub mod pipeline;

@@ -121,6 +121,10 @@ def _worker(rank, world, port, args, queue):
     import xccl_rs  # noqa: F401
 
     torch.set_num_threads(1)
+    if args.fake_hosts > 1:
+        # Consecutive blocks of ranks pose as hosts: a mixed group (shared memory within a
+        # "host", TCP between them) measured on one machine. Read when the group is created.
+        os.environ["XCCL_RS_HOST_ID"] = f"bench-host-{rank * args.fake_hosts // world}"
     device = torch.device(args.device)
     if device.type != "cpu":
         if device.index is None:
@@ -198,10 +202,13 @@ def main(argv=None) -> int:
     p.add_argument("--issue-async", type=int, default=0, metavar="N",
                    help="first time how long issuing N async 1 MiB all_reduces takes (xccl_rs)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of iterations")
+    p.add_argument("--fake-hosts", type=int, default=1, metavar="H",
+                   help="xccl_rs: the ranks pose as H hosts (consecutive blocks, through XCCL_RS_HOST_ID)")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"xccl_rs.bench: {args.ranks} ranks, {args.device} tensors, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+    hosts = f" as {args.fake_hosts} hosts" if args.fake_hosts > 1 else ""
+    print(f"xccl_rs.bench: {args.ranks} ranks{hosts}, {args.device} tensors, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     header = [f"{'op':<15}", f"{'dtype':<9}", f"{'size':>9}"]
     for b in args.backends:
         header.append(f"{b + ' time(us)':>12} {'algbw':>7} {'busbw':>7}")

@@ -16,7 +16,7 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let buf = op.outputs[0];
     let n = buf.len() / esz;
     let chunks: Vec<_> = (0..size).map(|i| chunk(buf, n, size, i, esz)).collect();
-    reduce_blocks(step, &op.reduction(size), &chunks, chunks[rank])?;
+    reduce_blocks(step, &step.reduction(op), &chunks, chunks[rank])?;
 
     let mut phase = step.phase();
     for peer in (0..size).filter(|&p| p != rank) {

@@ -1,14 +1,18 @@
-//! Collective algorithms, one per file, in two families:
+//! Collective algorithms, one per file, in three families:
 //!
 //! - `*_shm.rs`, used when every rank of the group is on this host: data moves through
 //!   shared-memory slots in blocks, synchronized by counters (transport/shm/group.rs).
 //! - `*_direct.rs` (and all-to-all, point-to-point), over TCP: each is written against
 //!   [`Phase`]: it lists the sends and receives of one step and lets the transport complete
 //!   them together. They are *direct*: a rank exchanges with each peer itself (a full mesh).
+//! - `hier_*.rs`, used by a *mixed* group (several hosts, some with two or more of its ranks):
+//!   a shared-memory step among each host's ranks and a direct step over TCP among one rank
+//!   per host (hier.rs). Ops without a hierarchical version run direct over TCP.
 //!
-//! In both families a reduction sums all ranks' inputs in one pass, in rank order, accumulating
-//! bf16/fp16 in fp32 with a single rounding; each element is computed on one rank (or
-//! identically on all), so every rank ends with the same bits.
+//! In the first two families a reduction sums all ranks' inputs in one pass, in rank order,
+//! accumulating bf16/fp16 in fp32 with a single rounding; each element is computed on one rank
+//! (or identically on all), so every rank ends with the same bits. A hierarchical reduction
+//! rounds once per level (hier.rs).
 
 pub mod allgather_direct;
 pub mod allgather_shm;
@@ -20,6 +24,12 @@ pub mod barrier_shm;
 pub mod broadcast_direct;
 pub mod broadcast_shm;
 pub mod gather_direct;
+pub mod hier;
+pub mod hier_allgather;
+pub mod hier_allreduce;
+pub mod hier_barrier;
+pub mod hier_broadcast;
+pub mod hier_reduce;
 pub mod p2p;
 pub mod reduce_direct;
 pub mod reduce_scatter_direct;
@@ -31,6 +41,7 @@ pub mod shm_blocks;
 
 use crate::error::Result;
 use crate::op::Op;
+use crate::reduce::Reduction;
 use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::{Direction, Header, OpCtx, RawBuf, Transfer, Transport};
 use crate::transport::tcp::frame::FrameKind;
@@ -47,13 +58,20 @@ pub struct Step<'a> {
     pub key: i64,
     pub segment_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
-    /// Present when every rank is on this host and shared memory is allowed.
+    /// Present when every rank is on this host and shared memory is allowed: the group's
+    /// shared memory. In a mixed group (`mixed` present): this host's ranks' shared memory,
+    /// present when the host has two or more.
     pub shm: Option<&'a mut ShmGroup>,
+    /// Present when the group is mixed (hier.rs): the host map, and scratch of its own.
+    pub mixed: Option<&'a mut hier::Mixed>,
     /// All-reduces up to this many bytes take the one-shot shared-memory path.
     pub shm_oneshot_bytes: usize,
     /// log2 of the pipeline's chunk size (pipeline.rs), part of the shared-memory description
     /// so that ranks configured differently fail instead of exchanging different ranges.
     pub chunk_log: u32,
+    /// The size of the whole group: AVG's divisor. It is the transport's size, except in the
+    /// leaders' step of a hierarchical collective, which runs among fewer ranks.
+    pub world_size: usize,
 }
 
 impl Step<'_> {
@@ -62,6 +80,11 @@ impl Step<'_> {
     }
     pub fn size(&self) -> usize {
         self.transport.size()
+    }
+
+    /// The reduction `op` asks for, AVG dividing by the whole group's size.
+    pub fn reduction(&self, op: &Op) -> Reduction {
+        op.reduction(self.world_size)
     }
 
     /// Elements per segment of a reduction round.
@@ -147,20 +170,36 @@ pub fn split_range(n: usize, parts: usize, i: usize) -> (usize, usize) {
     (start, base + usize::from(i < extra))
 }
 
+/// What every rank of a shared-memory group says about `op` before touching peers' data.
+fn describe(step: &Step<'_>, op: &Op) -> Desc {
+    Desc {
+        seq: step.ctx.seq,
+        kind: op.kind as u64
+            | (op.dtype as u64) << 8
+            | if op.is_reduction() { (op.reduce_op as u64) << 16 } else { 0 }
+            | (step.chunk_log as u64) << 24,
+        count: step.count,
+        root: step.key as u64,
+    }
+}
+
 /// Runs one collective op (not point-to-point) to completion.
 pub fn run_collective(step: &mut Step<'_>, op: &Op) -> Result<()> {
     use crate::types::OpKind::*;
+    if step.mixed.is_some() {
+        let desc = describe(step, op);
+        return match op.kind {
+            AllReduce => hier_allreduce::run(step, op, desc),
+            Broadcast => hier_broadcast::run(step, op, desc),
+            Reduce => hier_reduce::run(step, op, desc),
+            AllGather => hier_allgather::run(step, op, desc),
+            Barrier => hier_barrier::run(step, desc),
+            _ => run_direct(step, op),
+        };
+    }
     if op.kind != AllToAll {
+        let desc = describe(step, op);
         if let Some(shm) = step.shm.as_deref_mut() {
-            let desc = Desc {
-                seq: step.ctx.seq,
-                kind: op.kind as u64
-                    | (op.dtype as u64) << 8
-                    | if op.is_reduction() { (op.reduce_op as u64) << 16 } else { 0 }
-                    | (step.chunk_log as u64) << 24,
-                count: step.count,
-                root: step.key as u64,
-            };
             let ctx = step.ctx;
             return match op.kind {
                 AllReduce => allreduce_shm::run(shm, ctx, op, desc, step.shm_oneshot_bytes),
@@ -175,6 +214,12 @@ pub fn run_collective(step: &mut Step<'_>, op: &Op) -> Result<()> {
             };
         }
     }
+    run_direct(step, op)
+}
+
+/// Runs `op` with the TCP algorithms, every rank talking to its peers itself.
+fn run_direct(step: &mut Step<'_>, op: &Op) -> Result<()> {
+    use crate::types::OpKind::*;
     match op.kind {
         AllReduce => allreduce_direct::run(step, op),
         Broadcast => broadcast_direct::run(step, op),

@@ -30,7 +30,7 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
         return step.confirm(&[], &[root]);
     }
 
-    let reduction = op.reduction(size);
+    let reduction = step.reduction(op);
     let scratch = step.scratch((size - 1) * seg * esz);
     let slot = |peer: usize| if peer < rank { peer } else { peer - 1 };
     for k in 0..rounds {

@@ -16,7 +16,7 @@ use crate::types::ReduceOp;
 
 pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let out = op.outputs[0];
-    reduce_blocks(step, &op.reduction(step.size()), &op.inputs, out)
+    reduce_blocks(step, &step.reduction(op), &op.inputs, out)
 }
 
 /// Reduces `blocks` across ranks into `out` (see the module docs). `out` may be exactly

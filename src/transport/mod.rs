@@ -1,10 +1,11 @@
 //! Transports move frames between ranks. An algorithm describes one phase of a collective as a
 //! list of [`Transfer`]s (send this buffer to rank a, receive that one from rank b) and the
 //! transport completes them all, concurrently, before the phase ends. Transfers to the same peer
-//! in the same direction complete in list order. Today there is one transport, TCP; the
-//! shared-memory one will implement the same trait.
+//! in the same direction complete in list order. TCP implements the trait, and `Subset` views
+//! some of its ranks as a smaller group; shared memory (shm/) has a block protocol of its own.
 
 pub mod shm;
+pub mod subset;
 pub mod tcp;
 
 use std::time::{Duration, Instant};

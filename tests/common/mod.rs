@@ -97,11 +97,22 @@ pub fn spawn_ranks_in<T: Send + 'static>(
     limit: Duration,
     f: impl Fn(usize, Communicator, &Barrier) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
+    spawn_ranks_with(store, vec![cfg; size], limit, f)
+}
+
+/// [`spawn_ranks`] over a given store, with one config per rank (e.g. per-rank `host_id`).
+pub fn spawn_ranks_with<T: Send + 'static>(
+    store: Arc<MemoryStore>,
+    cfgs: Vec<Config>,
+    limit: Duration,
+    f: impl Fn(usize, Communicator, &Barrier) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let size = cfgs.len();
     let f = Arc::new(f);
     let barrier = Arc::new(Barrier::new(size));
     let (tx, rx) = mpsc::channel();
-    for rank in 0..size {
-        let (store, f, cfg, barrier, tx) = (store.clone(), f.clone(), cfg.clone(), barrier.clone(), tx.clone());
+    for (rank, cfg) in cfgs.into_iter().enumerate() {
+        let (store, f, barrier, tx) = (store.clone(), f.clone(), barrier.clone(), tx.clone());
         std::thread::Builder::new()
             .name(format!("test-rank-{rank}"))
             .spawn(move || {

@@ -32,9 +32,14 @@ pub enum Counter {
     Consumed,
 }
 
+/// The shared-memory group of some ranks on one host: every rank of a single-host group, or
+/// one host's ranks of a group that spans several (see hosts.rs). `rank` and `size`, and every
+/// rank argument of the methods, are *local* indices 0..size; `members` maps them to the
+/// group's ranks, which error messages name.
 pub struct ShmGroup {
     rank: usize,
     size: usize,
+    members: Vec<usize>,
     chunk: usize,
     segments: Vec<Segment>,
     next_block: u64,
@@ -76,40 +81,50 @@ fn pid_alive(pid: u64) -> bool {
 
 impl ShmGroup {
     /// Creates this rank's segment, maps every peer's, and unlinks ours once all ranks have
-    /// mapped everything.
+    /// mapped everything. `members` are the group ranks of the local indices (`rank` is this
+    /// rank's local index); `namespace` keeps the store keys of different hosts' groups apart
+    /// (empty for a single-host group, whose keys are then `xccl_rs/shm/<rank>`).
+    #[allow(clippy::too_many_arguments)]
     pub fn setup(
         store: &dyn Store,
+        members: &[usize],
         rank: usize,
-        size: usize,
+        namespace: &str,
         chunk: usize,
         spin: Duration,
         timeout: Duration,
         par: Par,
     ) -> Result<ShmGroup> {
+        let size = members.len();
+        let me = members[rank];
         let (own, name) = Segment::create(chunk)?;
-        store.set(&format!("xccl_rs/shm/{rank}"), name.as_bytes())?;
+        store.set(&format!("xccl_rs/shm{namespace}/{rank}"), name.as_bytes())?;
         let mut segments = Vec::with_capacity(size);
         let mut own = Some(own);
-        for peer in 0..size {
+        for (peer, &member) in members.iter().enumerate() {
             if peer == rank {
                 segments.push(own.take().expect("own segment placed once"));
                 continue;
             }
-            let peer_name = store.get(&format!("xccl_rs/shm/{peer}"), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
+            let peer_name = store
+                .get(&format!("xccl_rs/shm{namespace}/{peer}"), timeout)
+                .map_err(|e| rendezvous_error(me, member, e))?;
             segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), chunk)?);
         }
-        store.set(&format!("xccl_rs/shm_mapped/{rank}"), b"1")?;
-        for peer in 0..size {
-            store.get(&format!("xccl_rs/shm_mapped/{peer}"), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
+        store.set(&format!("xccl_rs/shm_mapped{namespace}/{rank}"), b"1")?;
+        for (peer, &member) in members.iter().enumerate() {
+            store
+                .get(&format!("xccl_rs/shm_mapped{namespace}/{peer}"), timeout)
+                .map_err(|e| rendezvous_error(me, member, e))?;
         }
         segments[rank].unlink();
         for (peer, seg) in segments.iter().enumerate() {
             if !seg.header().is_valid() {
-                return Err(CommError::io(format!("xccl_rs: rank {peer}'s shared-memory segment is not initialized")));
+                return Err(CommError::io(format!("xccl_rs: rank {}'s shared-memory segment is not initialized", members[peer])));
             }
         }
         let pids_visible = segments.iter().all(|s| pid_alive(s.header().pid.0.load(Ordering::Relaxed)));
-        Ok(ShmGroup { rank, size, chunk, segments, next_block: 1, spin, par, pids_visible })
+        Ok(ShmGroup { rank, size, members: members.to_vec(), chunk, segments, next_block: 1, spin, par, pids_visible })
     }
 
     pub fn rank(&self) -> usize {
@@ -117,6 +132,11 @@ impl ShmGroup {
     }
     pub fn size(&self) -> usize {
         self.size
+    }
+    /// Blocks this group has used so far (each moves up to one slot per rank): how much work
+    /// went through shared memory, for diagnostics and tests.
+    pub fn blocks_used(&self) -> u64 {
+        self.next_block - 1
     }
     /// This rank's threads for the copies and reductions of a block step.
     pub fn par(&self) -> &Par {
@@ -204,10 +224,11 @@ impl ShmGroup {
                     "root mismatch"
                 };
                 return Err(CommError::mismatch(format!(
-                    "{}: rank {peer} called {}, rank {} called {} ({what})",
+                    "{}: rank {} called {}, rank {} called {} ({what})",
                     ctx.describe(),
+                    self.members[peer],
                     describe_desc(&theirs),
-                    self.rank,
+                    self.members[self.rank],
                     describe_desc(&mine)
                 )));
             }
@@ -254,7 +275,7 @@ impl ShmGroup {
                 next_liveness_check = now + Duration::from_millis(100);
             }
             if now >= ctx.deadline {
-                let silent: Vec<usize> = lagging().collect();
+                let silent: Vec<usize> = lagging().map(|r| self.members[r]).collect();
                 return Err(CommError::new(
                     ErrorKind::Timeout,
                     format!(
@@ -281,8 +302,9 @@ impl ShmGroup {
     /// fails the wait. Only lagging ranks count: a rank that already did its part of this
     /// operation may legitimately have moved on, or exited.
     fn check_peers(&self, lagging: impl Iterator<Item = usize>, ctx: &OpCtx) -> Result<()> {
-        for peer in lagging {
-            let h = self.header(peer);
+        for local in lagging {
+            let h = self.header(local);
+            let peer = self.members[local];
             match h.aborted.0.load(Ordering::Acquire) {
                 ABORT_FAILED => {
                     return Err(CommError::peer(format!(
@@ -295,7 +317,7 @@ impl ShmGroup {
                     return Err(CommError::peer(format!(
                         "{}: rank {peer} closed its communicator while rank {} waited for it in this collective",
                         ctx.describe(),
-                        self.rank
+                        self.members[self.rank]
                     )));
                 }
                 _ => {}
@@ -305,7 +327,7 @@ impl ShmGroup {
                 return Err(CommError::peer(format!(
                     "{}: rank {peer} (pid {pid}) exited and closed its connections while rank {} waited for it (did it crash?)",
                     ctx.describe(),
-                    self.rank
+                    self.members[self.rank]
                 )));
             }
         }

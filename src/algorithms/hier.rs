@@ -1,0 +1,97 @@
+//! What the hierarchical algorithms (hier_*.rs) share. They serve a *mixed* group: its ranks
+//! span several hosts and some host has two or more of them (hosts.rs). Within a host, ranks
+//! talk through that host's shared-memory group (`Step::shm`, local indices 0..k, present when
+//! the host has k ≥ 2 ranks); between hosts, one rank per host — its *representative*: the
+//! leader, or the root on the root's host — talks over TCP on a [`Subset`] of the group's
+//! connections ([`among`]), running a `*_direct.rs` algorithm unchanged or phases of its own.
+//!
+//! Reductions run at two levels: each host reduces to its representative, then the
+//! representatives reduce across hosts. MIN, MAX, PRODUCT, SUM and the bitwise ops are the same
+//! op at both levels (associative and commutative). AVG and PREMUL_SUM scale exactly once, at
+//! the second level: the first level is a SUM, and the second level's AVG divides by the whole
+//! group's size (`Step::world_size`), PREMUL_SUM multiplies by its factor — so a rank alone on
+//! its host, which has no first level, is scaled the same way as everyone else. bf16/fp16
+//! accumulate in fp32 at each level and round once per level; an all-reduce's result is then
+//! broadcast, so every rank still ends with the same bits.
+//!
+//! Every local step writes the op's description (the caller's op, not the level's) and checks
+//! the host's ranks' descriptions; the TCP step checks every frame's header. A mismatch on any
+//! rank therefore fails its host's ranks at once and, through the abort frames that a failing
+//! rank sends every peer, the ranks of other hosts in the same op or the next one. A failure on
+//! a representative (a peer on another host died) aborts its shared-memory group, so local
+//! ranks waiting on it fail within 100 ms (Worker::fail, ShmGroup::wait_for).
+
+use super::Step;
+use crate::error::Result;
+use crate::hosts::HostMap;
+use crate::op::Op;
+use crate::transport::RawBuf;
+use crate::transport::subset::Subset;
+use crate::types::ReduceOp;
+
+/// A mixed group's state: the host map, and scratch for a representative's partial result.
+pub struct Mixed {
+    pub hosts: HostMap,
+    partial: Vec<u8>,
+}
+
+impl Mixed {
+    pub fn new(hosts: HostMap) -> Mixed {
+        Mixed { hosts, partial: Vec::new() }
+    }
+
+    /// Scratch of `bytes` bytes, distinct from `Step::scratch` (which the TCP step uses).
+    pub fn partial(&mut self, bytes: usize) -> RawBuf {
+        if self.partial.len() < bytes {
+            self.partial.resize(bytes, 0);
+        }
+        RawBuf::from_slice(&mut self.partial[..bytes])
+    }
+}
+
+/// The host map of a mixed step.
+pub fn hosts<'s>(step: &'s Step<'_>) -> &'s HostMap {
+    &step.mixed.as_deref().expect("a hierarchical algorithm runs only in a mixed group").hosts
+}
+
+/// The leaders of every host, in host order.
+pub fn leaders(hosts: &HostMap) -> Vec<usize> {
+    (0..hosts.host_count()).map(|h| hosts.leader(h)).collect()
+}
+
+/// The first level's operator: AVG and PREMUL_SUM scale only at the second level.
+pub fn local_op(op: ReduceOp) -> ReduceOp {
+    match op {
+        ReduceOp::Avg | ReduceOp::PreMulSum => ReduceOp::Sum,
+        other => other,
+    }
+}
+
+/// `op` with its root replaced (a local index for a shared-memory step, a subset index for a
+/// TCP step).
+pub fn rooted(op: &Op, root: usize) -> Op {
+    Op { root: root as i64, ..op.clone() }
+}
+
+/// Runs `f` on a step among `members` (ranks of the group, this rank among them), over the
+/// group's TCP connections; frames keep the op's header fields (sequence number, count, root as
+/// the group numbers it), so the members check each other's exactly as in a direct step.
+pub fn among<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut Step<'_>) -> Result<R>) -> Result<R> {
+    let me = members.iter().position(|&m| m == step.rank()).expect("this rank takes part in the TCP step");
+    let mut sub = Subset::new(&mut *step.transport, members, me);
+    let mut inner = Step {
+        transport: &mut sub,
+        ctx: step.ctx,
+        dtype: step.dtype,
+        count: step.count,
+        key: step.key,
+        segment_bytes: step.segment_bytes,
+        scratch: &mut *step.scratch,
+        shm: None,
+        mixed: None,
+        shm_oneshot_bytes: step.shm_oneshot_bytes,
+        world_size: step.world_size,
+        chunk_log: step.chunk_log,
+    };
+    f(&mut inner)
+}

@@ -1,0 +1,55 @@
+//! Hierarchical broadcast (terms in hier.rs). On the root's host the root first broadcasts its
+//! tensor over shared memory; then it sends the tensor over TCP to every other host's leader.
+//! Each leader receives it straight into its tensor, broadcasts it to its host over shared
+//! memory, and only then confirms to the root. So, as in a direct broadcast, the root learns of
+//! any receiver's failure — here also of a failure in another host's shared-memory step (a
+//! mismatch on a non-leader) — and fails with it.
+
+use super::hier::{among, hosts, rooted};
+use super::{Step, broadcast_shm};
+use crate::error::Result;
+use crate::op::Op;
+use crate::transport::shm::Desc;
+
+pub fn run(step: &mut Step<'_>, op: &Op, desc: Desc) -> Result<()> {
+    let hosts = hosts(step);
+    let (rank, root) = (step.rank(), op.root as usize);
+    let reps = hosts.representatives(root);
+    let my_host = hosts.host_of(rank);
+    let (my_rep, root_host) = (reps[my_host], hosts.host_of(root));
+    let local = rooted(op, hosts.local_index(my_rep));
+    let ctx = step.ctx;
+    let buf = op.outputs[0];
+    if my_host == root_host {
+        if let Some(shm) = step.shm.as_deref_mut() {
+            broadcast_shm::run(shm, ctx, &local, desc)?;
+        }
+        if rank != root {
+            return Ok(());
+        }
+        // The representatives' indices are host indices.
+        let others: Vec<usize> = (0..reps.len()).filter(|&h| h != root_host).collect();
+        return among(step, &reps, |s| {
+            let mut phase = s.phase();
+            for &h in &others {
+                phase.send(h, buf, s.count);
+            }
+            s.run(phase)?;
+            s.confirm(&[], &others)
+        });
+    }
+    if rank == my_rep {
+        among(step, &reps, |s| {
+            let mut phase = s.phase();
+            phase.recv(root_host, buf, s.count);
+            s.run(phase)
+        })?;
+    }
+    if let Some(shm) = step.shm.as_deref_mut() {
+        broadcast_shm::run(shm, ctx, &local, desc)?;
+    }
+    if rank == my_rep {
+        among(step, &reps, |s| s.confirm(&[root_host], &[]))?;
+    }
+    Ok(())
+}

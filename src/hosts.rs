@@ -1,0 +1,122 @@
+//! Which ranks of a group share a host, so that a group spanning several hosts can talk through
+//! shared memory within each host and TCP between hosts (algorithms/hier_*.rs).
+//!
+//! Terms: a rank's *host identity* is the hostname with /dev/shm's device and inode (what
+//! shared memory needs: transport/shm/group.rs's `host_identity`), or `XCCL_RS_HOST_ID` when
+//! set. Ranks with equal identities form one *host*; hosts are numbered in the order of their
+//! lowest rank, and a host's ranks are listed in rank order, so a rank's *local index* is its
+//! position there. A host's *leader* is its lowest rank (local index 0). Every rank builds the
+//! same map from the same published identities.
+
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::rendezvous::{Store, rendezvous_error};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostMap {
+    /// Each host's ranks, ascending; hosts ordered by their lowest rank.
+    hosts: Vec<Vec<usize>>,
+    /// rank → host index.
+    host_of: Vec<usize>,
+    /// rank → position in its host's list.
+    local_index: Vec<usize>,
+}
+
+impl HostMap {
+    /// The map of ranks whose identities are `ids` (index = rank). An empty identity (this
+    /// rank could not tell its host) is a host of its own: it never shares memory.
+    pub fn from_ids(ids: &[Vec<u8>]) -> HostMap {
+        let mut hosts: Vec<Vec<usize>> = Vec::new();
+        let mut host_of = vec![0; ids.len()];
+        let mut local_index = vec![0; ids.len()];
+        for (rank, id) in ids.iter().enumerate() {
+            let found = if id.is_empty() { None } else { hosts.iter().position(|h| ids[h[0]] == *id) };
+            let h = found.unwrap_or_else(|| {
+                hosts.push(Vec::new());
+                hosts.len() - 1
+            });
+            host_of[rank] = h;
+            local_index[rank] = hosts[h].len();
+            hosts[h].push(rank);
+        }
+        HostMap { hosts, host_of, local_index }
+    }
+
+    /// Publishes this rank's identity under `xccl_rs/host/<rank>` and reads every rank's.
+    pub fn exchange(store: &dyn Store, rank: usize, size: usize, mine: &str, timeout: Duration) -> Result<HostMap> {
+        store.set(&format!("xccl_rs/host/{rank}"), mine.as_bytes())?;
+        let mut ids = Vec::with_capacity(size);
+        for peer in 0..size {
+            ids.push(store.get(&format!("xccl_rs/host/{peer}"), timeout).map_err(|e| rendezvous_error(rank, peer, e))?);
+        }
+        Ok(HostMap::from_ids(&ids))
+    }
+
+    pub fn host_count(&self) -> usize {
+        self.hosts.len()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.host_of.len()
+    }
+
+    /// Host `h`'s ranks, ascending.
+    pub fn ranks(&self, h: usize) -> &[usize] {
+        &self.hosts[h]
+    }
+
+    pub fn host_of(&self, rank: usize) -> usize {
+        self.host_of[rank]
+    }
+
+    pub fn local_index(&self, rank: usize) -> usize {
+        self.local_index[rank]
+    }
+
+    pub fn leader(&self, h: usize) -> usize {
+        self.hosts[h][0]
+    }
+
+    /// Whether some host has two or more ranks (otherwise shared memory has nothing to do).
+    pub fn any_shared(&self) -> bool {
+        self.hosts.iter().any(|h| h.len() > 1)
+    }
+
+    /// One rank per host: `root` for its own host, the leader for every other. These are the
+    /// ranks that talk over TCP in a hierarchical step rooted at `root`; with `root` = rank 0
+    /// (a leader) they are exactly the leaders.
+    pub fn representatives(&self, root: usize) -> Vec<usize> {
+        (0..self.hosts.len()).map(|h| if h == self.host_of[root] { root } else { self.leader(h) }).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostMap;
+
+    fn map(ids: &[&str]) -> HostMap {
+        HostMap::from_ids(&ids.iter().map(|s| s.as_bytes().to_vec()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn hosts_in_order_of_lowest_rank() {
+        let m = map(&["b", "a", "b", "c", "a"]);
+        assert_eq!(m.host_count(), 3);
+        assert_eq!(m.ranks(0), &[0, 2]);
+        assert_eq!(m.ranks(1), &[1, 4]);
+        assert_eq!(m.ranks(2), &[3]);
+        assert_eq!((m.host_of(4), m.local_index(4), m.leader(1)), (1, 1, 1));
+        assert_eq!(m.representatives(4), vec![0, 4, 3]);
+        assert_eq!(m.representatives(0), vec![0, 1, 3]);
+        assert!(m.any_shared());
+    }
+
+    #[test]
+    fn unknown_identities_never_share() {
+        let m = map(&["", "", "x"]);
+        assert_eq!(m.host_count(), 3);
+        assert!(!m.any_shared());
+        assert_eq!(map(&["x", "x"]).host_count(), 1);
+    }
+}

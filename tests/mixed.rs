@@ -1,0 +1,484 @@
+//! Mixed groups: ranks posing as several hosts (per-rank `Config::host_id`), so that ranks of
+//! one "host" talk through shared memory and hosts through TCP (algorithms/hier_*.rs for
+//! all-reduce, broadcast, reduce, all-gather and barrier; direct TCP for the rest). Every
+//! collective runs at several layouts — 2 × 2, 3 + 1, 1 + 2 + 2, interleaved hosts — with small
+//! shared-memory slots (4 KiB, one-shot up to 1 KiB) and TCP segments (4 KiB) so that
+//! multi-block paths run, and every result is compared with a reference computed here from the
+//! per-rank inputs. Also: mismatches on a non-leader of another host, dead ranks on either
+//! side of a host boundary, and proof that shared memory was really used within hosts.
+
+#[macro_use]
+mod common;
+use common::*;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use xccl_rs::{CommError, Communicator, Config, DType, MemoryStore, Op, OpKind, ReduceOp};
+
+use ReduceOp::*;
+
+const SEGMENT: usize = 4096;
+const FACTOR: f64 = 0.25;
+const LIMIT: Duration = Duration::from_secs(90);
+
+/// Host ids per rank. Hosts are numbered by their lowest rank, so "b" may be host 1 or 2.
+const LAYOUTS: [&[&str]; 5] = [
+    &["a", "a", "b", "b"],      // 2 × 2
+    &["a", "a", "a", "b"],      // 3 + 1
+    &["a", "b", "b", "c", "c"], // 1 + 2 + 2
+    &["a", "b", "a", "b"],      // interleaved: {0, 2} and {1, 3}
+    &["a", "b", "c", "a", "b"], // interleaved with a lone rank: {0, 3}, {1, 4}, {2}
+];
+
+fn cfgs(layout: &[&str], timeout: Duration) -> Vec<Config> {
+    layout
+        .iter()
+        .map(|h| Config { host_id: Some(h.to_string()), ..net_config(Net::Shm, timeout, SEGMENT) })
+        .collect()
+}
+
+/// Runs `f` on every rank of `layout` (a fresh group per layout).
+fn on_layout<T: Send + 'static>(layout: &'static [&'static str], f: impl Fn(usize, &Communicator) -> T + Send + Sync + 'static) -> Vec<T> {
+    spawn_ranks_with(MemoryStore::new(), cfgs(layout, Duration::from_secs(20)), LIMIT, move |rank, comm, _| f(rank, &comm))
+}
+
+/// The ranks of each host of `layout`, hosts in order of their lowest rank (written here from
+/// the definition, independently of the crate's host map).
+fn hosts_of(layout: &[&str]) -> Vec<Vec<usize>> {
+    let mut order: Vec<&str> = Vec::new();
+    for h in layout {
+        if !order.contains(h) {
+            order.push(h);
+        }
+    }
+    order.iter().map(|h| (0..layout.len()).filter(|&r| layout[r] == *h).collect()).collect()
+}
+
+/// Element counts (f32: 256 = the 1 KiB one-shot limit, 1024 = one 4 KiB slot / segment).
+fn counts(esz: usize, size: usize) -> Vec<usize> {
+    let (one, seg) = (1024 / esz, SEGMENT / esz);
+    let mut v = vec![0, 1, 1001, one - 1, one, one + 1, seg - 1, seg, seg + 1, seg * size + 1, 3 * seg * size + 7];
+    v.sort();
+    v.dedup();
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference of a two-level reduction for bf16: each host's ranks summed (MIN/MAX/...) in
+// f32 and rounded to bf16 once, then the hosts' results combined in f32, scaled once (AVG by
+// the whole group's size, PREMUL_SUM by its factor) and rounded once.
+
+fn bf16_two_level(layout: &[&str], i: usize, salt: u64, op: ReduceOp) -> bf16 {
+    let n = layout.len();
+    let level1 = match op {
+        Avg | PreMulSum => Sum,
+        other => other,
+    };
+    let partials: Vec<f32> = hosts_of(layout)
+        .iter()
+        .map(|ranks| {
+            let vals: Vec<f32> = ranks.iter().map(|&r| bf16::input(r, i, salt, op).to_f32()).collect();
+            bf16::from_f32(f32::reference(level1, &vals, 1.0)).to_f32()
+        })
+        .collect();
+    let combined = match op {
+        Avg => f32::reference(Sum, &partials, 1.0) / n as f32,
+        other => f32::reference(other, &partials, FACTOR),
+    };
+    bf16::from_f32(combined)
+}
+
+fn check<T: TestElem>(layout: &[&str], got: &[T], salt: u64, op: ReduceOp, start: usize, what: &str) {
+    let size = layout.len();
+    for (k, &g) in got.iter().enumerate() {
+        let i = start + k;
+        let want: T = if T::DTYPE == DType::BFloat16 {
+            // T is bf16 here: convert through bytes.
+            T::from_bytes(&bf16::to_bytes(&[bf16_two_level(layout, i, salt, op)]))[0]
+        } else {
+            expected(size, i, salt, op, FACTOR)
+        };
+        assert!(T::same(g, want), "{what}: element {i} is {g:?}, expected {want:?}");
+    }
+}
+
+fn allreduce_layouts<T: TestElem>(ops: &'static [ReduceOp]) {
+    for layout in LAYOUTS {
+        let results = on_layout(layout, move |rank, comm| {
+            let size = layout.len();
+            let mut all = Vec::new();
+            for (k, &rop) in ops.iter().enumerate() {
+                for n in counts(T::DTYPE.size(), size) {
+                    let what = format!("allreduce {} {rop:?} {layout:?} n {n} rank {rank}", T::DTYPE);
+                    let salt = (k * 100_000 + n) as u64;
+                    let mut data = Guarded::new(&T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop)), n % 3);
+                    let mut o = op_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()]);
+                    o.reduce_op = rop;
+                    o.premul_factor = FACTOR;
+                    run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    check(layout, &T::from_bytes(data.data()), salt, rop, 0, &what);
+                    all.push(data.data().to_vec());
+                }
+            }
+            all
+        });
+        for (rank, r) in results.iter().enumerate() {
+            assert!(*r == results[0], "{layout:?}: rank {rank}'s all-reduce results differ from rank 0's bits");
+        }
+    }
+}
+
+#[test]
+fn allreduce_f32() {
+    allreduce_layouts::<f32>(&[Sum, Avg, PreMulSum, Max, Min, Product]);
+}
+
+#[test]
+fn allreduce_bf16() {
+    allreduce_layouts::<bf16>(&[Sum, Avg, PreMulSum, Max]);
+}
+
+#[test]
+fn allreduce_i32() {
+    allreduce_layouts::<i32>(&[Sum, Avg, BXor, Min]);
+}
+
+/// The bf16 data distinguish the two-level rounding from a single rounding (so the bf16
+/// reference above is really checked against the hierarchy, not passed by accident).
+#[test]
+fn bf16_data_tell_roundings_apart() {
+    let layout = LAYOUTS[0];
+    let differ = (0..3000)
+        .filter(|&i| bf16_two_level(layout, i, 7, Sum).to_bits() != expected::<bf16>(4, i, 7, Sum, 1.0).to_bits())
+        .count();
+    assert!(differ > 100, "only {differ} of 3000 elements distinguish the roundings");
+}
+
+#[test]
+fn reduce_every_root() {
+    for layout in LAYOUTS {
+        on_layout(layout, move |rank, comm| {
+            let size = layout.len();
+            for root in 0..size {
+                for (k, &rop) in [Sum, Avg, Max, PreMulSum].iter().enumerate() {
+                    reduce_case::<f32>(layout, comm, rank, root, rop, k);
+                }
+                reduce_case::<bf16>(layout, comm, rank, root, Sum, 9);
+                reduce_case::<bf16>(layout, comm, rank, root, Avg, 10);
+            }
+        });
+    }
+}
+
+fn reduce_case<T: TestElem>(layout: &[&str], comm: &Communicator, rank: usize, root: usize, rop: ReduceOp, k: usize) {
+    for n in [0, 1, 1001, SEGMENT / T::DTYPE.size() + 1, 3 * SEGMENT / T::DTYPE.size() + 7] {
+        let what = format!("reduce {} {rop:?} {layout:?} root {root} n {n} rank {rank}", T::DTYPE);
+        let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
+        let before = T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop));
+        let mut data = Guarded::new(&before, n % 2);
+        let mut o = op_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()]);
+        o.reduce_op = rop;
+        o.premul_factor = FACTOR;
+        o.root = root as i64;
+        run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+        if rank == root {
+            check(layout, &T::from_bytes(data.data()), salt, rop, 0, &what);
+        } else {
+            assert!(data.data() == before, "{what}: a non-root buffer changed");
+        }
+    }
+}
+
+#[test]
+fn broadcast_every_root() {
+    for layout in LAYOUTS {
+        on_layout(layout, move |rank, comm| {
+            for dtype in [DType::Float32, DType::BFloat16, DType::UInt8] {
+                for n in [0, 1, 1001, 5000, 100_003] {
+                    for root in 0..layout.len() {
+                        let what = format!("broadcast {dtype} {layout:?} root {root} n {n} rank {rank}");
+                        let salt = mix(n as u64 ^ (root as u64) << 32 ^ dtype as u64);
+                        let len = n * dtype.size();
+                        let mut data = Guarded::new(&pattern(if rank == root { root } else { rank + 100 }, salt, len), n % 4);
+                        let mut o = op_with(OpKind::Broadcast, dtype, vec![], vec![data.raw()]);
+                        o.root = root as i64;
+                        run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        assert!(data.data() == pattern(root, salt, len), "{what}: wrong data");
+                    }
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn allgather_contiguous_in_place_and_separate() {
+    for layout in LAYOUTS {
+        on_layout(layout, move |rank, comm| {
+            let size = layout.len();
+            for dtype in [DType::Float32, DType::UInt8] {
+                for n in [0, 1, 1001, 5000] {
+                    for mode in 0..3 {
+                        let what = format!("allgather {dtype} {layout:?} n {n} mode {mode} rank {rank}");
+                        let salt = mix((n * 10 + mode) as u64 ^ dtype as u64);
+                        let len = n * dtype.size();
+                        let mut input = Guarded::new(&pattern(rank, salt, len), 3);
+                        let mut init = vec![0x5Au8; size * len];
+                        if mode == 1 {
+                            init[rank * len..(rank + 1) * len].copy_from_slice(input.data());
+                        }
+                        let mut out = Guarded::new(&init, 0);
+                        let mut pieces = separate(&init, size, len);
+                        let outs = if mode == 2 { raws(&mut pieces) } else { (0..size).map(|r| out.raw().sub(r * len, len)).collect() };
+                        let inp = if mode == 1 { outs[rank] } else { input.raw() };
+                        run(comm, vec![op_with(OpKind::AllGather, dtype, vec![inp], outs)]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        let got = if mode == 2 { joined(&pieces) } else { out.data().to_vec() };
+                        for r in 0..size {
+                            assert!(got[r * len..(r + 1) * len] == pattern(r, salt, len)[..], "{what}: wrong block from rank {r}");
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Gather, scatter, reduce-scatter and all-to-all run direct over TCP in a mixed group.
+#[test]
+fn direct_collectives() {
+    for layout in LAYOUTS {
+        on_layout(layout, move |rank, comm| {
+            let size = layout.len();
+            for n in [0usize, 1, 1001, 5000] {
+                for root in [0, size - 1] {
+                    let what = format!("gather {layout:?} root {root} n {n} rank {rank}");
+                    let salt = mix(n as u64 * 3 + root as u64);
+                    let mut input = pattern(rank, salt, n);
+                    let mut out = vec![0u8; if rank == root { size * n } else { 0 }];
+                    let outs = if rank == root { views(&mut out, size, n) } else { vec![] };
+                    let mut o = op_with(OpKind::Gather, DType::UInt8, vec![buf(&mut input)], outs);
+                    o.root = root as i64;
+                    run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    if rank == root {
+                        for r in 0..size {
+                            assert!(out[r * n..(r + 1) * n] == pattern(r, salt, n)[..], "{what}: block {r}");
+                        }
+                    }
+
+                    let what = format!("scatter {layout:?} root {root} n {n} rank {rank}");
+                    let whole = pattern(root, salt ^ 1, size * n);
+                    let mut input = if rank == root { whole.clone() } else { vec![] };
+                    let ins = if rank == root { views(&mut input, size, n) } else { vec![] };
+                    let mut out = vec![0u8; n];
+                    let mut o = op_with(OpKind::Scatter, DType::UInt8, ins, vec![buf(&mut out)]);
+                    o.root = root as i64;
+                    run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert!(out == whole[rank * n..(rank + 1) * n], "{what}");
+                }
+
+                for (k, rop) in [Sum, Avg, PreMulSum, Max].into_iter().enumerate() {
+                    let what = format!("reduce_scatter {rop:?} {layout:?} n {n} rank {rank}");
+                    let salt = (k * 100_000 + n) as u64 + 555;
+                    let mut input = f32::to_bytes(&inputs::<f32>(rank, 0, n * size, salt, rop));
+                    let mut out = vec![0u8; n * 4];
+                    let mut o = op_with(OpKind::ReduceScatter, DType::Float32, views(&mut input, size, n * 4), vec![buf(&mut out)]);
+                    o.reduce_op = rop;
+                    o.premul_factor = FACTOR;
+                    run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    check_reduced(&f32::from_bytes(&out), size, rank * n, salt, rop, FACTOR, &what);
+                }
+
+                let what = format!("alltoall {layout:?} n {n} rank {rank}");
+                let len = |src: usize, dst: usize| (n + 7 * src + dst) % (n + 1);
+                let msg = |src: usize, dst: usize| pattern(src * 16 + dst, n as u64, len(src, dst));
+                let mut ins: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
+                let mut outs: Vec<Vec<u8>> = (0..size).map(|src| vec![0u8; len(src, rank)]).collect();
+                let o = op_with(OpKind::AllToAll, DType::UInt8, ins.iter_mut().map(|v| buf(v)).collect(), outs.iter_mut().map(|v| buf(v)).collect());
+                run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                for (src, got) in outs.iter().enumerate() {
+                    assert!(*got == msg(src, rank), "{what}: from rank {src}");
+                }
+            }
+        });
+    }
+}
+
+/// Send/recv between every ordered pair (within and across hosts), as one batch per rank.
+#[test]
+fn send_recv_every_pair() {
+    for layout in LAYOUTS {
+        on_layout(layout, move |rank, comm| {
+            let size = layout.len();
+            for n in [0usize, 1, 5000] {
+                let msg = |src: usize, dst: usize| pattern(src * 16 + dst, 99 + n as u64, n);
+                let mut outgoing: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
+                let mut incoming: Vec<Vec<u8>> = (0..size).map(|_| vec![0u8; n]).collect();
+                let mut ops: Vec<Op> = Vec::new();
+                for peer in (0..size).filter(|&p| p != rank) {
+                    let mut s = op_with(OpKind::Send, DType::UInt8, vec![buf(&mut outgoing[peer])], vec![]);
+                    s.root = peer as i64;
+                    let mut r = op_with(OpKind::Recv, DType::UInt8, vec![], vec![buf(&mut incoming[peer])]);
+                    r.root = peer as i64;
+                    ops.push(s);
+                    ops.push(r);
+                }
+                run(comm, ops).unwrap_or_else(|e| panic!("send/recv {layout:?} n {n} rank {rank}: {e}"));
+                for peer in (0..size).filter(|&p| p != rank) {
+                    assert!(incoming[peer] == msg(peer, rank), "send/recv {layout:?} n {n}: rank {rank} from {peer}");
+                }
+            }
+        });
+    }
+}
+
+/// No rank leaves a barrier before the last one has entered (the late one varies: a leader, a
+/// non-leader, a lone rank).
+#[test]
+fn barrier_waits_for_everyone() {
+    for layout in LAYOUTS {
+        let size = layout.len();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let log2 = log.clone();
+        on_layout(layout, move |rank, comm| {
+            for it in 0..size {
+                if rank == it {
+                    std::thread::sleep(Duration::from_millis(40));
+                }
+                let enter = Instant::now();
+                run(comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]).expect("barrier");
+                log2.lock().unwrap().push((it, enter, Instant::now()));
+            }
+        });
+        let log = log.lock().unwrap();
+        for it in 0..size {
+            let last_enter = log.iter().filter(|e| e.0 == it).map(|e| e.1).max().unwrap();
+            let first_exit = log.iter().filter(|e| e.0 == it).map(|e| e.2).min().unwrap();
+            assert!(first_exit >= last_enter, "{layout:?} barrier {it}: a rank left before the last one entered");
+        }
+    }
+}
+
+/// The mixed path moves data through shared memory within hosts — and only within hosts: a
+/// rank alone on its host has none, and forced TCP has none anywhere.
+#[test]
+fn shared_memory_is_used_within_hosts() {
+    let layout = LAYOUTS[4]; // {0, 3}, {1, 4}, {2}
+    let used = on_layout(layout, |rank, comm| {
+        let mut data = f32::to_bytes(&inputs::<f32>(rank, 0, 5000, 3, Sum));
+        run(comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)])]).expect("allreduce");
+        check_reduced(&f32::from_bytes(&data), 5, 0, 3, Sum, 1.0, "allreduce");
+        comm.shm_blocks_used()
+    });
+    for (rank, &blocks) in used.iter().enumerate() {
+        if rank == 2 {
+            assert_eq!(blocks, 0, "rank 2 is alone on its host: no shared memory");
+        } else {
+            assert!(blocks >= 10, "rank {rank} shares a host: its all-reduce of 20000 bytes should move 4 KiB blocks through shared memory, used {blocks}");
+        }
+    }
+    let tcp: Vec<Config> = cfgs(layout, Duration::from_secs(20)).into_iter().map(|c| Config { transport: xccl_rs::config::TransportChoice::Tcp, ..c }).collect();
+    let used = spawn_ranks_with(MemoryStore::new(), tcp, LIMIT, |rank, comm, _| {
+        let mut data = f32::to_bytes(&inputs::<f32>(rank, 0, 5000, 3, Sum));
+        run(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)])]).expect("allreduce");
+        comm.shm_blocks_used()
+    });
+    assert_eq!(used, vec![0; 5], "XCCL_RS_TRANSPORT=tcp uses no shared memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures.
+
+fn err_cfgs(layout: &[&str]) -> Vec<Config> {
+    cfgs(layout, Duration::from_secs(3))
+}
+
+/// The job after a failure fails at once, quoting the first error.
+fn next_job_fails(comm: &Communicator, first: &CommError, what: &str) {
+    let (r, took) = timed(comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]);
+    let e = expect_err(r, &format!("{what}: the job after a failure"));
+    assert!(e.message.contains(&first.message), "{what}: {:?} should quote {:?}", e.message, first.message);
+    assert!(took < Duration::from_millis(500), "{what}: took {took:?}");
+}
+
+/// Rank 3, a non-leader on the second host, disagrees about an all-reduce's size (or dtype):
+/// every rank fails promptly and names the mismatch.
+fn mismatch_on_remote_non_leader(layout: &'static [&'static str], dtype_mismatch: bool) {
+    spawn_ranks_with(MemoryStore::new(), err_cfgs(layout), LIMIT, move |rank, comm, barrier| {
+        let what = format!("{layout:?} rank {rank}");
+        let n = if rank == 3 && !dtype_mismatch { 5001 } else { 5000 };
+        let dtype = if rank == 3 && dtype_mismatch { DType::Int32 } else { DType::Float32 };
+        let mut data = f32::to_bytes(&vec![1.0; n]);
+        let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, dtype, vec![], vec![buf(&mut data)])]);
+        let e = expect_err(r, &what);
+        let needle = if dtype_mismatch { "dtype mismatch" } else { "size mismatch" };
+        assert_mentions(&e, &[needle], &what);
+        assert!(took < Duration::from_secs(1), "{what}: took {took:?}");
+        next_job_fails(&comm, &e, &what);
+        barrier.wait();
+    });
+}
+
+#[test]
+fn size_mismatch_on_a_remote_non_leader() {
+    mismatch_on_remote_non_leader(LAYOUTS[0], false);
+    mismatch_on_remote_non_leader(LAYOUTS[3], false);
+}
+
+#[test]
+fn dtype_mismatch_on_a_remote_non_leader() {
+    mismatch_on_remote_non_leader(LAYOUTS[0], true);
+    mismatch_on_remote_non_leader(LAYOUTS[2], true);
+}
+
+/// A rank dies (drops its communicator) during an all-reduce — a non-leader, then a leader, of
+/// the second host of 2 × 2: every other rank, on both hosts, fails well before the timeout.
+#[test]
+fn dead_rank_fails_every_host_promptly() {
+    for dead in [3, 2] {
+        spawn_ranks_with(MemoryStore::new(), err_cfgs(LAYOUTS[0]), LIMIT, move |rank, comm, barrier| {
+            if rank == dead {
+                std::thread::sleep(Duration::from_millis(150));
+                drop(comm);
+                barrier.wait();
+                return;
+            }
+            let what = format!("rank {rank} (rank {dead} dies)");
+            let mut data = f32::to_bytes(&vec![1.0; 100_000]);
+            let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)])]);
+            let e = expect_err(r, &what);
+            assert_mentions(&e, &[&format!("rank {dead}")], &what);
+            assert!(took < Duration::from_millis(1500), "{what}: took {took:?}");
+            next_job_fails(&comm, &e, &what);
+            barrier.wait();
+        });
+    }
+}
+
+/// A broadcast whose receiver on another host (rank 3, a non-leader) disagrees about the size:
+/// that host's ranks fail in the broadcast (their shared-memory step compares descriptions),
+/// and so does the root, whose receivers confirm only after their host's step. The root's
+/// local peer may have finished its part, as a receiver of a direct broadcast does, and then
+/// fails at its next operation, naming the mismatch. Nobody hangs, nobody continues silently.
+#[test]
+fn broadcast_mismatch_on_a_remote_non_leader() {
+    spawn_ranks_with(MemoryStore::new(), err_cfgs(LAYOUTS[0]), LIMIT, move |rank, comm, barrier| {
+        let what = format!("rank {rank}");
+        let n = if rank == 3 { 5001 } else { 5000 };
+        let mut data = vec![rank as u8; n];
+        let mut o = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut data)]);
+        o.root = 0;
+        let (r, took) = timed(&comm, vec![o]);
+        assert!(took < Duration::from_secs(1), "{what}: broadcast took {took:?}");
+        let e = match r {
+            Err(e) => e,
+            Ok(_) => {
+                assert!(rank == 1, "{what}: the root and the mismatching host must fail in the broadcast");
+                let mut x = f32::to_bytes(&[1.0; 10]);
+                let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut x)])]);
+                assert!(took < Duration::from_secs(1), "{what}: the next op took {took:?}");
+                expect_err(r, &format!("{what}: the op after the mismatched broadcast"))
+            }
+        };
+        assert_mentions(&e, &["size mismatch"], &what);
+        barrier.wait();
+    });
+}
