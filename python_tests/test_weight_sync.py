@@ -101,22 +101,57 @@ def compare(received, expected) -> list[str]:
 # worker side
 # --------------------------------------------------------------------------------------
 
+# The mode under test (set per test through the workers' environment): "1" lets the sender use
+# the shared window (its default on an xccl_rs group), "0" makes it broadcast every bucket.
+SHARED_ENV = "WS_TEST_SHARED"
 
-def _sync(pg, src, case, bucket, recv_bucket=None, progress=False, gen=False, sender_kwargs=None):
-    """One sync of make_tensors(case) from group rank src; returns (problems, stats)."""
+
+def _sender(pg, **kwargs):
+    from xccl_rs.weight_sync import WeightSender
+
+    kwargs.setdefault("shared_memory", None if os.environ.get(SHARED_ENV, "1") == "1" else False)
+    return WeightSender(pg, **kwargs)
+
+
+def _expect_mode(stats, what) -> list[str]:
+    """The mode the stats report is the one this test expects (shared only on xccl_rs)."""
+    import torch.distributed as dist
+
+    from xccl_rs.shared_window import uses_shared_memory
+
+    want = os.environ.get(SHARED_ENV, "1") == "1" and os.environ.get("WS_TEST_FALLBACK") != "1"
+    want = want and uses_shared_memory(dist.group.WORLD)
+    if stats is not None and stats.shared_window != want:
+        return [f"{what}: shared_window is {stats.shared_window}, expected {want}"]
+    return []
+
+
+def _sync(pg, src, case, bucket, recv_bucket=None, progress=False, gen=False, sender_kwargs=None, copy=True):
+    """One sync of make_tensors(case) from group rank src; returns (problems, stats). With
+    ``copy=False`` the receiver clones each view before asking for the next (as a consumer
+    must), and at least one tensor must have arrived as a view (no copy made)."""
     from xccl_rs.weight_sync import WeightReceiver, WeightSender
 
     expected = make_tensors(case, BUCKET)
     if pg.rank() == src:
-        s = WeightSender(pg, src=src, bucket_bytes=bucket, **(sender_kwargs or {}))
+        s = _sender(pg, src=src, bucket_bytes=bucket, **(sender_kwargs or {}))
         assert all(slot.buf is None for slot in s._slots), "sender allocated at construction"
         items = (x for x in expected) if gen else expected
         stats = s.send(items, progress=progress)
         return [], stats
     r = WeightReceiver(pg, src=src, bucket_bytes=recv_bucket)
     assert r._bufs == [None, None], "receiver allocated at construction"
-    got = list(r.receive(progress=progress))
+    if copy:
+        got = list(r.receive(progress=progress))
+        views = 0
+    else:
+        got, views = [], 0
+        for name, t in r.receive(progress=progress, copy=False):
+            views += t._base is not None
+            got.append((name, t.clone()))
     probs = compare(got, expected)
+    if not copy and views == 0:
+        probs.append("copy=False: no tensor arrived as a view of the bucket")
     cap = max(b.numel() for b in r._bufs if b is not None) if any(b is not None for b in r._bufs) else 0
     if cap > bucket:
         probs.append(f"receiver buffer of {cap} bytes > bucket_bytes {bucket}")
@@ -133,6 +168,7 @@ def w_round_trips(rank, world_size):
     res = {}
     # mixed tensors over many 64 KiB buckets, a generator on the sender, tqdm on
     probs, stats = _sync(pg, src, "mixed", BUCKET, progress=True, gen=True)
+    probs += _expect_mode(stats, "mixed")
     plan = plan_buckets(make_tensors("mixed"), BUCKET)
     used = [max((e[3] + e[4] for e in b), default=0) for b in plan]
     if BUCKET not in used:
@@ -140,13 +176,15 @@ def w_round_trips(rank, world_size):
     if sum(1 for b in plan for e in b if e[0] == "big.strided") < 2:
         probs.append("big.strided was not split")
     res["mixed"] = (probs, stats.buckets, len(plan))
+    # views instead of copies (the consumer clones each at once)
+    res["views"] = _sync(pg, src, "views", BUCKET, copy=False)[0]
     # the receivers think buckets are 1 MiB and the sender uses 4 KiB: headers rule
     res["other_bucket"] = _sync(pg, src, "other", 4096, recv_bucket=1 << 20)[0]
     # nothing to send
     from xccl_rs.weight_sync import WeightReceiver, WeightSender
 
     if rank == src:
-        st = WeightSender(pg, src=src, bucket_bytes=BUCKET).send([])
+        st = _sender(pg, src=src, bucket_bytes=BUCKET).send([])
         res["empty"] = [] if st.tensors == 0 and st.buckets == 1 else [f"stats {st}"]
     else:
         got = list(WeightReceiver(pg, src=src).receive())
@@ -160,7 +198,7 @@ def w_round_trips(rank, world_size):
         case = f"reuse{i}"
         expected = make_tensors(case)
         if rank == 0:
-            sender = sender or WeightSender(pg, src=0, bucket_bytes=3 * BUCKET)
+            sender = sender or _sender(pg, src=0, bucket_bytes=3 * BUCKET)
             sender.send(expected)
         else:
             receiver = receiver or WeightReceiver(pg, src=0)
@@ -177,7 +215,7 @@ def w_round_trips(rank, world_size):
 
     try:
         if rank == src:
-            WeightSender(pg, src=src, bucket_bytes=BUCKET).send(failing())
+            _sender(pg, src=src, bucket_bytes=BUCKET).send(failing())
         else:
             list(WeightReceiver(pg, src=src).receive())
         probs.append("no error")
@@ -226,7 +264,7 @@ def w_dead_receiver(rank, world_size):
     if rank == 0:
         t0 = time.monotonic()
         try:
-            WeightSender(pg, src=0, bucket_bytes=BUCKET).send(big)
+            _sender(pg, src=0, bucket_bytes=BUCKET).send(big)
         except Exception as e:  # noqa: BLE001
             return {"raised": True, "type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
         return {"raised": False, "elapsed": time.monotonic() - t0}
@@ -247,8 +285,17 @@ def w_dead_receiver(rank, world_size):
 # --------------------------------------------------------------------------------------
 
 
-def test_round_trips():
-    res = run_ranks(3, w_round_trips, timeout_s=90)
+def _no_window_files():
+    import glob
+
+    left = glob.glob("/dev/shm/xccl_rs-ws-*")
+    assert not left, f"shared windows left in /dev/shm: {left}"
+
+
+@pytest.mark.parametrize("shared", ["1", "0"], ids=["shared-window", "broadcast"])
+def test_round_trips(shared):
+    res = run_ranks(3, w_round_trips, timeout_s=90, env={SHARED_ENV: shared})
+    _no_window_files()
     problems = []
     for rank in range(3):
         for case, (probs, nb, nplan) in res.value(rank).items():
@@ -258,6 +305,58 @@ def test_round_trips():
             if case == "mixed" and nb is not None and nb < 3:
                 problems.append(f"rank {rank}: only {nb} buckets")
     assert not problems, "\n".join(problems)
+
+
+def test_window_falls_back_across_hosts():
+    """Rank 2 poses as another host (XCCL_RS_HOST_ID): it cannot map the window, so the group
+    agrees to broadcast the buckets; every tensor still arrives, and no window file stays."""
+    res = run_ranks(
+        3, w_round_trips, timeout_s=120, env={"WS_TEST_FALLBACK": "1"},
+        rank_env=lambda r: {"XCCL_RS_HOST_ID": "host-b" if r == 2 else "host-a"},
+    )
+    _no_window_files()
+    problems = [f"rank {r} {case}: {p}" for r in range(3) for case, (probs, _, _) in res.value(r).items() for p in probs]
+    assert not problems, "\n".join(problems)
+
+
+def w_window_reuse(rank, world_size):
+    """Sync 1 in a private group of ranks {0, 1}; sync 2 in a group of {0, 1, 2} reuses the
+    window rank 2 never mapped: everyone falls back to broadcasts; sync 3 gets a fresh window
+    that everyone maps. Every sync delivers every tensor."""
+    import torch.distributed as dist
+
+    import xccl_rs
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender
+
+    c = ctx()
+    out = {}
+    for i, members in enumerate([(0, 1), (0, 1, 2), (0, 1, 2)]):
+        if rank not in members:
+            continue
+        store = dist.PrefixStore(f"reuse{i}/", c.connect_store())
+        pg = xccl_rs.new_group(store, members.index(rank), len(members), timeout=c.timeout())
+        expected = make_tensors(f"reuse{i}")
+        if rank == 0:
+            stats = WeightSender(pg, src=0, bucket_bytes=BUCKET).send(expected)
+            probs = []
+        else:
+            r = WeightReceiver(pg, src=0)
+            probs = compare(list(r.receive()), expected)
+            stats = r.last_stats
+        out[i] = (probs, stats.shared_window)
+        xccl_rs.destroy_group(pg)
+    return out
+
+
+def test_window_reuse_and_fallback():
+    res = run_ranks(3, w_window_reuse, timeout_s=120)
+    _no_window_files()
+    want = {0: True, 1: False, 2: True}
+    for rank in range(3):
+        for i, (probs, shared) in res.value(rank).items():
+            assert not probs, f"rank {rank} sync {i}: {probs}"
+            assert shared == want[i], f"rank {rank} sync {i}: shared_window {shared}, expected {want[i]}"
+    assert set(res.value(2)) == {1, 2}
 
 
 def test_group_layout():
@@ -279,6 +378,7 @@ def test_dead_receiver_raises():
     assert out["type"] == "WeightSyncError", out
     assert "bucket" in out["msg"], out["msg"]
     assert out["elapsed"] < pg_timeout + 20, out
+    _no_window_files()
 
 
 def test_plan_64bit():
@@ -319,11 +419,11 @@ def test_constructor_checks():
     store = dist.HashStore()
     pg = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
     with pytest.raises(ValueError, match="src"):
-        WeightSender(pg, src=1)
+        _sender(pg, src=1)
     with pytest.raises(ValueError, match="source rank"):
         WeightReceiver(pg, src=0)
     with pytest.raises(ValueError, match="bucket_bytes"):
-        WeightSender(pg, src=0, bucket_bytes=16)
+        _sender(pg, src=0, bucket_bytes=16)
 
 
 # --------------------------------------------------------------------------------------
@@ -351,7 +451,7 @@ def w_gpu(rank, world_size):
         case = f"gpu-{backend}-{bucket_dev}"
         expected = [(n, t.to(dev)) for n, t in make_tensors(case)]
         if rank == 0:
-            WeightSender(pg, src=0, bucket_bytes=BUCKET, device=bucket_dev).send(expected)
+            _sender(pg, src=0, bucket_bytes=BUCKET, device=bucket_dev).send(expected)
         else:
             got = list(WeightReceiver(pg, src=0, device=dev, bucket_device=bucket_dev).receive())
             probs += [f"{backend}: {n} on {t.device}" for n, t in got if t.device != dev]
@@ -400,7 +500,7 @@ def w_large(rank, world_size):
     probs = [] if tail[3] > (1 << 31) else [f"tail at offset {tail[3]}"]
     pg = dist.group.WORLD
     if rank == 0:
-        st = WeightSender(pg, src=0, bucket_bytes=bucket).send(expected)
+        st = _sender(pg, src=0, bucket_bytes=bucket).send(expected)
         return probs + ([] if st.buckets == len(plan) else [f"{st.buckets} buckets"]), str(st)
     r = WeightReceiver(pg, src=0)
     got = list(r.receive())

@@ -10,8 +10,10 @@ Every round, trainer 0 builds a *private* group with the two rollouts (``xccl_rs
 over a ``PrefixStore(f"sync/{round}/", TCPStore(port=0))``, the master's real port published to
 the others), pushes a state dict shaped like Qwen2.5-0.5B (its real layer names and shapes,
 random values) with :class:`xccl_rs.weight_sync.WeightSender`, and destroys the group (verl's
-``rebuild_group``). Trainer 1 is not in the sync group and allocates nothing for it. The rollouts
-check every tensor, bit for bit, against the weights they compute themselves.
+``rebuild_group``). Trainer 1 is not in the sync group and allocates nothing for it. Each rollout
+loads the tensors into its "engine" (parameters allocated once, as an inference engine's are)
+as they arrive, then checks every one, bit for bit, against the weights it computes itself
+(zeroing the engine before each sync, so a tensor that did not arrive cannot pass).
 
 The same sync then runs over gloo (a ``ProcessGroupGloo`` on the same kind of store) in the same
 run, and the demo prints the time and GB/s of each sync and xccl_rs's speed-up.
@@ -136,6 +138,9 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
     sync_rank = 0 if proc == 0 else (proc - TRAINERS + 1 if not is_trainer else -1)
     # Trainer 1 takes no part in the sync: it holds its shard of the model, nothing for the sync.
     weights = initial_weights(args.layers, dtype, device) if sync_rank >= 0 else None
+    # A rollout's inference engine: its parameters exist before any sync, and a sync loads
+    # into them (as vLLM's load_weights does), so it keeps no copy of the received tensors.
+    engine = {n: torch.zeros_like(t) for n, t in weights.items()} if sync_rank > 0 else None
     kinds = ["xccl_rs"] + ([] if args.no_gloo else ["gloo"])
     for round_ in range(args.rounds):
         if is_trainer:
@@ -153,6 +158,9 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
                 continue
             pg, _master = _sync_group(kind, round_, sync_rank, launcher, timeout)  # _master: keeps the store up
             bucket = args.bucket_mb << 20
+            if engine is not None:
+                for t in engine.values():
+                    t.zero_()  # a tensor that does not arrive cannot pass the check
             pg.barrier().wait()  # time the sync alone, not who arrived last
             if sync_rank == 0:
                 stats = WeightSender(pg, src=0, bucket_bytes=bucket, device=device).send(
@@ -161,19 +169,21 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
                 queue.put(("sync", kind, round_, stats.bytes, stats.seconds))
             else:
                 receiver = WeightReceiver(pg, src=0, bucket_bytes=bucket, device=device, bucket_device=device)
-                # Take the weights first (a rollout engine loads them), verify after the sync.
-                received = list(receiver.receive())
-                bad = [
-                    name for name, t in received
-                    if name not in weights or not _same_bits(weights[name], t)
-                ]
-                n = len(received)
-                if bad or n != len(weights):
+                # Load every tensor into the engine as it arrives (views of the receive bucket:
+                # no copy besides the load), verify after the sync.
+                names = []
+                for name, t in receiver.receive(copy=False):
+                    if name not in engine or engine[name].shape != t.shape or engine[name].dtype != t.dtype:
+                        raise AssertionError(f"rollout {proc - TRAINERS} ({kind}): unexpected tensor {name!r}")
+                    engine[name].copy_(t)
+                    names.append(name)
+                bad = [name for name in weights if not _same_bits(weights[name], engine[name])]
+                n = len(names)
+                if bad or n != len(weights) or len(set(names)) != n:
                     raise AssertionError(
-                        f"rollout {proc - TRAINERS} ({kind}, round {round_}): {len(bad)} of {n} tensors differ "
-                        f"(first: {bad[:3]}), {len(weights)} expected"
+                        f"rollout {proc - TRAINERS} ({kind}, round {round_}): {len(bad)} of {len(weights)} tensors "
+                        f"differ (first: {bad[:3]}), {n} received"
                     )
-                del received
                 queue.put(("verified", kind, round_, proc, n))
             pg.barrier().wait()  # every rollout has verified before the group goes
             _destroy(kind, pg)

@@ -29,12 +29,28 @@ broadcast of bucket ``k`` and, while it is in flight, unpacks bucket ``k - 1``.
 Memory: a rank allocates nothing until its first ``send``/``receive``; then at most two
 buckets (a receiver sizes them from the headers: a single last bucket gets only its used
 bytes), the small header/metadata tensors, and the tensors it hands out.
+
+**Shared window** (shared_window.py). When the group is an xccl_rs group and the buckets are
+on the CPU, the sender's two buckets live in a shared-memory file that it announces in bucket
+0's metadata. Every receiver maps it if it can (same host), and the group agrees with an
+all-reduce (MIN) of a flag right after bucket 0's metadata. If all mapped it, no bucket is
+broadcast: receivers read each bucket in place, and a barrier per bucket tells the sender a
+buffer is free again. In order on every rank (``H_k`` = header and metadata of bucket k,
+``C_k`` = the barrier "every receiver is done with bucket k"):
+``H_0, flag, H_1, C_0, H_2, C_1, ..., H_L, C_(L-1), C_L``. The sender packs bucket k + 1 while
+the receivers unpack bucket k. If some rank could not map it, the buckets are broadcast from
+the window as above. Either way the file is unlinked right after the flag. The window saves
+the broadcast's copies: the sender's bytes are copied once (packing) and each receiver's once
+(unpacking), not three and four times.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import warnings
+
+from . import shared_window
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
@@ -66,6 +82,8 @@ class SyncStats:
     tensors: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    #: The buckets went through the shared window (read in place), not broadcast.
+    shared_window: bool = False
 
     @property
     def gbps(self) -> float:
@@ -267,13 +285,14 @@ def plan_buckets(named_tensors, bucket_bytes: int) -> list[list[list]]:
 class _Slot:
     """One of the two send buffers and the broadcasts that still read it."""
 
-    __slots__ = ("buf", "works", "keep", "label")
+    __slots__ = ("buf", "works", "keep", "label", "consume")
 
     def __init__(self):
         self.buf: Optional[torch.Tensor] = None
         self.works: list = []
         self.keep: list = []
         self.label = ""
+        self.consume = False  # shared window: receivers read this bucket in place (C_k pending)
 
     def wait(self) -> None:
         works, self.works = self.works, []
@@ -301,10 +320,14 @@ class WeightSender:
     ``dist.group.WORLD``); ``src`` is a rank *within* the group. ``device`` is where the two
     buckets live (default: CPU; pass ``"cuda"`` for an NCCL group). Tensors on any device are
     copied into them. Nothing is allocated before the first ``send``; the buckets are kept
-    for the next ``send`` until :meth:`release`.
+    for the next ``send`` until :meth:`release`. ``shared_memory`` (default: when ``group`` is
+    an xccl_rs group) puts CPU buckets in a shared window that receivers on this host read in
+    place (module docstring); ``False`` always broadcasts them.
     """
 
-    def __init__(self, group, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device=None):
+    def __init__(
+        self, group, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device=None, shared_memory=None
+    ):
         rank, size = _group_rank_size(group)
         if not 0 <= src < size:
             raise ValueError(f"WeightSender: src {src} is not a rank of a group of size {size}")
@@ -322,12 +345,18 @@ class WeightSender:
         self.device = _device(device)
         self._slots = [_Slot(), _Slot()]
         self.last_stats: Optional[SyncStats] = None
+        if shared_memory is None:
+            shared_memory = shared_window.uses_shared_memory(group)
+        # The shared window (module docstring): CPU buckets only, and only with receivers.
+        self.shared_memory = bool(shared_memory) and self.device.type == "cpu" and size > 1
 
     def release(self) -> None:
-        """Frees the buckets (after waiting for any broadcast still reading them)."""
+        """Frees the buckets (after waiting for any broadcast still reading them), and the
+        shared window kept for this bucket size."""
         for s in self._slots:
             s.wait()
             s.buf = None
+        shared_window.drop_kept(self.bucket_bytes)
 
     def send(self, named_tensors: Iterable, progress: bool = False) -> SyncStats:
         """Sends every ``(name, tensor)`` of ``named_tensors`` (consumed lazily, one at a time,
@@ -370,18 +399,49 @@ class SendStream:
         self.index = 0
         self.done = False
         self.broken = False  # a broadcast failed: the group cannot carry an abort notice
+        # The shared window: created with the first bucket; `shared` once the group agreed.
+        self.window: Optional[shared_window.Window] = None
+        self.shared = False
 
-    def _post(self, slot: _Slot, header: torch.Tensor, meta_t: torch.Tensor, used: int) -> None:
+    def _post(self, slot: _Slot, header: torch.Tensor, meta_t: torch.Tensor, used: int, announced=False) -> None:
         s = self.s
         try:
             slot.works.append(_broadcast(s.group, header, s.src))
             slot.works.append(_broadcast(s.group, meta_t, s.src))
-            if used:
+            if announced:
+                self.shared = _agree_on_window(s.group, True)
+                self.window.unlink()  # every rank has mapped it or given up
+            if self.shared:
+                slot.consume = True  # receivers read it in place; C_k frees it
+            elif used:
                 slot.works.append(_broadcast(s.group, slot.buf[:used], s.src))
         except Exception as e:
             self.broken = True
             raise WeightSyncError(f"weight sync: broadcast of {slot.label} failed: {e}") from e
         slot.keep = [header, meta_t]
+
+    def _consumed(self, slot: _Slot) -> None:
+        """Joins C_k for the bucket in ``slot`` (shared window): it can be packed again once
+        every receiver is done with it (the caller waits for the slot)."""
+        if slot.consume:
+            slot.consume = False
+            try:
+                slot.works.append(self.s.group.barrier())
+            except Exception as e:
+                self.broken = True
+                raise WeightSyncError(f"weight sync: waiting for the receivers of {slot.label} failed: {e}") from e
+
+    def _drop_window(self) -> None:
+        """The sync is over: its window is kept for the next sync if every receiver mapped it,
+        else unlinked and dropped (the buffers return to private ones either way)."""
+        if self.window is not None:
+            if self.shared and self.done and not self.broken:
+                shared_window.keep_window(self.window)
+            else:
+                self.window.unlink()
+            self.window = None
+            for slot in self.s._slots:
+                slot.buf = None
 
     def _wait(self, slot: _Slot) -> None:
         try:
@@ -405,22 +465,45 @@ class SendStream:
         entries = self.entries
         used = max((e[3] + e[4] for e in entries), default=0)
         total = self.total if self.total is not None else -1
-        header, meta_t = self._header({"i": self.index, "total": total, "e": entries}, used, int(is_last))
+        meta = {"i": self.index, "total": total, "e": entries}
+        announced = self.index == 0 and self.window is not None
+        if announced:
+            meta["w"] = self.window.announce()
+        header, meta_t = self._header(meta, used, int(is_last))
         slot.label = _describe(self.index, entries) + f" of {used} bytes from rank {s.src}"
-        self._post(slot, header, meta_t, used)
+        self._post(slot, header, meta_t, used, announced)
         self.stats.buckets += 1
         if self.bar is not None:
             self.bar.update(sum(e[4] for e in entries))
         self.entries = []
         self.index += 1
         self.cur ^= 1
-        # The next bucket reuses the other buffer: its previous broadcast must be done.
-        self._wait(s._slots[self.cur])
+        # The next bucket reuses the other buffer: its previous broadcast (or, with the shared
+        # window, every receiver's reading of it) must be done.
+        other = s._slots[self.cur]
+        self._consumed(other)
+        self._wait(other)
 
     def _buffer(self) -> torch.Tensor:
-        slot = self.s._slots[self.cur]
+        s = self.s
+        if s.shared_memory and self.window is None and self.index == 0:
+            # A window per sync: receivers map it by name, and it is unlinked right after.
+            try:
+                self.window = shared_window.take_window(s.bucket_bytes)
+            except OSError as e:
+                warnings.warn(
+                    f"weight sync: no shared window of {2 * s.bucket_bytes} bytes in /dev/shm ({e}); "
+                    "broadcasting the buckets instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                s.shared_memory = False
+            else:
+                for i, slot in enumerate(s._slots):
+                    slot.buf = self.window.slot(i)
+        slot = s._slots[self.cur]
         if slot.buf is None:  # a sender's device never changes: allocate once, then reuse
-            slot.buf = torch.empty(self.s.bucket_bytes, dtype=torch.uint8, device=self.s.device)
+            slot.buf = torch.empty(s.bucket_bytes, dtype=torch.uint8, device=s.device)
         return slot.buf
 
     @torch.no_grad()
@@ -466,13 +549,16 @@ class SendStream:
         try:
             self._flush(True)
             for slot in self.s._slots:
+                self._consumed(slot)  # C_L: the receivers are done with the last bucket
                 self._wait(slot)
             if self.s.device.type != "cpu":
                 # An accelerator backend's wait() only orders streams: finish the transfers.
                 _synchronize(self.s.device)
         finally:
+            self._drop_window()
             if self.bar is not None:
                 self.bar.close()
+        self.stats.shared_window = self.shared
         self.stats.seconds = time.perf_counter() - self.t0
         self.s.last_stats = self.stats
         return self.stats
@@ -499,8 +585,18 @@ class SendStream:
         except WeightSyncError:
             pass
         finally:
+            self._drop_window()
             if self.bar is not None:
                 self.bar.close()
+
+
+def _agree_on_window(group, mapped: bool) -> bool:
+    """The flag right after bucket 0's metadata: whether every rank mapped the shared window."""
+    flag = torch.tensor([1 if mapped else 0], dtype=torch.int32)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], opts).wait()
+    return bool(flag.item())
 
 
 def _synchronize(device: torch.device) -> None:
@@ -541,7 +637,9 @@ class WeightReceiver:
         self.last_stats: Optional[SyncStats] = None
 
     def release(self) -> None:
+        """Frees the receive buckets and the shared windows kept mapped."""
         self._bufs = [None, None]
+        shared_window.drop_mapped()
 
     def _buffer(self, i: int, used: int, capacity: int, is_last: bool) -> torch.Tensor:
         buf = self._bufs[i]
@@ -586,10 +684,16 @@ class WeightReceiver:
         return json.loads(bytes(meta_t.cpu().numpy()).decode())
 
     @torch.no_grad()
-    def receive(self, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(self, progress: bool = False, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields ``(name, tensor)`` in the order sent, each a new contiguous tensor on
         ``self.device``. Must be drained (the sender waits for every receiver);
-        ``self.last_stats`` is set when it is."""
+        ``self.last_stats`` is set when it is.
+
+        ``copy=False`` saves a copy for consumers that load each tensor somewhere at once (a
+        rollout engine's ``param.copy_(tensor)``): a tensor that arrived whole in one bucket
+        is then a view into the receive bucket, valid only until the next item is requested
+        (clone it to keep it). Tensors split across buckets, and tensors for another
+        ``device``, are new tensors either way."""
         t0 = time.perf_counter()
         stats = SyncStats()
         bar = None
@@ -610,6 +714,11 @@ class WeightReceiver:
                 if index == 0 and progress:
                     total = meta.get("total", -1)
                     bar = _progress_bar(True, total if total >= 0 else None, "weight sync (receive)")
+                if index == 0 and "w" in meta:
+                    window = shared_window.open_window(meta["w"]) if self.bucket_device.type == "cpu" else None
+                    if _agree_on_window(self.group, window is not None):
+                        pending = yield from self._receive_in_place(window, h, meta, stats, bar, copy)
+                        break
                 work = buf = None
                 if used:
                     buf = self._buffer(cur, used, h[_H_BUCKET_BYTES], is_last)
@@ -622,7 +731,7 @@ class WeightReceiver:
                         ) from e
                 # Unpack the previous bucket while this one is in flight.
                 if prev is not None:
-                    pending = yield from self._unpack(prev, pending, stats, bar)
+                    pending = yield from self._unpack(copy, prev, pending, stats, bar)
                     prev = None
                 if work is not None:
                     try:
@@ -638,7 +747,8 @@ class WeightReceiver:
                 cur ^= 1
                 if is_last:
                     break
-            pending = yield from self._unpack(prev, pending, stats, bar)
+            if prev is not None:
+                pending = yield from self._unpack(copy, prev, pending, stats, bar)
             if pending is not None:
                 raise WeightSyncError(
                     f"weight sync: the sender finished with {pending['name']!r} incomplete "
@@ -650,15 +760,64 @@ class WeightReceiver:
         stats.seconds = time.perf_counter() - t0
         self.last_stats = stats
 
-    def _unpack(self, prev, pending, stats: SyncStats, bar):
+    def _receive_in_place(self, window: torch.Tensor, h: list, meta: dict, stats: SyncStats, bar, copy: bool):
+        """The rest of a sync over the shared window, from bucket 0 (whose header and metadata
+        ``h``/``meta`` are read): bucket k is unpacked where the sender packed it, slot k % 2,
+        and C_k tells the sender it is free (module docstring for the order)."""
+        bucket = h[_H_BUCKET_BYTES]
+        if window.numel() != 2 * bucket:
+            raise WeightSyncError(
+                f"weight sync: the shared window has {window.numel()} bytes, expected 2 buckets of {bucket}"
+            )
+        index, pending = 0, None
+        stats.shared_window = True
+        while True:
+            used, is_last = h[_H_USED], bool(h[_H_LAST])
+            if not 0 <= used <= bucket:
+                raise WeightSyncError(f"weight sync: bucket {index} claims {used} bytes in buckets of {bucket}")
+            if index > 0:
+                self._consumed(index - 1)
+            start = (index % 2) * bucket
+            pending = yield from self._unpack(copy, (window[start : start + used], meta["e"], index), pending, stats, bar)
+            stats.buckets += 1
+            if is_last:
+                self._consumed(index)
+                return pending
+            index += 1
+            h = self._recv_header(index)
+            meta = self._recv_meta(index, h[_H_META])
+            if h[_H_LAST] == _ABORTED:
+                raise WeightSyncError(
+                    f"weight sync: the sender (rank {self.src}) aborted at bucket {index}: "
+                    f"{meta.get('abort', '?')}"
+                )
+
+    def _consumed(self, index: int) -> None:
+        """C_index: this receiver is done with bucket ``index`` of the shared window."""
+        try:
+            self.group.barrier().wait()
+        except Exception as e:
+            raise WeightSyncError(
+                f"weight sync: telling rank {self.src} that bucket {index} was read failed: {e}"
+            ) from e
+
+    def _unpack(self, copy: bool, prev, pending, stats: SyncStats, bar):
         buf, entries, index = prev
         for name, dname, shape, off, nbytes, chunk_off, total in entries:
+            if off < 0 or nbytes < 0 or off + nbytes > buf.numel():
+                raise WeightSyncError(
+                    f"weight sync: bucket {index}: {name!r} at bytes [{off}, {off + nbytes}) "
+                    f"lies outside the bucket's {buf.numel()} bytes"
+                )
             dtype = _dtype_of(dname)
             if total == 0:
                 out = torch.empty(shape, dtype=dtype, device=self.device)
             elif chunk_off == 0 and nbytes == total:
                 src = buf[off : off + nbytes].view(dtype).view(shape)
-                out = src.clone() if self.device == self.bucket_device else src.to(self.device)
+                if self.device != self.bucket_device:
+                    out = src.to(self.device)
+                else:
+                    out = src.clone() if copy else src
             else:
                 if chunk_off == 0:
                     if pending is not None:
