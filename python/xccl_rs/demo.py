@@ -92,6 +92,32 @@ def _same_bits(ref: torch.Tensor, got: torch.Tensor) -> bool:
     )
 
 
+def _rss_mark() -> int | None:
+    """Resets this process's peak resident memory and returns the current one, in bytes (Linux;
+    None elsewhere): with :func:`_rss_peak` after the sync, the sync's extra memory."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return _status_kb("VmRSS") * 1024
+    except OSError:
+        return None
+
+
+def _rss_peak() -> int | None:
+    try:
+        return _status_kb("VmHWM") * 1024
+    except OSError:
+        return None
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,6 +188,7 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
                 for t in engine.values():
                     t.zero_()  # a tensor that does not arrive cannot pass the check
             pg.barrier().wait()  # time the sync alone, not who arrived last
+            mark = _rss_mark() if device.type == "cpu" else None
             if sync_rank == 0:
                 stats = WeightSender(pg, src=0, bucket_bytes=bucket, device=device).send(
                     weights, progress=args.progress and kind == "xccl_rs"
@@ -185,6 +212,9 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
                         f"differ (first: {bad[:3]}), {n} received"
                     )
                 queue.put(("verified", kind, round_, proc, n))
+            peak = _rss_peak() if mark is not None else None
+            if peak is not None and kind == "xccl_rs" and round_ > 0:
+                queue.put(("memory", proc, peak - mark, bucket))
             pg.barrier().wait()  # every rollout has verified before the group goes
             _destroy(kind, pg)
             del pg
@@ -245,6 +275,7 @@ def main(argv=None) -> int:
         proc.start()
     rows = {"xccl_rs": [], "gloo": []}
     verified: dict[str, int] = {}
+    extra: dict[int, int] = {}  # process -> the most extra host memory one of its syncs took
     done = 0
     while done < len(procs):
         if queue.empty():
@@ -259,6 +290,9 @@ def main(argv=None) -> int:
             print(f"round {round_}  {kind:<8} sync {b / 1e9:.2f} GB in {sec:.3f} s  ({b / sec / 1e9:.2f} GB/s)", flush=True)
         elif msg[0] == "verified":
             verified[msg[1]] = verified.get(msg[1], 0) + msg[4]
+        elif msg[0] == "memory":
+            extra[msg[1]] = max(extra.get(msg[1], 0), msg[2])
+            bucket_bytes = msg[3]
         elif msg[0] == "done":
             done += 1
     for proc in procs:
@@ -272,6 +306,11 @@ def main(argv=None) -> int:
         return 1
     del launcher
     _report(args, rows, verified)
+    if extra:
+        shown = ", ".join(
+            f"{'trainer 0' if p == 0 else f'rollout {p - TRAINERS}'} {b / 2**20:.0f} MiB" for p, b in sorted(extra.items())
+        )
+        print(f"peak extra host memory of an xccl_rs sync (after the first): {shown} (2 buckets: {2 * bucket_bytes / 2**20:.0f} MiB)")
     print(f"all received tensors verified bit for bit; total {time.perf_counter() - t0:.1f} s")
     return 0
 
