@@ -41,7 +41,12 @@ buffer is free again. In order on every rank (``H_k`` = header and metadata of b
 the receivers unpack bucket k. If some rank could not map it, the buckets are broadcast from
 the window as above. Either way the file is unlinked right after the flag. The window saves
 the broadcast's copies: the sender's bytes are copied once (packing) and each receiver's once
-(unpacking), not three and four times.
+(unpacking), not three and four times. A window every receiver mapped is kept, mapped, for the
+next sync with the same bucket size (so steady-state syncs fault in no new memory); a receiver
+that did not take part in the sync that created it cannot map it, and that sync falls back to
+broadcasts, after which the next one creates a fresh window. (So a sender alternating between
+two receiver groups with one bucket size falls back every other sync: give them different
+bucket sizes.)
 """
 
 from __future__ import annotations
@@ -49,13 +54,13 @@ from __future__ import annotations
 import json
 import time
 import warnings
-
-from . import shared_window
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from . import shared_window
 
 __all__ = ["SendStream", "SyncStats", "WeightReceiver", "WeightSender", "WeightSyncError", "plan_buckets"]
 
@@ -716,7 +721,13 @@ class WeightReceiver:
                     bar = _progress_bar(True, total if total >= 0 else None, "weight sync (receive)")
                 if index == 0 and "w" in meta:
                     window = shared_window.open_window(meta["w"]) if self.bucket_device.type == "cpu" else None
-                    if _agree_on_window(self.group, window is not None):
+                    try:
+                        in_place = _agree_on_window(self.group, window is not None)
+                    except Exception as e:
+                        raise WeightSyncError(
+                            f"weight sync: agreeing on the shared window with rank {self.src} failed: {e}"
+                        ) from e
+                    if in_place:
                         pending = yield from self._receive_in_place(window, h, meta, stats, bar, copy)
                         break
                 work = buf = None
