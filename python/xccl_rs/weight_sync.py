@@ -688,6 +688,16 @@ class WeightReceiver:
             ) from e
         return json.loads(bytes(meta_t.cpu().numpy()).decode())
 
+    def _recv_announcement(self, index: int) -> tuple[list[int], dict]:
+        """Bucket ``index``'s header and metadata; raises the sender's abort notice."""
+        h = self._recv_header(index)
+        meta = self._recv_meta(index, h[_H_META])
+        if h[_H_LAST] == _ABORTED:
+            raise WeightSyncError(
+                f"weight sync: the sender (rank {self.src}) aborted at bucket {index}: {meta.get('abort', '?')}"
+            )
+        return h, meta
+
     @torch.no_grad()
     def receive(self, progress: bool = False, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields ``(name, tensor)`` in the order sent, each a new contiguous tensor on
@@ -708,13 +718,7 @@ class WeightReceiver:
         cur = 0
         try:
             while True:
-                h = self._recv_header(index)
-                meta = self._recv_meta(index, h[_H_META])
-                if h[_H_LAST] == _ABORTED:
-                    raise WeightSyncError(
-                        f"weight sync: the sender (rank {self.src}) aborted at bucket {index}: "
-                        f"{meta.get('abort', '?')}"
-                    )
+                h, meta = self._recv_announcement(index)
                 used, is_last = h[_H_USED], bool(h[_H_LAST])
                 if index == 0 and progress:
                     total = meta.get("total", -1)
@@ -795,13 +799,7 @@ class WeightReceiver:
                 self._consumed(index)
                 return pending
             index += 1
-            h = self._recv_header(index)
-            meta = self._recv_meta(index, h[_H_META])
-            if h[_H_LAST] == _ABORTED:
-                raise WeightSyncError(
-                    f"weight sync: the sender (rank {self.src}) aborted at bucket {index}: "
-                    f"{meta.get('abort', '?')}"
-                )
+            h, meta = self._recv_announcement(index)
 
     def _consumed(self, index: int) -> None:
         """C_index: this receiver is done with bucket ``index`` of the shared window."""
