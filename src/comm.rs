@@ -401,6 +401,7 @@ impl Worker {
                 dtype: op.dtype,
                 count,
                 key,
+                reduce: if op.is_reduction() { op.reduce_op as u8 } else { 0 },
                 segment_bytes: self.config.segment_bytes,
                 scratch: &mut self.scratch,
                 shm: self.shm.as_mut(),

@@ -66,6 +66,28 @@ fn allreduce_dtype_mismatch(net: Net) {
     }
 }
 
+/// Rank 1 reduces with MAX where the others use SUM (all-reduce, reduce, reduce-scatter):
+/// every rank fails naming the reduce op, instead of each computing its own thing.
+fn reduce_op_mismatch(net: Net) {
+    for (kind, size) in [(OpKind::AllReduce, 2), (OpKind::AllReduce, 3), (OpKind::Reduce, 3), (OpKind::ReduceScatter, 3)] {
+        spawn_ranks(size, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+            let what = format!("{kind:?} size {size} rank {rank}");
+            let mut data = f32::to_bytes(&vec![1.0; 3000]);
+            let mut out = f32::to_bytes(&vec![0.0; 1000]);
+            let mut o = match kind {
+                OpKind::ReduceScatter => op_with(kind, DType::Float32, views(&mut data, size, 4000), vec![buf(&mut out)]),
+                _ => op_with(kind, DType::Float32, vec![], vec![buf(&mut data)]),
+            };
+            o.reduce_op = if rank == 1 { ReduceOp::Max } else { ReduceOp::Sum };
+            let (r, took) = timed(&comm, vec![o]);
+            let e = expect_err(r, &what);
+            assert_mentions(&e, &["reduce op"], &what);
+            assert!(took < Duration::from_secs(2), "{what}: took {took:?}");
+            barrier.wait();
+        });
+    }
+}
+
 /// Rank 0 in a broadcast it receives in (root 1), rank 1 in an all-gather: both fail, naming
 /// both collectives.
 fn different_collectives_on_different_ranks(net: Net) {
@@ -329,6 +351,7 @@ fn submit_validates_layout() {
 both_nets!(
     allreduce_size_mismatch,
     allreduce_dtype_mismatch,
+    reduce_op_mismatch,
     different_collectives_on_different_ranks,
     different_collectives_sending_root,
     large_broadcast_root_learns_of_receiver_failure,

@@ -429,6 +429,25 @@ fn dtype_mismatch_on_a_remote_non_leader() {
     mismatch_on_remote_non_leader(LAYOUTS[2], true);
 }
 
+/// The two hosts disagree about the reduce op (every rank of the second host uses MAX): the
+/// leaders' TCP step carries the op in its frames, so every rank fails naming it.
+#[test]
+fn reduce_op_mismatch_between_hosts() {
+    for layout in [LAYOUTS[0], LAYOUTS[3]] {
+        spawn_ranks_with(MemoryStore::new(), err_cfgs(layout), LIMIT, move |rank, comm, barrier| {
+            let what = format!("{layout:?} rank {rank}");
+            let mut data = f32::to_bytes(&vec![1.0; 5000]);
+            let mut o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)]);
+            o.reduce_op = if layout[rank] == layout[0] { Sum } else { Max };
+            let (r, took) = timed(&comm, vec![o]);
+            let e = expect_err(r, &what);
+            assert_mentions(&e, &["reduce op mismatch"], &what);
+            assert!(took < Duration::from_secs(1), "{what}: took {took:?}");
+            barrier.wait();
+        });
+    }
+}
+
 /// A rank dies (drops its communicator) during an all-reduce — a non-leader, then a leader, of
 /// the second host of 2 × 2: every other rank, on both hosts, fails well before the timeout.
 #[test]

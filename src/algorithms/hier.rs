@@ -85,6 +85,7 @@ pub fn among<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut Step
         dtype: step.dtype,
         count: step.count,
         key: step.key,
+        reduce: step.reduce,
         segment_bytes: step.segment_bytes,
         scratch: &mut *step.scratch,
         shm: None,

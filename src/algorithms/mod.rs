@@ -56,6 +56,8 @@ pub struct Step<'a> {
     pub count: u64,
     /// Root or tag, carried in every frame.
     pub key: i64,
+    /// The reduction's ReduceOp code (else 0), carried in every frame and checked.
+    pub reduce: u8,
     pub segment_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
     /// Present when every rank is on this host and shared memory is allowed: the group's
@@ -110,6 +112,7 @@ impl Step<'_> {
             kind: FrameKind::Data,
             op: self.ctx.op as u8,
             dtype: self.dtype as u8,
+            reduce: self.reduce,
             seq: self.ctx.seq,
             count,
             key: self.key,

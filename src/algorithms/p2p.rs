@@ -32,6 +32,7 @@ fn header(op: &Op, seq: u64) -> Header {
         // Both sides name the message by the sender's op, so a receive expects a Send frame.
         op: OpKind::Send as u8,
         dtype: op.dtype as u8,
+        reduce: 0,
         seq,
         count: len / op.dtype.size() as u64,
         key: op.tag,

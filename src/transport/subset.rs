@@ -103,7 +103,7 @@ mod tests {
     }
 
     fn header() -> Header {
-        Header { kind: FrameKind::Data, op: 0, dtype: 0, seq: 0, count: 0, key: 0, payload_len: 0 }
+        Header { kind: FrameKind::Data, op: 0, dtype: 0, reduce: 0, seq: 0, count: 0, key: 0, payload_len: 0 }
     }
 
     fn ctx() -> OpCtx {

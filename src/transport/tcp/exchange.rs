@@ -118,6 +118,14 @@ fn check_header(expect: &Header, got: &Header, peer: usize, ctx: &OpCtx) -> Resu
             dtype_code_name(expect.dtype)
         )));
     }
+    if got.reduce != expect.reduce {
+        let name = |code: u8| crate::types::ReduceOp::from_code(code).map_or("an unknown op", |r| r.name());
+        return Err(CommError::mismatch(format!(
+            "{what}: rank {peer} reduces with {}, rank {me} with {} (reduce op mismatch)",
+            name(got.reduce),
+            name(expect.reduce)
+        )));
+    }
     if got.key != expect.key {
         let is_p2p = crate::types::OpKind::from_code(expect.op).is_some_and(|k| k.is_p2p());
         let name = if is_p2p { "tag" } else { "root" };
@@ -501,6 +509,7 @@ impl Transport for TcpTransport {
             kind: FrameKind::Abort,
             op: ctx.op as u8,
             dtype: 0,
+            reduce: 0,
             seq: ctx.seq,
             count: 0,
             key: 0,

@@ -8,7 +8,7 @@
 //! 4  kind   u8    FrameKind
 //! 5  op     u8    OpKind code
 //! 6  dtype  u8    DType code
-//! 7  -      u8    zero
+//! 7  reduce u8    ReduceOp code of a reduction (checked), else 0
 //! 8  seq    u64   collective sequence number, or the per-pair point-to-point number
 //! 16 count  u64   elements the sender's operation agreed on for this pair (checked)
 //! 24 key    i64   root of a rooted collective, tag of a point-to-point message, else 0
@@ -33,6 +33,8 @@ pub struct Header {
     pub kind: FrameKind,
     pub op: u8,
     pub dtype: u8,
+    /// The reduction's ReduceOp code (all-reduce, reduce, reduce-scatter), else 0.
+    pub reduce: u8,
     pub seq: u64,
     pub count: u64,
     pub key: i64,
@@ -46,6 +48,7 @@ impl Header {
         b[4] = self.kind as u8;
         b[5] = self.op;
         b[6] = self.dtype;
+        b[7] = self.reduce;
         b[8..16].copy_from_slice(&self.seq.to_le_bytes());
         b[16..24].copy_from_slice(&self.count.to_le_bytes());
         b[24..32].copy_from_slice(&self.key.to_le_bytes());
@@ -69,6 +72,7 @@ impl Header {
             kind,
             op: b[5],
             dtype: b[6],
+            reduce: b[7],
             seq: u64_at(8),
             count: u64_at(16),
             key: u64_at(24) as i64,
@@ -88,7 +92,7 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let h = Header { kind: FrameKind::Data, op: 3, dtype: 7, seq: 42, count: 1 << 40, key: -1, payload_len: 99 };
+        let h = Header { kind: FrameKind::Data, op: 3, dtype: 7, reduce: 5, seq: 42, count: 1 << 40, key: -1, payload_len: 99 };
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         assert!(!Header::peek_is_abort(&h.encode()));
         let a = Header { kind: FrameKind::Abort, ..h };
@@ -98,7 +102,7 @@ mod tests {
     #[test]
     fn rejects_garbage() {
         assert!(Header::decode(&[0u8; HEADER_LEN]).is_err());
-        let mut b = Header { kind: FrameKind::Data, op: 0, dtype: 0, seq: 0, count: 0, key: 0, payload_len: 0 }.encode();
+        let mut b = Header { kind: FrameKind::Data, op: 0, dtype: 0, reduce: 0, seq: 0, count: 0, key: 0, payload_len: 0 }.encode();
         b[4] = 9;
         assert!(Header::decode(&b).is_err());
     }
