@@ -10,7 +10,7 @@
 
 use half::{bf16, f16};
 
-use super::kernels::FORCE_PORTABLE;
+use super::kernels::{Level, MAX_LEVEL};
 use super::{Reduction, reduce_raw, reduce_slices};
 use crate::types::{DType, ReduceOp};
 
@@ -315,9 +315,17 @@ fn matches_reference_dispatched() {
 
 #[test]
 fn matches_reference_portable() {
-    FORCE_PORTABLE.with(|f| f.set(true));
+    MAX_LEVEL.with(|l| l.set(Level::Portable));
     full_matrix();
-    FORCE_PORTABLE.with(|f| f.set(false));
+    MAX_LEVEL.with(|l| l.set(Level::Avx512));
+}
+
+/// The AVX2 build, also on machines with AVX-512 (where the dispatched test runs AVX-512).
+#[test]
+fn matches_reference_avx2() {
+    MAX_LEVEL.with(|l| l.set(Level::Avx2));
+    full_matrix();
+    MAX_LEVEL.with(|l| l.set(Level::Avx512));
 }
 
 #[test]
