@@ -320,12 +320,14 @@ def test_window_falls_back_across_hosts():
 
 
 def w_window_reuse(rank, world_size):
-    """Sync 1 in a private group of ranks {0, 1}; sync 2 in a group of {0, 1, 2} reuses the
-    window rank 2 never mapped: everyone falls back to broadcasts; sync 3 gets a fresh window
-    that everyone maps. Every sync delivers every tensor."""
+    """Sync 0 in a private group of ranks {0, 1}; sync 1 in a group of {0, 1, 2} reuses the
+    window rank 2 never mapped, so the sender offers a fresh one, which everyone maps (rank 1,
+    which kept the first, then holds two); sync 2 reuses that one. Every sync delivers every
+    tensor through the window."""
     import torch.distributed as dist
 
     import xccl_rs
+    from xccl_rs import shared_window
     from xccl_rs.weight_sync import WeightReceiver, WeightSender
 
     c = ctx()
@@ -343,20 +345,45 @@ def w_window_reuse(rank, world_size):
             r = WeightReceiver(pg, src=0)
             probs = compare(list(r.receive()), expected)
             stats = r.last_stats
-        out[i] = (probs, stats.shared_window)
+        out[i] = (probs, stats.shared_window, len(shared_window._mapped))
         xccl_rs.destroy_group(pg)
     return out
 
 
-def test_window_reuse_and_fallback():
+def test_window_reuse_and_newcomer():
     res = run_ranks(3, w_window_reuse, timeout_s=120)
     _no_window_files()
-    want = {0: True, 1: False, 2: True}
     for rank in range(3):
-        for i, (probs, shared) in res.value(rank).items():
+        for i, (probs, shared, _) in res.value(rank).items():
             assert not probs, f"rank {rank} sync {i}: {probs}"
-            assert shared == want[i], f"rank {rank} sync {i}: shared_window {shared}, expected {want[i]}"
+            assert shared, f"rank {rank} sync {i}: the buckets were broadcast, not shared"
     assert set(res.value(2)) == {1, 2}
+    # rank 1 mapped the first window and the fresh one offered in sync 1; rank 2 only the fresh one
+    assert [res.value(1)[i][2] for i in range(3)] == [1, 2, 2], res.value(1)
+    assert [res.value(2)[i][2] for i in (1, 2)] == [1, 1], res.value(2)
+
+
+def w_unmappable(rank, world_size):
+    """Every rank claims the sender's host (one XCCL_RS_HOST_ID), so the first step lets the
+    sender make a window, but rank 2 cannot open its file (its /dev/shm is elsewhere): the flag
+    after bucket 0 fails and the buckets are broadcast."""
+    import torch.distributed as dist
+
+    from xccl_rs import shared_window
+
+    if rank == 2:
+        shared_window.SHM_DIR = "/nonexistent-shm"
+    probs, stats = _sync(dist.group.WORLD, 0, "unmappable", BUCKET)
+    if stats.shared_window:
+        probs.append("the buckets went through a window rank 2 cannot map")
+    return probs
+
+
+def test_window_falls_back_when_a_rank_cannot_map_it():
+    res = run_ranks(3, w_unmappable, timeout_s=90, env={"XCCL_RS_HOST_ID": "one-host"})
+    _no_window_files()
+    problems = [f"rank {r}: {p}" for r in range(3) for p in res.value(r)]
+    assert not problems, "\n".join(problems)
 
 
 def test_group_layout():

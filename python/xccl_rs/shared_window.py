@@ -83,13 +83,14 @@ class Window:
         finally:
             os.close(fd)
         self.name = os.path.basename(self.path)
+        self.reused = False  # kept from an earlier sync: its file is gone, newcomers cannot map it
 
     def slot(self, i: int) -> torch.Tensor:
         return self.memory[i * self.bucket_bytes : (i + 1) * self.bucket_bytes]
 
     def announce(self) -> dict:
         """What receivers need to map it (travels in bucket 0's metadata)."""
-        return {"name": self.name, "host": host_identity(), "bytes": self.nbytes}
+        return {"name": self.name, "host": host_identity(), "bytes": self.nbytes, "reused": self.reused}
 
     def unlink(self) -> None:
         if self.path is not None:
@@ -106,7 +107,10 @@ class Window:
 def take_window(bucket_bytes: int) -> Window:
     """A window for a sender's sync: the one kept from its last shared sync, else a new one."""
     window = _kept.pop(bucket_bytes, None)
-    return window if window is not None else Window(bucket_bytes)
+    if window is None:
+        return Window(bucket_bytes)
+    window.reused = True
+    return window
 
 
 def keep_window(window: Window) -> None:

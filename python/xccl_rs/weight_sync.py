@@ -17,9 +17,11 @@ Terms used below:
   bytes, broadcast after the header and before the bucket. One entry per tensor or chunk:
   ``[name, dtype, shape, offset_in_bucket, nbytes, chunk_offset, total_nbytes]``.
 
-Everything travels through the same group, in the same order on every rank: header, metadata,
-then the first ``used_bytes`` bytes of the bucket (skipped when 0). All sizes are Python ints or
-int64, so buckets and tensors of 2 GiB and more work.
+Everything travels through the same group, in the same order on every rank: first, once per
+sync, whether every rank can share the sender's memory (a broadcast of a hash of the sender's
+host identity and a MIN all-reduce of the ranks' votes); then per bucket the header, the
+metadata, then the first ``used_bytes`` bytes of the bucket (skipped when 0). All sizes are
+Python ints or int64, so buckets and tensors of 2 GiB and more work.
 
 The sender packs into two buffers in turn: while bucket ``k`` is being broadcast (async),
 bucket ``k + 1`` is packed into the other buffer; before packing bucket ``k + 1`` the sender
@@ -30,23 +32,23 @@ Memory: a rank allocates nothing until its first ``send``/``receive``; then at m
 buckets (a receiver sizes them from the headers: a single last bucket gets only its used
 bytes), the small header/metadata tensors, and the tensors it hands out.
 
-**Shared window** (shared_window.py). When the group is an xccl_rs group and the buckets are
-on the CPU, the sender's two buckets live in a shared-memory file that it announces in bucket
-0's metadata. Every receiver maps it if it can (same host), and the group agrees with an
-all-reduce (MIN) of a flag right after bucket 0's metadata. If all mapped it, no bucket is
-broadcast: receivers read each bucket in place, and a barrier per bucket tells the sender a
-buffer is free again. In order on every rank (``H_k`` = header and metadata of bucket k,
+**Shared window** (shared_window.py). When the group is an xccl_rs group, the buckets are on
+the CPU and the first step found every rank on the sender's host, the sender's two buckets
+live in a shared-memory file that it announces in bucket 0's metadata. Every receiver maps it
+if it can, and the group agrees with an all-reduce (MIN) of a flag right after bucket 0's
+metadata. If all mapped it, no bucket is broadcast: receivers read each bucket in place, and
+a barrier per bucket tells the sender a buffer is free again. In order on every rank (``H_k`` = header and metadata of bucket k,
 ``C_k`` = the barrier "every receiver is done with bucket k"):
 ``H_0, flag, H_1, C_0, H_2, C_1, ..., H_L, C_(L-1), C_L``. The sender packs bucket k + 1 while
 the receivers unpack bucket k. If some rank could not map it, the buckets are broadcast from
 the window as above. Either way the file is unlinked right after the flag. The window saves
 the broadcast's copies: the sender's bytes are copied once (packing) and each receiver's once
 (unpacking), not three and four times. A window every receiver mapped is kept, mapped, for the
-next sync with the same bucket size (so steady-state syncs fault in no new memory); a receiver
-that did not take part in the sync that created it cannot map it, and that sync falls back to
-broadcasts, after which the next one creates a fresh window. (So a sender alternating between
-two receiver groups with one bucket size falls back every other sync: give them different
-bucket sizes.)
+next sync with the same bucket size, so that steady-state syncs fault in no new memory (the
+announcement says it was ``reused``). A receiver that did not take part in the sync that made a
+kept window cannot map it (its file is gone): when the first flag fails on a reused window,
+the sender offers a fresh window that already holds bucket 0 (broadcast: its length, then
+its JSON announcement; empty if it could not make one), and a second flag decides, before H_1.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
@@ -404,9 +407,14 @@ class SendStream:
         self.index = 0
         self.done = False
         self.broken = False  # a broadcast failed: the group cannot carry an abort notice
-        # The shared window: created with the first bucket; `shared` once the group agreed.
+        # The shared window: created with the first bucket if every rank can share the
+        # sender's memory; `shared` once every rank has mapped it.
         self.window: Optional[shared_window.Window] = None
         self.shared = False
+        try:
+            self.co_located = _co_located(sender.group, sender.src, sender.shared_memory)
+        except Exception as e:
+            raise WeightSyncError(f"weight sync: the first step with the receivers failed: {e}") from e
 
     def _post(self, slot: _Slot, header: torch.Tensor, meta_t: torch.Tensor, used: int, announced=False) -> None:
         s = self.s
@@ -414,7 +422,7 @@ class SendStream:
             slot.works.append(_broadcast(s.group, header, s.src))
             slot.works.append(_broadcast(s.group, meta_t, s.src))
             if announced:
-                self.shared = _agree_on_window(s.group, True)
+                self.shared = self._settle_window(used)
                 self.window.unlink()  # every rank has mapped it or given up
             if self.shared:
                 slot.consume = True  # receivers read it in place; C_k frees it
@@ -424,6 +432,33 @@ class SendStream:
             self.broken = True
             raise WeightSyncError(f"weight sync: broadcast of {slot.label} failed: {e}") from e
         slot.keep = [header, meta_t]
+
+    def _settle_window(self, used: int) -> bool:
+        """After bucket 0's metadata announced the window: whether every rank maps it. A window
+        kept from an earlier sync cannot be mapped by a rank that did not take part in that
+        sync (its file is gone); then a fresh window, already holding bucket 0, is offered once
+        more (module docstring), so that a newcomer costs one bucket copy, not the window."""
+        s = self.s
+        if _agree_on_window(s.group, True):
+            return True
+        if not self.window.reused:
+            return False
+        try:
+            fresh = shared_window.Window(s.bucket_bytes)
+        except OSError:
+            fresh = None  # offer nothing: every rank then agrees to broadcast
+        if fresh is not None:
+            fresh.slot(0)[:used].copy_(self.window.slot(0)[:used])
+        _send_offer(s.group, s.src, fresh.announce() if fresh is not None else {})
+        if not _agree_on_window(s.group, fresh is not None):
+            if fresh is not None:
+                fresh.unlink()
+            return False
+        self.window.unlink()
+        self.window = fresh
+        for i, slot in enumerate(s._slots):
+            slot.buf = fresh.slot(i)
+        return True
 
     def _consumed(self, slot: _Slot) -> None:
         """Joins C_k for the bucket in ``slot`` (shared window): it can be packed again once
@@ -491,7 +526,7 @@ class SendStream:
 
     def _buffer(self) -> torch.Tensor:
         s = self.s
-        if s.shared_memory and self.window is None and self.index == 0:
+        if s.shared_memory and self.co_located and self.window is None and self.index == 0:
             # A window per sync: receivers map it by name, and it is unlinked right after.
             try:
                 self.window = shared_window.take_window(s.bucket_bytes)
@@ -593,6 +628,50 @@ class SendStream:
             self._drop_window()
             if self.bar is not None:
                 self.bar.close()
+
+
+def _host_hash() -> int:
+    identity = shared_window.host_identity()
+    return zlib.crc32(identity.encode()) if identity else -1
+
+
+def _co_located(group, src: int, offer: bool, receiver_cpu: bool = True) -> bool:
+    """The first step of every sync, on every rank: whether every rank can share the sender's
+    memory, so that the sender makes a shared window only when it can serve (a group that spans
+    hosts never pays for one). The sender broadcasts a hash of its host identity (-1 when it
+    will not share); each rank votes, and a MIN all-reduce decides."""
+    rank = group.rank()
+    ident = torch.tensor([_host_hash() if rank == src and offer else -1], dtype=torch.int64)
+    _broadcast(group, ident, src).wait()
+    theirs = int(ident.item())
+    vote = theirs >= 0 and (rank == src or (receiver_cpu and theirs == _host_hash()))
+    flag = torch.tensor([1 if vote else 0], dtype=torch.int32)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], opts).wait()
+    return bool(flag.item())
+
+
+def _send_offer(group, src: int, offer: dict) -> None:
+    """The second offer of a window (see _settle_window): its length, then its JSON."""
+    raw = json.dumps(offer, separators=(",", ":")).encode()
+    length = torch.tensor([len(raw)], dtype=torch.int64)
+    _broadcast(group, length, src).wait()
+    if raw:
+        _broadcast(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8), src).wait()
+
+
+def _recv_offer(group, src: int) -> dict:
+    length = torch.empty(1, dtype=torch.int64)
+    _broadcast(group, length, src).wait()
+    n = int(length.item())
+    if not 0 <= n <= 1 << 16:
+        raise WeightSyncError(f"weight sync: a window offer of {n} bytes from rank {src}")
+    if n == 0:
+        return {}
+    raw = torch.empty(n, dtype=torch.uint8)
+    _broadcast(group, raw, src).wait()
+    return json.loads(bytes(raw.numpy()).decode())
 
 
 def _agree_on_window(group, mapped: bool) -> bool:
@@ -717,6 +796,10 @@ class WeightReceiver:
         index = 0
         cur = 0
         try:
+            try:
+                _co_located(self.group, self.src, False, self.bucket_device.type == "cpu")
+            except Exception as e:
+                raise WeightSyncError(f"weight sync: the first step with rank {self.src} failed: {e}") from e
             while True:
                 h, meta = self._recv_announcement(index)
                 used, is_last = h[_H_USED], bool(h[_H_LAST])
@@ -724,9 +807,10 @@ class WeightReceiver:
                     total = meta.get("total", -1)
                     bar = _progress_bar(True, total if total >= 0 else None, "weight sync (receive)")
                 if index == 0 and "w" in meta:
-                    window = shared_window.open_window(meta["w"]) if self.bucket_device.type == "cpu" else None
                     try:
-                        in_place = _agree_on_window(self.group, window is not None)
+                        window, in_place = self._join_window(meta["w"])
+                    except WeightSyncError:
+                        raise
                     except Exception as e:
                         raise WeightSyncError(
                             f"weight sync: agreeing on the shared window with rank {self.src} failed: {e}"
@@ -800,6 +884,21 @@ class WeightReceiver:
                 return pending
             index += 1
             h, meta = self._recv_announcement(index)
+
+    def _join_window(self, announced: dict):
+        """This rank's part of the group's agreement on the shared window (see the sender's
+        ``_settle_window``): (the window, whether every rank maps it)."""
+        cpu = self.bucket_device.type == "cpu"
+        window = shared_window.open_window(announced) if cpu else None
+        if _agree_on_window(self.group, window is not None):
+            return window, True
+        if not announced.get("reused"):
+            return None, False
+        offer = _recv_offer(self.group, self.src)  # a fresh window for a newcomer
+        window = shared_window.open_window(offer) if offer and cpu else None
+        if _agree_on_window(self.group, window is not None):
+            return window, True
+        return None, False
 
     def _consumed(self, index: int) -> None:
         """C_index: this receiver is done with bucket ``index`` of the shared window."""
