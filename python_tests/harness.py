@@ -26,6 +26,7 @@ import pickle
 import queue as queue_mod
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +52,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def collect_outputs(procs, timeout_s: float = 120.0) -> list[tuple[int, str]]:
+    """(return code, output) of every subprocess.Popen in ``procs`` (stdout piped, text); one
+    still running after ``timeout_s`` is killed, and its output says so."""
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout_s * DEADLINE_SCALE)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += "\n<killed at the deadline>"
+        outs.append((p.returncode, out))
+    return outs
 
 
 def backend_for(spec: str) -> str:

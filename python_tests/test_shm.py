@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from harness import IS_GLOO, free_port
+from harness import IS_GLOO, collect_outputs, free_port
 
 pytestmark = pytest.mark.skipif(IS_GLOO, reason="xccl_rs shared-memory behaviour")
 
@@ -56,16 +56,7 @@ def run_group(tmp_path, world: int, mode: str, env_extra=None):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for r in range(world)
     ]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            out += "\n<killed at the deadline>"
-        outs.append((p.returncode, out))
-    return outs
+    return collect_outputs(procs)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")

@@ -32,7 +32,7 @@ pub mod ffi {
         fn new_comm(store: UniquePtr<StoreRef>, rank: i32, size: i32, timeout_ms: u64) -> Result<Box<RustComm>>;
         /// Queues a job; `done` is completed on the progress thread, or before this returns when
         /// `caller_waits` let it run on the calling thread. `ready` (null for host tensors) is
-        /// waited for on that thread before the job runs.
+        /// the job's staging of accelerator tensors: its chunk hooks run on that thread.
         fn submit(
             self: &RustComm,
             ops: Vec<OpRequest>,
@@ -61,7 +61,7 @@ pub mod ffi {
         type StoreRef;
         /// The completion side of one Work.
         type WorkDone;
-        /// What a job on accelerator tensors waits for before it runs (its staged inputs).
+        /// The staging of a job's accelerator tensors (chunk_inputs_ready / chunk_outputs_done).
         type WorkReady;
 
         fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;

@@ -27,26 +27,27 @@ pub trait Staging: Send {
     fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()>;
 }
 
-/// The length every buffer of `op` has, for the kinds that are chunked; None for the others
-/// (all-to-all's buffers differ in length, point-to-point and barrier are not chunked).
-fn piece_len(op: &Op) -> Option<usize> {
+/// Whether ops of `kind` run in chunks: those whose buffers all have one length (all-to-all's
+/// differ; point-to-point and barrier are not chunked).
+fn chunkable(kind: OpKind) -> bool {
     use OpKind::*;
-    match op.kind {
-        AllReduce | Broadcast | Reduce | Scatter | ReduceScatter => op.outputs.first().map(|b| b.len()),
-        AllGather | Gather => op.inputs.first().map(|b| b.len()),
-        AllToAll | Barrier | Send | Recv | RecvAnySource => None,
+    match kind {
+        AllReduce | Broadcast | Reduce | Scatter | ReduceScatter | AllGather | Gather => true,
+        AllToAll | Barrier | Send | Recv | RecvAnySource => false,
     }
 }
 
-/// The chunk size in bytes for an op of `kind` whose buffers are `piece` bytes long, given the
-/// configured `chunk_bytes`: `usize::MAX` (one chunk: every buffer whole) for kinds that are
-/// not chunked. The bridge plans its copies with the same function.
+/// The length every buffer of a chunkable `op` has (src/op.rs's layout table).
+fn piece_len(op: &Op) -> Option<usize> {
+    let first = if matches!(op.kind, OpKind::AllGather | OpKind::Gather) { op.inputs.first() } else { op.outputs.first() };
+    chunkable(op.kind).then(|| first.map(|b| b.len())).flatten()
+}
+
+/// The chunk size in bytes for an op of `kind`, given the configured `chunk_bytes`:
+/// `usize::MAX` (one chunk: every buffer whole) for kinds that are not chunked. The bridge
+/// plans its copies with the same function.
 pub fn chunk_bytes_for(kind: OpKind, chunk_bytes: usize) -> usize {
-    use OpKind::*;
-    match kind {
-        AllReduce | Broadcast | Reduce | Scatter | ReduceScatter | AllGather | Gather => chunk_bytes,
-        AllToAll | Barrier | Send | Recv | RecvAnySource => usize::MAX,
-    }
+    if chunkable(kind) { chunk_bytes } else { usize::MAX }
 }
 
 /// How many chunks `piece` bytes make in chunks of `chunk` bytes: at least one.
@@ -57,10 +58,7 @@ pub fn chunk_count(piece: usize, chunk: usize) -> usize {
 /// The plan of one op: its chunk size and number of chunks.
 pub fn plan(op: &Op, chunk_bytes: usize) -> (usize, usize) {
     match piece_len(op) {
-        Some(len) => {
-            let c = chunk_bytes_for(op.kind, chunk_bytes);
-            (c, chunk_count(len, c))
-        }
+        Some(len) => (chunk_bytes, chunk_count(len, chunk_bytes)),
         None => (usize::MAX, 1),
     }
 }

@@ -214,7 +214,7 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
                 queue.put(("verified", kind, round_, proc, n))
             peak = _rss_peak() if mark is not None else None
             if peak is not None and kind == "xccl_rs" and round_ > 0:
-                queue.put(("memory", proc, peak - mark, bucket))
+                queue.put(("memory", proc, peak - mark))
             pg.barrier().wait()  # every rollout has verified before the group goes
             _destroy(kind, pg)
             del pg
@@ -292,7 +292,6 @@ def main(argv=None) -> int:
             verified[msg[1]] = verified.get(msg[1], 0) + msg[4]
         elif msg[0] == "memory":
             extra[msg[1]] = max(extra.get(msg[1], 0), msg[2])
-            bucket_bytes = msg[3]
         elif msg[0] == "done":
             done += 1
     for proc in procs:
@@ -310,7 +309,7 @@ def main(argv=None) -> int:
         shown = ", ".join(
             f"{'trainer 0' if p == 0 else f'rollout {p - TRAINERS}'} {b / 2**20:.0f} MiB" for p, b in sorted(extra.items())
         )
-        print(f"peak extra host memory of an xccl_rs sync (after the first): {shown} (2 buckets: {2 * bucket_bytes / 2**20:.0f} MiB)")
+        print(f"peak extra host memory of an xccl_rs sync (after the first): {shown} (2 buckets: {2 * args.bucket_mb} MiB)")
     print(f"all received tensors verified bit for bit; total {time.perf_counter() - t0:.1f} s")
     return 0
 
