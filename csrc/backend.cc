@@ -60,13 +60,16 @@ BufferView view_of(const at::Tensor& t) {
   return BufferView{reinterpret_cast<size_t>(t.data_ptr()), static_cast<size_t>(t.nbytes())};
 }
 
+BufferView staged(const HostRange& r) {
+  return BufferView{r.ptr, r.bytes};
+}
+
 // Consecutive equal byte ranges of one contiguous tensor (its rows, when split by rank).
-rust::Vec<BufferView> split_views(const at::Tensor& t, int parts) {
+rust::Vec<BufferView> split_views(const BufferView& whole, int parts) {
   rust::Vec<BufferView> views;
-  const size_t base = reinterpret_cast<size_t>(t.data_ptr());
-  const size_t each = static_cast<size_t>(t.nbytes()) / static_cast<size_t>(parts);
+  const size_t each = whole.bytes / static_cast<size_t>(parts);
   for (int i = 0; i < parts; ++i) {
-    views.push_back(BufferView{base + each * static_cast<size_t>(i), each});
+    views.push_back(BufferView{whole.ptr + each * static_cast<size_t>(i), each});
   }
   return views;
 }
@@ -178,50 +181,51 @@ class XcclRsBackend::Job {
     }
   }
 
-  // A tensor the op only reads: contiguous as is, or a contiguous copy; a host copy of an
-  // accelerator tensor.
-  at::Tensor input(const at::Tensor& t) {
+  // The bytes of a tensor the op only reads: the tensor's own when contiguous, else a
+  // contiguous copy's; an accelerator tensor's placeholder range (its host buffer is allocated
+  // by the thread that runs the job, device.h).
+  BufferView input(const at::Tensor& t) {
     check(t);
     if (!t.device().is_cpu()) {
-      return staging(t).stage_in(t);
+      return staged(staging(t).stage_in(t));
     }
     at::Tensor c = t.is_contiguous() ? t : t.contiguous();
     state_->keep_alive.push_back(c);
-    return c;
+    return view_of(c);
   }
 
   // A tensor the op only reads that is still part of the result (the future's value), like a
   // reduce's tensor on the ranks other than the root.
-  at::Tensor unchanged_result(const at::Tensor& t) {
-    at::Tensor staged = input(t);
+  BufferView unchanged_result(const at::Tensor& t) {
+    BufferView v = input(t);
     state_->outputs.push_back(t);
-    return staged;
+    return v;
   }
 
   // A tensor the op reads and writes (in place): non-contiguous ones are staged and copied
   // back; accelerator tensors are staged to the host and back.
-  at::Tensor output(const at::Tensor& t) {
+  BufferView output(const at::Tensor& t) {
     return output(t, /*read=*/true);
   }
   // A tensor the op only writes: an accelerator tensor's old values are not copied to the host.
-  at::Tensor output_only(const at::Tensor& t) {
+  BufferView output_only(const at::Tensor& t) {
     return output(t, /*read=*/false);
   }
 
-  at::Tensor output(const at::Tensor& t, bool read) {
+  BufferView output(const at::Tensor& t, bool read) {
     check(t);
     state_->outputs.push_back(t);
     if (!t.device().is_cpu()) {
-      return staging(t).stage_out(t, read);
+      return staged(staging(t).stage_out(t, read));
     }
     if (t.is_contiguous()) {
       state_->keep_alive.push_back(t);
-      return t;
+      return view_of(t);
     }
     at::Tensor c = t.contiguous();
     state_->copy_back.emplace_back(t, c);
     state_->keep_alive.push_back(c);
-    return c;
+    return view_of(c);
   }
 
   void set_reduction(OpRequest& r, const c10d::ReduceOp& op) const {
@@ -348,7 +352,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce(std::vector<at::Tensor>&
   }
   auto r = request(kAllReduce, &tensors[0]);
   job.set_reduction(r, opts.reduceOp);
-  r.outputs.push_back(view_of(job.output(tensors[0])));
+  r.outputs.push_back(job.output(tensors[0]));
   job.add(std::move(r));
   return launch(job, c10d::OpType::ALLREDUCE, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -360,7 +364,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce_coalesced(
   for (auto& t : tensors) {
     auto r = request(kAllReduce, &t);
     job.set_reduction(r, opts.reduceOp);
-    r.outputs.push_back(view_of(job.output(t)));
+    r.outputs.push_back(job.output(t));
     job.add(std::move(r));
   }
   return launch(job, c10d::OpType::ALLREDUCE_COALESCED, XCCL_RS_CALLER_WAITS(opts));
@@ -375,7 +379,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::broadcast(std::vector<at::Tensor>&
   r.root = opts.rootRank;
   // Only the root's values are read: an accelerator tensor elsewhere is not copied to the host.
   const bool is_root = opts.rootRank == getRank();
-  r.outputs.push_back(view_of(is_root ? job.output(tensors[0]) : job.output_only(tensors[0])));
+  r.outputs.push_back(is_root ? job.output(tensors[0]) : job.output_only(tensors[0]));
   job.add(std::move(r));
   return launch(job, c10d::OpType::BROADCAST, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -389,7 +393,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce(std::vector<at::Tensor>& te
   r.root = opts.rootRank;
   job.set_reduction(r, opts.reduceOp);
   // Only the root's tensor changes: elsewhere it is an input only (nothing copied back).
-  r.outputs.push_back(view_of(opts.rootRank == getRank() ? job.output(tensors[0]) : job.unchanged_result(tensors[0])));
+  r.outputs.push_back(opts.rootRank == getRank() ? job.output(tensors[0]) : job.unchanged_result(tensors[0]));
   job.add(std::move(r));
   return launch(job, c10d::OpType::REDUCE, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -410,13 +414,13 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather(
                          std::to_string(getSize()) + " (one per rank)");
   }
   auto r = request(kAllGather, &in);
-  r.inputs.push_back(view_of(job.input(in)));
+  r.inputs.push_back(job.input(in));
   for (auto& out : outputs[0]) {
     job.same_kind(out, in, "an output tensor");
     if (out.numel() != in.numel()) {
       job.reject_and_abort("an output tensor has shape " + shape_of(out) + " but the input has " + shape_of(in));
     }
-    r.outputs.push_back(view_of(job.output_only(out)));
+    r.outputs.push_back(job.output_only(out));
   }
   job.add(std::move(r));
   return launch(job, c10d::OpType::ALLGATHER, XCCL_RS_CALLER_WAITS(opts));
@@ -433,7 +437,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::_allgather_base(
                          " times the input's " + std::to_string(input.numel()) + " elements");
   }
   auto r = request(kAllGather, &input);
-  r.inputs.push_back(view_of(job.input(input)));
+  r.inputs.push_back(job.input(input));
   r.outputs = split_views(job.output_only(output), getSize());
   job.add(std::move(r));
   return launch(job, c10d::OpType::_ALLGATHER_BASE, XCCL_RS_CALLER_WAITS(opts));
@@ -455,7 +459,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_into_tensor_coalesced(
                            " elements");
     }
     auto r = request(kAllGather, &inputs[i]);
-    r.inputs.push_back(view_of(job.input(inputs[i])));
+    r.inputs.push_back(job.input(inputs[i]));
     r.outputs = split_views(job.output_only(outputs[i]), getSize());
     job.add(std::move(r));
   }
@@ -474,13 +478,13 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_coalesced(
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
     auto r = request(kAllGather, &inputs[i]);
-    r.inputs.push_back(view_of(job.input(inputs[i])));
+    r.inputs.push_back(job.input(inputs[i]));
     for (auto& list : outputLists) {
       if (list.size() != inputs.size() || list[i].numel() != inputs[i].numel()) {
         job.reject_and_abort("output lists must match the inputs in length and sizes");
       }
       job.same_kind(list[i], inputs[i], "an output tensor");
-      r.outputs.push_back(view_of(job.output_only(list[i])));
+      r.outputs.push_back(job.output_only(list[i]));
     }
     job.add(std::move(r));
   }
@@ -500,7 +504,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather(
   const at::Tensor& in = inputs[0];
   auto r = request(kGather, &in);
   r.root = opts.rootRank;
-  r.inputs.push_back(view_of(job.input(in)));
+  r.inputs.push_back(job.input(in));
   if (opts.rootRank == getRank()) {
     if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize()) {
       job.reject_and_abort("the root needs one output list of " + std::to_string(getSize()) + " tensors");
@@ -510,7 +514,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather(
       if (out.numel() != in.numel()) {
         job.reject_and_abort("an output tensor has shape " + shape_of(out) + " but the input has " + shape_of(in));
       }
-      r.outputs.push_back(view_of(job.output_only(out)));
+      r.outputs.push_back(job.output_only(out));
     }
   } else if (!outputs.empty() && !outputs[0].empty()) {
     job.reject_and_abort("only the root (rank " + std::to_string(opts.rootRank) + ") passes output tensors");
@@ -527,7 +531,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather_single(
   auto job = begin("gather", kGather);
   auto r = request(kGather, &input);
   r.root = opts.rootRank;
-  r.inputs.push_back(view_of(job.input(input)));
+  r.inputs.push_back(job.input(input));
   if (opts.rootRank == getRank()) {
     job.same_kind(output, input, "the output tensor");
     if (output.numel() != input.numel() * getSize()) {
@@ -561,12 +565,12 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::scatter(
       if (in.numel() != out.numel()) {
         job.reject_and_abort("an input tensor has shape " + shape_of(in) + " but the output has " + shape_of(out));
       }
-      r.inputs.push_back(view_of(job.input(in)));
+      r.inputs.push_back(job.input(in));
     }
   } else if (!inputs.empty() && !inputs[0].empty()) {
     job.reject_and_abort("only the root (rank " + std::to_string(opts.rootRank) + ") passes input tensors");
   }
-  r.outputs.push_back(view_of(job.output_only(out)));
+  r.outputs.push_back(job.output_only(out));
   job.add(std::move(r));
   return launch(job, c10d::OpType::SCATTER, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -593,9 +597,9 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter(
     if (in.numel() != out.numel()) {
       job.reject_and_abort("an input tensor has shape " + shape_of(in) + " but the output has " + shape_of(out));
     }
-    r.inputs.push_back(view_of(job.input(in)));
+    r.inputs.push_back(job.input(in));
   }
-  r.outputs.push_back(view_of(job.output_only(out)));
+  r.outputs.push_back(job.output_only(out));
   job.add(std::move(r));
   return launch(job, c10d::OpType::REDUCE_SCATTER, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -613,7 +617,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::_reduce_scatter_base(
                          " times the output's " + std::to_string(output.numel()) + " elements");
   }
   r.inputs = split_views(job.input(input), getSize());
-  r.outputs.push_back(view_of(job.output_only(output)));
+  r.outputs.push_back(job.output_only(output));
   job.add(std::move(r));
   return launch(job, c10d::OpType::_REDUCE_SCATTER_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -636,7 +640,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter_tensor_coalesced(
                            " elements");
     }
     r.inputs = split_views(job.input(inputs[i]), getSize());
-    r.outputs.push_back(view_of(job.output_only(outputs[i])));
+    r.outputs.push_back(job.output_only(outputs[i]));
     job.add(std::move(r));
   }
   return launch(job, c10d::OpType::COALESCED, XCCL_RS_CALLER_WAITS(opts));
@@ -645,10 +649,12 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter_tensor_coalesced(
 // ---- all-to-all ----
 
 namespace {
-// Byte ranges of a contiguous tensor cut along dim 0 by `splits` (rows), or equally by rank.
+// Byte ranges of tensor `t`'s contiguous bytes `whole`, cut along dim 0 by `splits` (rows), or
+// equally by rank.
 rust::Vec<BufferView> split_rows(
     XcclRsBackend::Job& job,
     const at::Tensor& t,
+    const BufferView& whole,
     const std::vector<int64_t>& splits,
     int size,
     const char* role);
@@ -663,8 +669,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall_base(
   auto job = begin("all_to_all_single", kAllToAll);
   job.same_kind(output, input, "the output tensor");
   auto r = request(kAllToAll, &input);
-  r.inputs = split_rows(job, job.input(input), inputSplits, getSize(), "input");
-  r.outputs = split_rows(job, job.output_only(output), outputSplits, getSize(), "output");
+  r.inputs = split_rows(job, input, job.input(input), inputSplits, getSize(), "input");
+  r.outputs = split_rows(job, output, job.output_only(output), outputSplits, getSize(), "output");
   job.add(std::move(r));
   return launch(job, c10d::OpType::ALLTOALL_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -682,8 +688,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall(
   for (int i = 0; i < getSize(); ++i) {
     job.same_kind(inputs[i], inputs[0], "an input tensor");
     job.same_kind(outputs[i], inputs[0], "an output tensor");
-    r.inputs.push_back(view_of(job.input(inputs[i])));
-    r.outputs.push_back(view_of(job.output_only(outputs[i])));
+    r.inputs.push_back(job.input(inputs[i]));
+    r.outputs.push_back(job.output_only(outputs[i]));
   }
   job.add(std::move(r));
   return launch(job, c10d::OpType::ALLTOALL, XCCL_RS_CALLER_WAITS(opts));
@@ -699,7 +705,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::send(std::vector<at::Tensor>& tens
   auto r = request(kSend, &tensors[0]);
   r.root = dstRank;
   r.tag = tag;
-  r.inputs.push_back(view_of(job.input(tensors[0])));
+  r.inputs.push_back(job.input(tensors[0]));
   job.add(std::move(r));
   return launch(job, c10d::OpType::SEND);
 }
@@ -712,7 +718,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::recv(std::vector<at::Tensor>& tens
   auto r = request(kRecv, &tensors[0]);
   r.root = srcRank;
   r.tag = tag;
-  r.outputs.push_back(view_of(job.output_only(tensors[0])));
+  r.outputs.push_back(job.output_only(tensors[0]));
   job.add(std::move(r));
   return launch(job, c10d::OpType::RECV);
 }
@@ -725,7 +731,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::recvAnysource(std::vector<at::Tens
   auto r = request(kRecvAnySource, &tensors[0]);
   r.root = -1;
   r.tag = tag;
-  r.outputs.push_back(view_of(job.output_only(tensors[0])));
+  r.outputs.push_back(job.output_only(tensors[0]));
   job.add(std::move(r));
   return launch(job, c10d::OpType::RECVANYSOURCE);
 }
@@ -740,6 +746,7 @@ namespace {
 rust::Vec<BufferView> split_rows(
     XcclRsBackend::Job& job,
     const at::Tensor& t,
+    const BufferView& whole,
     const std::vector<int64_t>& splits,
     int size,
     const char* role) {
@@ -748,7 +755,7 @@ rust::Vec<BufferView> split_rows(
       job.reject_and_abort(std::string("the ") + role + " of shape " + shape_of(t) +
                            " cannot be split equally among " + std::to_string(size) + " ranks");
     }
-    return split_views(t, size);
+    return split_views(whole, size);
   }
   if (static_cast<int>(splits.size()) != size) {
     job.reject_and_abort(std::string(role) + " split sizes have " + std::to_string(splits.size()) + " entries, expected " +
@@ -766,8 +773,8 @@ rust::Vec<BufferView> split_rows(
     job.reject_and_abort(std::string(role) + " split sizes add up to " + std::to_string(total) + " but the " + role +
                          " has " + std::to_string(rows) + " rows");
   }
-  const size_t row_bytes = rows == 0 ? 0 : static_cast<size_t>(t.nbytes()) / static_cast<size_t>(rows);
-  const size_t base = reinterpret_cast<size_t>(t.data_ptr());
+  const size_t row_bytes = rows == 0 ? 0 : whole.bytes / static_cast<size_t>(rows);
+  const size_t base = whole.ptr;
   rust::Vec<BufferView> views;
   size_t offset = 0;
   for (int64_t s : splits) {

@@ -16,6 +16,12 @@ at::Tensor pinned_like(const at::Tensor& t) {
   return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true), at::MemoryFormat::Contiguous);
 }
 
+// Placeholder addresses start here: above every user-space address (x86-64 with 5-level
+// paging ends below 2^57, AArch64 below 2^52), so a placeholder never coincides with a host
+// tensor of the same job (mixed jobs have both). They are never dereferenced.
+constexpr size_t kPlaceholderBase = size_t{1} << 60;
+constexpr size_t kPlaceholderAlign = 64;
+
 // Chunk k of a range of `bytes` bytes in chunks of `chunk` bytes: (start, length) (src/pipeline.rs).
 std::pair<size_t, size_t> chunk_range(size_t bytes, size_t chunk, size_t k) {
   if (chunk == SIZE_MAX) {
@@ -31,17 +37,39 @@ DeviceStaging::DeviceStaging(c10::Device device)
     : device_(device),
       impl_(device.type()),
       caller_stream_(impl_.getStream(device)),
-      copy_out_stream_(impl_.getStreamFromGlobalPool(device, /*isHighPriority=*/false)),
-      copy_stream_(impl_.getStreamFromGlobalPool(device, /*isHighPriority=*/false)),
+      // Placeholders until host_buffers() (the first use of a stream pool creates its streams,
+      // milliseconds that the caller's thread should not pay).
+      copy_out_stream_(c10::Stream::DEFAULT, device),
+      copy_stream_(c10::Stream::DEFAULT, device),
       issued_(device.type()),
-      outputs_ready_(device.type()) {}
+      outputs_ready_(device.type()),
+      next_placeholder_(kPlaceholderBase) {}
 
-at::Tensor DeviceStaging::stage(const at::Tensor& t, bool read, bool write) {
+HostRange DeviceStaging::stage(const at::Tensor& t, bool read, bool write) {
   TORCH_INTERNAL_ASSERT(!sealed_, "xccl_rs: staging after seal");
-  at::Tensor host = pinned_like(t);
-  Buffer b{t, t.is_contiguous() ? t.reshape({-1}) : at::Tensor(), host.reshape({-1}), read, write};
-  buffers_.push_back(std::move(b));
-  return host;
+  const auto bytes = static_cast<size_t>(t.nbytes());
+  const size_t placeholder = next_placeholder_;
+  // Every buffer its own range, also an empty one.
+  next_placeholder_ += (std::max<size_t>(bytes, 1) + kPlaceholderAlign - 1) / kPlaceholderAlign * kPlaceholderAlign;
+  buffers_.push_back(Buffer{t, placeholder, read, write});
+  return HostRange{placeholder, bytes};
+}
+
+std::vector<HostBinding> DeviceStaging::host_buffers() {
+  c10::DeviceGuard device_guard(device_); // no runtime context on another device for this thread
+  copy_out_stream_ = impl_.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+  copy_stream_ = impl_.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+  std::vector<HostBinding> table;
+  table.reserve(buffers_.size());
+  for (auto& b : buffers_) {
+    b.host_flat = pinned_like(b.device).reshape({-1});
+    if (b.device.is_contiguous()) {
+      b.device_flat = b.device.reshape({-1});
+    }
+    table.push_back(HostBinding{
+        b.placeholder, static_cast<size_t>(b.device.nbytes()), reinterpret_cast<size_t>(b.host_flat.data_ptr())});
+  }
+  return table;
 }
 
 void DeviceStaging::add_op(size_t index, const std::vector<OpBuffer>& buffers, size_t chunk_bytes) {
@@ -57,8 +85,8 @@ void DeviceStaging::add_op(size_t index, const std::vector<OpBuffer>& buffers, s
       continue;
     }
     for (size_t i = 0; i < buffers_.size(); ++i) {
-      const auto base = reinterpret_cast<size_t>(buffers_[i].host_flat.data_ptr());
-      const auto len = static_cast<size_t>(buffers_[i].host_flat.nbytes());
+      const size_t base = buffers_[i].placeholder;
+      const auto len = static_cast<size_t>(buffers_[i].device.nbytes());
       if (ob.ptr >= base && ob.ptr - base + ob.bytes <= len) {
         plan.views.push_back(View{i, ob.ptr - base, ob.bytes, ob.output});
         break;

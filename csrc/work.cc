@@ -3,6 +3,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "xccl_rs/src/ffi.rs.h"
+
 namespace xccl_rs {
 
 std::exception_ptr make_backend_error(const std::string& message) {
@@ -19,6 +21,14 @@ std::shared_ptr<WorkState> new_work_state(const std::string& what) {
   state->future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()));
   return state;
+}
+
+rust::Vec<HostRelocation> staging_host_buffers(WorkReady& ready) {
+  rust::Vec<HostRelocation> table;
+  for (const auto& b : ready.staging->host_buffers()) {
+    table.push_back(HostRelocation{b.placeholder, b.bytes, b.host});
+  }
+  return table;
 }
 
 void chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk) {

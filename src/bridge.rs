@@ -10,7 +10,7 @@ use crate::config::Config;
 use crate::error::{CommError, Result};
 use crate::ffi::ffi::{self, BufferView, OpRequest, StoreRef, WorkDone, WorkReady};
 use crate::op::Op;
-use crate::pipeline::{Staging, chunk_bytes_for};
+use crate::pipeline::{Relocation, Staging, chunk_bytes_for};
 use crate::reduce::Reduction;
 use crate::rendezvous::Store;
 use crate::transport::RawBuf;
@@ -33,6 +33,10 @@ unsafe impl Send for WorkReady {}
 struct BridgeStaging(cxx::UniquePtr<WorkReady>);
 
 impl Staging for BridgeStaging {
+    fn host_buffers(&mut self) -> Result<Vec<Relocation>> {
+        let table = ffi::staging_host_buffers(self.0.pin_mut()).map_err(|e| CommError::io(e.what().to_string()))?;
+        Ok(table.iter().map(|r| Relocation { placeholder: r.placeholder, bytes: r.bytes, host: r.host }).collect())
+    }
     fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<()> {
         ffi::chunk_inputs_ready(self.0.pin_mut(), op, chunk).map_err(|e| CommError::io(e.what().to_string()))
     }

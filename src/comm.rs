@@ -322,6 +322,22 @@ impl Worker {
                 format!("xccl_rs: this group failed earlier and cannot be used any more; the first error was: {}", e.message),
             ));
         }
+        // Staged buffers were described by placeholders: the staging allocates their host
+        // memory now, on this thread rather than the caller's.
+        let relocated;
+        let ops = match staging.as_deref_mut().map(|s| s.host_buffers().and_then(|t| pipeline::relocate(ops, &t))) {
+            None => ops,
+            Some(Ok(moved)) => {
+                relocated = moved;
+                &relocated[..]
+            }
+            Some(Err(e)) => {
+                let ctx = self.ctx(ops.first().map_or(OpKind::Barrier, |o| o.kind), self.seq);
+                let e = CommError::new(e.kind, format!("{}: {}", ctx.describe(), e.message));
+                self.fail(&ctx, e.clone());
+                return Err(e);
+            }
+        };
         let mut completion = Completion { source_rank: -1 };
         let mut i = 0;
         while i < ops.len() {

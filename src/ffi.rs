@@ -14,6 +14,13 @@ pub mod ffi {
         bytes: usize,
     }
 
+    /// Host memory (`host`) behind a placeholder range that staged buffers were described with.
+    struct HostRelocation {
+        placeholder: usize,
+        bytes: usize,
+        host: usize,
+    }
+
     /// One operation, in the layout `src/op.rs` documents.
     struct OpRequest {
         kind: u8,
@@ -66,6 +73,9 @@ pub mod ffi {
 
         fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(store: &StoreRef, key: &str, timeout_ms: u64) -> Result<Vec<u8>>;
+        /// On the thread that runs the job, first: allocates the pinned host buffers of its staged
+        /// tensors and says which placeholder range each stands for.
+        fn staging_host_buffers(ready: Pin<&mut WorkReady>) -> Result<Vec<HostRelocation>>;
         /// Blocks until chunk `chunk` of op `op`'s staged inputs is on the host; Err if staging failed.
         fn chunk_inputs_ready(ready: Pin<&mut WorkReady>, op: usize, chunk: usize) -> Result<()>;
         /// Chunk `chunk` of op `op`'s outputs is final: enqueues its copy back to the device.

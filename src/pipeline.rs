@@ -13,14 +13,33 @@
 //! Chunks of shared-memory collectives follow each other without a pause: their blocks are
 //! consecutive generations of the same double-buffered slots (shm_blocks.rs).
 
-use crate::error::Result;
+use crate::error::{CommError, Result};
 use crate::op::Op;
+use crate::transport::RawBuf;
 use crate::types::OpKind;
+
+/// A placeholder address range that a job's buffers were described with, and the host memory
+/// it stands for (see [`Staging::host_buffers`]). Addresses as integers: a placeholder is never
+/// dereferenced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Relocation {
+    pub placeholder: usize,
+    pub bytes: usize,
+    pub host: usize,
+}
 
 /// The bridge's side of a job on staged accelerator tensors. `op` is the index of the op in its
 /// job, `chunk` its chunk (0 for ops that are not chunked). Both are called on the thread that
 /// runs the job, in chunk order; an error fails the job and the group.
 pub trait Staging: Send {
+    /// Called once, on the thread that runs the job, before anything else: the host memory
+    /// behind the placeholder ranges some of the job's buffers were described with. The bridge
+    /// allocates its pinned staging memory here rather than on the caller's thread, so that
+    /// issuing an async op allocates nothing. The memory must stay valid, and untouched by
+    /// anyone else, until the job completes. Default: none (every buffer is real memory).
+    fn host_buffers(&mut self) -> Result<Vec<Relocation>> {
+        Ok(Vec::new())
+    }
     /// Returns when chunk `chunk` of every input of op `op` is on the host.
     fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<()>;
     /// Chunk `chunk` of every output of op `op` is final on the host: copy it back.
@@ -71,6 +90,39 @@ pub fn chunk_op(op: &Op, c: usize, k: usize) -> Op {
         b.sub(start, (b.len() - start).min(c))
     };
     Op { inputs: op.inputs.iter().map(sub).collect(), outputs: op.outputs.iter().map(sub).collect(), ..op.clone() }
+}
+
+/// `ops` with every buffer inside a placeholder range of `table` moved to the host memory it
+/// stands for (same offset); other buffers (host tensors of a mixed job) are left as they are.
+/// A buffer that starts in a range but runs past its end is an error (the bridge described it
+/// wrongly), not memory to touch.
+pub fn relocate(ops: &[Op], table: &[Relocation]) -> Result<Vec<Op>> {
+    let moved = |b: &RawBuf| -> Result<RawBuf> {
+        let ptr = b.ptr() as usize;
+        let Some(r) = table.iter().find(|r| ptr >= r.placeholder && ptr - r.placeholder < r.bytes.max(1)) else {
+            return Ok(*b);
+        };
+        let offset = ptr - r.placeholder;
+        if b.len() > r.bytes - offset.min(r.bytes) {
+            return Err(CommError::invalid(format!(
+                "xccl_rs: internal error (please report): a buffer of {} bytes at offset {offset} of a staging buffer of {} bytes",
+                b.len(),
+                r.bytes
+            )));
+        }
+        // SAFETY: in bounds of the host memory `r` describes (checked above), which the staging
+        // keeps valid and reserved for this job until it completes (Staging::host_buffers).
+        Ok(unsafe { RawBuf::new((r.host + offset) as *mut u8, b.len()) })
+    };
+    ops.iter()
+        .map(|op| {
+            Ok(Op {
+                inputs: op.inputs.iter().map(moved).collect::<Result<_>>()?,
+                outputs: op.outputs.iter().map(moved).collect::<Result<_>>()?,
+                ..op.clone()
+            })
+        })
+        .collect()
 }
 
 /// Runs every chunk of a collective: `staging`'s hooks around each, `run` for the chunk itself.
@@ -126,6 +178,28 @@ mod tests {
             assert_eq!(sub.inputs[0].len(), sub.outputs[0].len());
         }
         assert!(seen.iter().all(|&s| s == 1));
+    }
+
+    #[test]
+    fn relocation_moves_placeholders_only_and_checks_bounds() {
+        let mut real = vec![0u8; 300];
+        let host = real.as_mut_ptr() as usize;
+        let base = 1usize << 60;
+        let table = [Relocation { placeholder: base, bytes: 256, host }];
+        let mut other = vec![0u8; 8];
+        let mut op = Op::new(OpKind::AllGather, DType::UInt8);
+        // SAFETY: placeholders, never dereferenced by relocate.
+        op.inputs.push(unsafe { RawBuf::new((base + 64) as *mut u8, 64) });
+        op.outputs.push(RawBuf::from_slice(&mut other));
+        op.outputs.push(unsafe { RawBuf::new((base + 128) as *mut u8, 128) });
+        let moved = relocate(&[op.clone()], &table).unwrap();
+        assert_eq!(moved[0].inputs[0].ptr() as usize, host + 64);
+        assert_eq!(moved[0].inputs[0].len(), 64);
+        assert_eq!(moved[0].outputs[0].ptr(), other.as_mut_ptr(), "a host buffer stays");
+        assert_eq!(moved[0].outputs[1].ptr() as usize, host + 128);
+        op.outputs[1] = unsafe { RawBuf::new((base + 200) as *mut u8, 64) };
+        let e = relocate(&[op], &table).unwrap_err();
+        assert!(e.message.contains("offset 200"), "{}", e.message);
     }
 
     #[test]

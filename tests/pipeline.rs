@@ -2,14 +2,16 @@
 //! accelerator tensors: a fake device copies each chunk into the host buffers only when the
 //! core asks for it (`inputs_ready`) and takes each chunk out only when the core says it is
 //! final (`outputs_done`). A core that read a chunk before asking, or reported it before it was
-//! final, would compute on (or return) the poison the host buffers start with.
+//! final, would compute on (or return) the poison the host buffers start with. As the bridge
+//! does, the fake can also describe the op's buffers by placeholder addresses and hand out the
+//! host memory behind them only in `host_buffers` (on the thread that runs the job).
 
 #[macro_use]
 mod common;
 use common::*;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use xccl_rs::pipeline::Staging;
+use xccl_rs::pipeline::{Relocation, Staging};
 use xccl_rs::{CommError, Config, DType, OpKind, RawBuf, ReduceOp};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -38,6 +40,35 @@ struct FakeDevice {
     log: Arc<Mutex<Vec<(usize, usize, char)>>>,
     /// Fail `inputs_ready` of this (op, chunk) with "device lost".
     fail_at: Option<(usize, usize)>,
+    /// What `host_buffers` returns (placeholder ranges of the op's buffers); None: fail it.
+    bindings: Option<Vec<Relocation>>,
+}
+
+/// How a job's op buffers point at the host buffers: directly, or (`deferred`) through
+/// placeholder ranges that only `host_buffers` binds to them, as the bridge does.
+struct Addresses {
+    deferred: bool,
+    table: Vec<Relocation>,
+    next: usize,
+}
+
+impl Addresses {
+    fn new(deferred: bool) -> Addresses {
+        Addresses { deferred, table: Vec::new(), next: 1 << 60 }
+    }
+
+    /// The op's view of `real`; with `parts`, `parts` equal consecutive views of it.
+    fn of(&mut self, real: RawBuf, parts: usize) -> Vec<RawBuf> {
+        let each = real.len() / parts;
+        if !self.deferred {
+            return (0..parts).map(|p| real.sub(p * each, each)).collect();
+        }
+        let placeholder = self.next;
+        self.next += real.len() + 64;
+        self.table.push(Relocation { placeholder, bytes: real.len(), host: real.ptr() as usize });
+        // SAFETY: placeholders, never dereferenced: the core moves them to `real` first.
+        (0..parts).map(|p| unsafe { RawBuf::new((placeholder + p * each) as *mut u8, each) }).collect()
+    }
 }
 
 fn chunk_of(b: &RawBuf, chunk: usize, k: usize) -> (usize, usize) {
@@ -46,6 +77,11 @@ fn chunk_of(b: &RawBuf, chunk: usize, k: usize) -> (usize, usize) {
 }
 
 impl Staging for FakeDevice {
+    fn host_buffers(&mut self) -> Result<Vec<Relocation>, CommError> {
+        self.log.lock().unwrap().push((0, 0, 'h'));
+        self.bindings.clone().ok_or_else(|| CommError::io("out of pinned memory"))
+    }
+
     fn inputs_ready(&mut self, op: usize, k: usize) -> Result<(), CommError> {
         self.log.lock().unwrap().push((op, k, 'i'));
         if self.fail_at == Some((op, k)) {
@@ -78,7 +114,8 @@ fn device(bytes: Vec<u8>) -> Arc<Mutex<Vec<u8>>> {
 
 /// A job of an in-place all-reduce (several chunks), an all-gather (several chunks) and a
 /// small broadcast (one chunk), every buffer staged; results compared with references.
-fn staged_job(net: Net) {
+/// `deferred`: the op buffers are placeholders, bound to host memory only in host_buffers.
+fn staged_job_with(net: Net, deferred: bool) {
     let c = match net {
         Net::Tcp => 32 << 10,
         Net::Shm => 8192,
@@ -86,7 +123,7 @@ fn staged_job(net: Net) {
     for size in [1usize, 2, 3] {
         let chunk = c;
         spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
-            let what = format!("size {size} rank {rank}");
+            let what = format!("size {size} rank {rank} (deferred {deferred})");
             assert_eq!(comm.pipeline_chunk_bytes(), chunk);
             let n = 3 * chunk / 4 + 5; // f32 elements: 3 chunks and 20 bytes: 4 chunks
             let ar_in: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
@@ -103,13 +140,15 @@ fn staged_job(net: Net) {
             let ag_dev_out: Vec<_> = (0..size).map(|_| device(vec![0; ag_len])).collect();
             let bc_dev = device(bc_in);
 
-            let mut ar = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut ar_host)]);
-            ar.reduce_op = ReduceOp::Sum;
+            let (ar_buf, ag_in_buf, bc_buf) = (buf(&mut ar_host), buf(&mut ag_host_in), buf(&mut bc_host));
             let ag_views = views(&mut ag_host_out, size, ag_len);
-            let ag = op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut ag_host_in)], ag_views.clone());
-            let mut bc = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut bc_host)]);
+            let mut addresses = Addresses::new(deferred);
+            let mut ar = op_with(OpKind::AllReduce, DType::Float32, vec![], addresses.of(ar_buf, 1));
+            ar.reduce_op = ReduceOp::Sum;
+            let ag_out_whole = RawBuf::from_slice(&mut ag_host_out);
+            let ag = op_with(OpKind::AllGather, DType::UInt8, addresses.of(ag_in_buf, 1), addresses.of(ag_out_whole, size));
+            let mut bc = op_with(OpKind::Broadcast, DType::UInt8, vec![], addresses.of(bc_buf, 1));
             bc.root = (size - 1) as i64;
-            let ar_buf = ar.outputs[0];
             let log = Arc::new(Mutex::new(Vec::new()));
             let fake = FakeDevice {
                 ops: vec![
@@ -120,17 +159,18 @@ fn staged_job(net: Net) {
                     },
                     StagedOp {
                         chunk,
-                        inputs: vec![Staged { host: ag.inputs[0], device: ag_dev_in.clone() }],
+                        inputs: vec![Staged { host: ag_in_buf, device: ag_dev_in.clone() }],
                         outputs: ag_views.iter().zip(&ag_dev_out).map(|(v, d)| Staged { host: *v, device: d.clone() }).collect(),
                     },
                     StagedOp {
                         chunk: usize::MAX,
-                        inputs: vec![Staged { host: bc.outputs[0], device: bc_dev.clone() }],
-                        outputs: vec![Staged { host: bc.outputs[0], device: bc_dev.clone() }],
+                        inputs: vec![Staged { host: bc_buf, device: bc_dev.clone() }],
+                        outputs: vec![Staged { host: bc_buf, device: bc_dev.clone() }],
                     },
                 ],
                 log: log.clone(),
                 fail_at: None,
+                bindings: Some(addresses.table),
             };
             let (tx, rx) = std::sync::mpsc::channel();
             comm.submit_with(vec![ar, ag, bc], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false)
@@ -146,13 +186,47 @@ fn staged_job(net: Net) {
                 assert!(*d.lock().unwrap() == pattern(r, 7, ag_len), "{what}: all-gather block of rank {r}");
             }
             assert!(*bc_dev.lock().unwrap() == pattern(size - 1, 8, 300), "{what}: broadcast");
-            let want_log: Vec<(usize, usize, char)> = [(0, 4), (1, 3), (2, 1)]
-                .iter()
-                .flat_map(|&(op, chunks)| (0..chunks).flat_map(move |k| [(op, k, 'i'), (op, k, 'o')]))
+            let want_log: Vec<(usize, usize, char)> = std::iter::once((0, 0, 'h'))
+                .chain(
+                    [(0, 4), (1, 3), (2, 1)]
+                        .iter()
+                        .flat_map(|&(op, chunks)| (0..chunks).flat_map(move |k| [(op, k, 'i'), (op, k, 'o')])),
+                )
                 .collect();
             assert_eq!(*log.lock().unwrap(), want_log, "{what}: hook order");
         });
     }
+}
+
+fn staged_job(net: Net) {
+    staged_job_with(net, false);
+}
+
+/// As the bridge runs jobs on accelerator tensors: op buffers that are placeholders until the
+/// staging binds them (a core that touched one before would crash, one that moved it wrongly
+/// would leave poison in the results).
+fn staged_job_with_placeholders(net: Net) {
+    staged_job_with(net, true);
+}
+
+/// The staging cannot allocate its host buffers on one rank (pinned memory exhausted): every
+/// rank's job fails with that message, none hangs.
+fn host_buffer_failure_fails_every_rank(net: Net) {
+    spawn_ranks(3, cfg(net), LIMIT, move |rank, comm, _| {
+        let mut host = vec![0u8; 4096];
+        let mut addresses = Addresses::new(true);
+        let o = op_with(OpKind::AllReduce, DType::Float32, vec![], addresses.of(buf(&mut host), 1));
+        let fake = FakeDevice {
+            ops: vec![StagedOp { chunk: usize::MAX, inputs: vec![], outputs: vec![] }],
+            log: Arc::new(Mutex::new(Vec::new())),
+            fail_at: None,
+            bindings: (rank != 2).then_some(addresses.table),
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        comm.submit_with(vec![o], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false).expect("submit");
+        let e = expect_err(rx.recv().unwrap(), "a rank could not allocate its staging");
+        assert_mentions(&e, &["out of pinned memory"], &format!("rank {rank}"));
+    });
 }
 
 /// A staging failure on one rank (a device error) fails the job on every rank, with its message.
@@ -169,6 +243,7 @@ fn staging_failure_fails_every_rank(net: Net) {
             ops: vec![StagedOp { chunk: c, inputs: vec![], outputs: vec![] }],
             log: Arc::new(Mutex::new(Vec::new())),
             fail_at: (rank == 1).then_some((0, 1)),
+            bindings: Some(Vec::new()),
         };
         let (tx, rx) = std::sync::mpsc::channel();
         comm.submit_with(vec![o], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false).expect("submit");
@@ -205,4 +280,10 @@ fn chunk_size_mismatch(net: Net) {
     }
 }
 
-both_nets!(staged_job, staging_failure_fails_every_rank, chunk_size_mismatch);
+both_nets!(
+    staged_job,
+    staged_job_with_placeholders,
+    staging_failure_fails_every_rank,
+    host_buffer_failure_fails_every_rank,
+    chunk_size_mismatch
+);

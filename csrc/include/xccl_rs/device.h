@@ -5,10 +5,14 @@
 // range [k*c, (k+1)*c) of each of its buffers); the staging moves the same chunks, so that the
 // copies overlap the communication. The life of a job on device tensors, and the thread each
 // step runs on:
-//   caller    stage(): a pinned host buffer per device tensor; add_op(): which ranges of which
-//             buffers each op uses, and its chunk size; seal(): records `issued` on the caller's
-//             current stream. The call returns: the caller's thread makes no copies.
-//   progress  first wait_chunk(): the copy-out stream waits for `issued` (so the copies follow
+//   caller    stage(): a placeholder address range per device tensor (the core's op buffers
+//             point into it); add_op(): which ranges of which buffers each op uses, and its
+//             chunk size; seal(): records `issued` on the caller's current stream. The call
+//             returns: the caller's thread allocates no host memory and makes no copies.
+//   progress  host_buffers(): a pinned host buffer per device tensor, and the placeholder
+//             range each stands for (the core moves its op buffers there, src/pipeline.rs);
+//             the two copy streams.
+//             First wait_chunk(): the copy-out stream waits for `issued` (so the copies follow
 //             the work queued before the collective), then the device->host copies are
 //             enqueued on it chunk by chunk, with an event after each chunk. For each chunk:
 //             wait_chunk() blocks until its event has fired; the host algorithm runs on it;
@@ -38,6 +42,19 @@
 
 namespace xccl_rs {
 
+// A host address range: where the core finds a buffer's bytes.
+struct HostRange {
+  size_t ptr;
+  size_t bytes;
+};
+
+// The pinned host memory behind a placeholder range.
+struct HostBinding {
+  size_t placeholder;
+  size_t bytes;
+  size_t host;
+};
+
 // A buffer of an op as the core sees it: a host address range, and whether the op writes it.
 struct OpBuffer {
   size_t ptr;
@@ -56,13 +73,13 @@ class DeviceStaging {
     return copy_stream_;
   }
 
-  // A host buffer the job reads: its contents come from `t`.
-  at::Tensor stage_in(const at::Tensor& t) {
+  // A host buffer the job reads: its contents come from `t`. Returns its placeholder range.
+  HostRange stage_in(const at::Tensor& t) {
     return stage(t, /*read=*/true, /*write=*/false);
   }
   // A host buffer the job writes; its bytes go back into `t` when the job succeeds. `read`: the
-  // job also reads it (in-place ops), so it starts as a copy of `t`.
-  at::Tensor stage_out(const at::Tensor& t, bool read) {
+  // job also reads it (in-place ops), so it starts as a copy of `t`. Returns its placeholder range.
+  HostRange stage_out(const at::Tensor& t, bool read) {
     return stage(t, read, /*write=*/true);
   }
   // Op `index` of the job uses these buffers (those inside staged buffers are recorded), in
@@ -71,6 +88,9 @@ class DeviceStaging {
   // Enqueues the copies to the host, chunk by chunk; call once, after the last add_op.
   void seal();
 
+  // Thread that runs the job, first: allocates the pinned host buffers (from the device
+  // runtime's caching host allocator) and says which placeholder range each stands for.
+  std::vector<HostBinding> host_buffers();
   // Progress thread: returns when chunk `chunk` of op `op`'s inputs is on the host.
   void wait_chunk(size_t op, size_t chunk);
   // Progress thread: chunk `chunk` of op `op`'s outputs is final; enqueues its copies back.
@@ -85,10 +105,11 @@ class DeviceStaging {
  private:
   struct Buffer {
     at::Tensor device;      // the user's tensor
-    at::Tensor device_flat; // a flat view of it when contiguous (copied by chunks), else undefined
-    at::Tensor host_flat;   // the pinned host buffer, flat
+    size_t placeholder;     // where the core's op buffers point until host_buffers()
     bool read;
     bool write;
+    at::Tensor device_flat; // a flat view of it when contiguous (copied by chunks), else undefined
+    at::Tensor host_flat;   // the pinned host buffer, flat (from host_buffers())
     bool recorded = false;  // device memory recorded on the copy-back stream
   };
   // A byte range of a staged buffer that an op uses.
@@ -105,7 +126,7 @@ class DeviceStaging {
     size_t first_event = 0; // index of chunk 0's event in chunk_events_
   };
 
-  at::Tensor stage(const at::Tensor& t, bool read, bool write);
+  HostRange stage(const at::Tensor& t, bool read, bool write);
   // Copies chunk `chunk` of `view` between device and host (to_host: device to host).
   void copy_range(const OpPlan& plan, const View& view, size_t chunk, bool to_host);
   const OpPlan* plan_of(size_t op) const;
@@ -115,10 +136,11 @@ class DeviceStaging {
   c10::Device device_;
   c10::impl::VirtualGuardImpl impl_;
   c10::Stream caller_stream_;
-  c10::Stream copy_out_stream_; // device -> host
-  c10::Stream copy_stream_;     // host -> device (the copies back)
+  c10::Stream copy_out_stream_; // device -> host (from host_buffers())
+  c10::Stream copy_stream_;     // host -> device, the copies back (from host_buffers())
   c10::Event issued_;           // the caller's stream at the call
   c10::Event outputs_ready_;    // after every copy back
+  size_t next_placeholder_; // the next free placeholder address
   bool sealed_ = false;
   bool launched_ = false;
   bool results_back_ = false;

@@ -44,6 +44,11 @@ struct WorkReady {
   std::shared_ptr<DeviceStaging> staging;
 };
 
+struct HostRelocation; // src/ffi.rs
+
+// Called on the thread that runs the job, before anything else: allocates its staged tensors'
+// pinned host buffers. Throws on an allocation failure.
+rust::Vec<HostRelocation> staging_host_buffers(WorkReady& ready);
 // Called on the thread that runs the job, before chunk `chunk` of op `op` runs: waits for its
 // staged inputs. Throws (cxx turns that into the Rust Err) on a device error.
 void chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk);
