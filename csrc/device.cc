@@ -22,6 +22,13 @@ at::Tensor pinned_like(const at::Tensor& t) {
 constexpr size_t kPlaceholderBase = size_t{1} << 60;
 constexpr size_t kPlaceholderAlign = 64;
 
+// The device-to-host copies are queued at most this many chunks ahead of the chunk the host
+// waits for, not all at once: on a device that several processes share, one process's queued
+// copies run in its time slice, and copies queued far ahead delay the other ranks' first
+// chunks, which every rank waits for. (The H200 with 4 ranks, every chunk queued at the call:
+// chunk 0 reached the host 1-3 ms after the call, behind the other ranks' copies.)
+constexpr size_t kCopyAhead = 1;
+
 // Chunk k of a range of `bytes` bytes in chunks of `chunk` bytes: (start, length) (src/pipeline.rs).
 std::pair<size_t, size_t> chunk_range(size_t bytes, size_t chunk, size_t k) {
   if (chunk == SIZE_MAX) {
@@ -129,7 +136,7 @@ void DeviceStaging::seal() {
   issued_.record(caller_stream_);
 }
 
-void DeviceStaging::launch_copies_out() {
+void DeviceStaging::begin_copies_out() {
   launched_ = true;
   c10::DeviceGuard device_guard(device_);
   c10::StreamGuard stream_guard(copy_out_stream_);
@@ -142,28 +149,41 @@ void DeviceStaging::launch_copies_out() {
       }
     }
   }
-  size_t events = 0;
-  for (const auto& plan : ops_) {
-    events += plan.views.empty() ? 0 : plan.chunks;
-  }
-  chunk_events_.reserve(events);
-  for (auto& plan : ops_) {
+  // The job's chunks in the order the core uses them (op by op, chunk by chunk), an event each.
+  for (size_t op = 0; op < ops_.size(); ++op) {
+    OpPlan& plan = ops_[op];
     if (plan.views.empty()) {
       continue;
     }
-    plan.first_event = chunk_events_.size();
+    plan.first_event = copy_order_.size();
     for (size_t k = 0; k < plan.chunks; ++k) {
-      for (const auto& v : plan.views) {
-        const Buffer& b = buffers_[v.buffer];
-        if (b.read && b.device_flat.defined()) {
-          copy_range(plan, v, k, /*to_host=*/true);
-        }
-      }
-      // Also for chunks with nothing to copy (write-only outputs): the job may overwrite them
-      // only after the work queued before it (which may still read them) has run.
-      chunk_events_.emplace_back(device_.type());
-      chunk_events_.back().record(copy_out_stream_);
+      copy_order_.emplace_back(op, k);
     }
+  }
+  chunk_events_.reserve(copy_order_.size());
+  for (size_t i = 0; i < copy_order_.size(); ++i) {
+    chunk_events_.emplace_back(device_.type());
+  }
+}
+
+void DeviceStaging::launch_copies_out_through(size_t index) {
+  if (next_copy_out_ > index || next_copy_out_ == copy_order_.size()) {
+    return;
+  }
+  c10::DeviceGuard device_guard(device_);
+  c10::StreamGuard stream_guard(copy_out_stream_);
+  for (; next_copy_out_ <= index && next_copy_out_ < copy_order_.size(); ++next_copy_out_) {
+    const auto [op, k] = copy_order_[next_copy_out_];
+    const OpPlan& plan = ops_[op];
+    for (const auto& v : plan.views) {
+      const Buffer& b = buffers_[v.buffer];
+      if (b.read && b.device_flat.defined()) {
+        copy_range(plan, v, k, /*to_host=*/true);
+      }
+    }
+    // Also for chunks with nothing to copy (write-only outputs): the job may overwrite them
+    // only after the work queued before it (which may still read them) has run.
+    chunk_events_[next_copy_out_].record(copy_out_stream_);
   }
 }
 
@@ -174,11 +194,17 @@ void DeviceStaging::wait_chunk(size_t op, size_t chunk) {
     return;
   }
   if (!launched_) {
-    launch_copies_out();
+    begin_copies_out();
   }
   TORCH_INTERNAL_ASSERT(chunk < plan->chunks, "xccl_rs: chunk ", chunk, " of an op of ", plan->chunks, " chunks");
-  c10::DeviceGuard device_guard(device_);
-  chunk_events_[plan->first_event + chunk].synchronize();
+  const size_t index = plan->first_event + chunk;
+  launch_copies_out_through(index);
+  {
+    c10::DeviceGuard device_guard(device_);
+    chunk_events_[index].synchronize();
+  }
+  // The next chunks copy while the host works on this one.
+  launch_copies_out_through(index + kCopyAhead);
 }
 
 void DeviceStaging::copy_back_chunk(size_t op, size_t chunk) {

@@ -6,6 +6,9 @@ distribution of one call's time (median, 90th percentile, max, total). Rank 0 th
 more round under torch.profiler and prints, per thread, the device-runtime calls (count, total,
 max): the caller's thread and the progress thread are told apart by their thread ids.
     for r in 0 1 2 3; do RANK=$r WORLD=4 PYTHONPATH=$PWD/python python3 scripts/gpu/issue_profile.py & done; wait
+PROFILE_ROUND=0 profiles the first round instead (the trace goes to $OUT/issue_trace.json);
+WARM_FIRST=1 makes one small device all_reduce first, so that round 0 shows what the first
+use of the backend on the device costs, apart from the sizes seen first.
 """
 
 import collections
@@ -44,21 +47,34 @@ def one_round():
     return total, sorted(times)
 
 
+if os.environ.get("WARM_FIRST"):
+    a = time.perf_counter()
+    dist.all_reduce(torch.ones(1, device=dev), group=group, async_op=True).wait()
+    print(f"rank {rank} first call (1 element, waited): {(time.perf_counter() - a) * 1e3:.2f} ms", flush=True)
+
+profile_round = int(os.environ.get("PROFILE_ROUND", "4"))
+profile = rank == 0
+activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+prof = None
 for i in range(4):
+    if i == profile_round and profile:
+        prof = torch.profiler.profile(activities=activities)
+        prof.__enter__()
     total, times = one_round()
+    if i == profile_round and profile:
+        prof.__exit__(None, None, None)
     print(f"rank {rank} round {i}: total {total * 1e3:.2f} ms; one call: median {times[50] * 1e6:.0f} us, "
           f"p90 {times[90] * 1e6:.0f} us, max {times[-1] * 1e6:.0f} us; first 5 "
           f"{[round(t * 1e6) for t in times[:5]]}", flush=True)
 
-profile = rank == 0
-activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-if profile:
-    with torch.profiler.profile(activities=activities) as prof:
+if profile_round == 4:
+    if profile:
+        with torch.profiler.profile(activities=activities) as prof:
+            total, times = one_round()
+    else:
         total, times = one_round()
-else:
-    total, times = one_round()
-print(f"rank {rank} profiled round: total {total * 1e3:.2f} ms", flush=True)
-if profile:
+    print(f"rank {rank} profiled round: total {total * 1e3:.2f} ms", flush=True)
+if prof is not None:
     main_tid = threading.get_native_id()
     by_thread = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0, 0.0]))
     for e in prof.events():

@@ -13,9 +13,10 @@
 //             range each stands for (the core moves its op buffers there, src/pipeline.rs);
 //             the two copy streams.
 //             First wait_chunk(): the copy-out stream waits for `issued` (so the copies follow
-//             the work queued before the collective), then the device->host copies are
-//             enqueued on it chunk by chunk, with an event after each chunk. For each chunk:
-//             wait_chunk() blocks until its event has fired; the host algorithm runs on it;
+//             the work queued before the collective). For each chunk: wait_chunk() enqueues
+//             its device->host copies on it if they are not yet, with an event after them,
+//             blocks until the event has fired, then enqueues the next chunk's copies (one
+//             chunk ahead, not all at once: device.cc says why); the host algorithm runs on it;
 //             copy_back_chunk() enqueues its host->device copies on the copy-back stream.
 //             At the end finish() records `outputs_ready` on that stream; the work completes.
 //   caller    Work.wait(): waits for the host algorithm, then makes the current stream wait
@@ -85,7 +86,7 @@ class DeviceStaging {
   // Op `index` of the job uses these buffers (those inside staged buffers are recorded), in
   // chunks of `chunk_bytes` (SIZE_MAX: one chunk).
   void add_op(size_t index, const std::vector<OpBuffer>& buffers, size_t chunk_bytes);
-  // Enqueues the copies to the host, chunk by chunk; call once, after the last add_op.
+  // Records `issued` on the caller's current stream; call once, after the last add_op.
   void seal();
 
   // Thread that runs the job, first: allocates the pinned host buffers (from the device
@@ -123,15 +124,17 @@ class DeviceStaging {
     size_t chunk_bytes = SIZE_MAX;
     size_t chunks = 1;
     std::vector<View> views;
-    size_t first_event = 0; // index of chunk 0's event in chunk_events_
+    size_t first_event = 0; // index of chunk 0 in copy_order_ and chunk_events_
   };
 
   HostRange stage(const at::Tensor& t, bool read, bool write);
   // Copies chunk `chunk` of `view` between device and host (to_host: device to host).
   void copy_range(const OpPlan& plan, const View& view, size_t chunk, bool to_host);
   const OpPlan* plan_of(size_t op) const;
-  // The device->host copies of every chunk, on the copy-out stream (first wait_chunk).
-  void launch_copies_out();
+  // First wait_chunk: the copy-out stream waits for `issued`; the chunks' order and events.
+  void begin_copies_out();
+  // Enqueues the device->host copies of the chunks up to copy_order_[index] not yet enqueued.
+  void launch_copies_out_through(size_t index);
 
   c10::Device device_;
   c10::impl::VirtualGuardImpl impl_;
@@ -146,7 +149,9 @@ class DeviceStaging {
   bool results_back_ = false;
   std::vector<Buffer> buffers_;
   std::vector<OpPlan> ops_;
-  std::vector<c10::Event> chunk_events_;
+  std::vector<std::pair<size_t, size_t>> copy_order_; // (op, chunk), in the order the core uses them
+  size_t next_copy_out_ = 0;                           // copy_order_'s first chunk not enqueued yet
+  std::vector<c10::Event> chunk_events_;               // after each chunk's copies to the host
 };
 
 } // namespace xccl_rs

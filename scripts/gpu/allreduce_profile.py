@@ -1,0 +1,45 @@
+"""A timeline of the 64 MiB bfloat16 all_reduce on CUDA tensors at 4 ranks (the "5x gloo"
+target): rank 0 profiles 3 iterations after 5 warm-up ones and writes the trace (device copies
+per stream, the progress thread's runtime calls) to $OUT/allreduce_trace.json; every rank
+prints its mean time per iteration.
+    for r in 0 1 2 3; do RANK=$r WORLD=4 PYTHONPATH=$PWD/python python3 scripts/gpu/allreduce_profile.py & done; wait
+"""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import xccl_rs  # noqa: F401
+
+dev = torch.device("cuda", 0)
+torch.cuda.set_device(dev)
+rank = int(os.environ.get("RANK", "0"))
+world = int(os.environ.get("WORLD", "1"))
+store = dist.TCPStore("127.0.0.1", int(os.environ.get("PORT", "29613")), world, rank == 0)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+group = dist.new_group(backend="xccl_rs")
+t = torch.ones(32 << 20, dtype=torch.bfloat16, device=dev)
+
+
+def iterations(n):
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(t, group=group)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+print(f"rank {rank} warm-up: {iterations(5) * 1e3:.2f} ms per all_reduce", flush=True)
+print(f"rank {rank} plain: {iterations(10) * 1e3:.2f} ms per all_reduce", flush=True)
+if rank == 0:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        per = iterations(3)
+    prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "/tmp"), "allreduce_trace.json"))
+else:
+    per = iterations(3)
+print(f"rank {rank} profiled: {per * 1e3:.2f} ms per all_reduce", flush=True)
+dist.destroy_process_group()
