@@ -377,9 +377,10 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::broadcast(std::vector<at::Tensor>&
   }
   auto r = request(kBroadcast, &tensors[0]);
   r.root = opts.rootRank;
-  // Only the root's values are read: an accelerator tensor elsewhere is not copied to the host.
+  // Only the root's values are read, and they do not change: the root's accelerator tensor is
+  // not copied back, the others' are not copied to the host.
   const bool is_root = opts.rootRank == getRank();
-  r.outputs.push_back(is_root ? job.output(tensors[0]) : job.output_only(tensors[0]));
+  r.outputs.push_back(is_root ? job.unchanged_result(tensors[0]) : job.output_only(tensors[0]));
   job.add(std::move(r));
   return launch(job, c10d::OpType::BROADCAST, XCCL_RS_CALLER_WAITS(opts));
 }
