@@ -29,6 +29,18 @@ constexpr size_t kPlaceholderAlign = 64;
 // chunk 0 reached the host 1-3 ms after the call, behind the other ranks' copies.)
 constexpr size_t kCopyAhead = 1;
 
+// Window sets: the chunk the host works on, the kCopyAhead chunks copying out, and the chunk
+// copying back.
+constexpr size_t kWindowSets = kCopyAhead + 2;
+
+// Slots start at multiples of this (chunk sizes are multiples of 64 KiB already).
+constexpr size_t kSlotAlign = 64;
+
+// The bytes of a contiguous tensor, flat.
+at::Tensor bytes_of(const at::Tensor& t) {
+  return t.reshape({-1}).view(at::kByte);
+}
+
 // Chunk k of a range of `bytes` bytes in chunks of `chunk` bytes: (start, length) (src/pipeline.rs).
 std::pair<size_t, size_t> chunk_range(size_t bytes, size_t chunk, size_t k) {
   if (chunk == SIZE_MAX) {
@@ -66,17 +78,96 @@ std::vector<HostBinding> DeviceStaging::host_buffers() {
   c10::DeviceGuard device_guard(device_); // no runtime context on another device for this thread
   copy_out_stream_ = impl_.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
   copy_stream_ = impl_.getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
-  std::vector<HostBinding> table;
-  table.reserve(buffers_.size());
-  for (auto& b : buffers_) {
-    b.host_flat = pinned_like(b.device).reshape({-1});
-    if (b.device.is_contiguous()) {
-      b.device_flat = b.device.reshape({-1});
+  // The job's chunks in the order the core uses them (op by op, chunk by chunk), an event each.
+  for (size_t op = 0; op < ops_.size(); ++op) {
+    OpPlan& plan = ops_[op];
+    if (plan.views.empty()) {
+      continue;
     }
+    plan.first_event = copy_order_.size();
+    for (size_t k = 0; k < plan.chunks; ++k) {
+      copy_order_.emplace_back(op, k);
+    }
+  }
+  chunk_events_.reserve(copy_order_.size());
+  for (size_t i = 0; i < copy_order_.size(); ++i) {
+    chunk_events_.emplace_back(device_.type());
+  }
+  plan_window();
+  std::vector<HostBinding> table;
+  for (auto& b : buffers_) {
+    if (b.device.is_contiguous()) {
+      b.device_bytes = bytes_of(b.device);
+    }
+    if (b.windowed) {
+      continue;
+    }
+    b.host = pinned_like(b.device);
     table.push_back(HostBinding{
-        b.placeholder, static_cast<size_t>(b.device.nbytes()), reinterpret_cast<size_t>(b.host_flat.data_ptr())});
+        b.placeholder, static_cast<size_t>(b.device.nbytes()), reinterpret_cast<size_t>(b.host.data_ptr())});
   }
   return table;
+}
+
+void DeviceStaging::plan_window() {
+  // Candidates: contiguous buffers used by chunked ops only.
+  std::vector<bool> candidate(buffers_.size(), false);
+  std::vector<bool> excluded(buffers_.size(), false);
+  for (const auto& plan : ops_) {
+    for (const auto& v : plan.views) {
+      const bool ok = plan.chunk_bytes != SIZE_MAX && buffers_[v.buffer].device.is_contiguous();
+      (ok ? candidate : excluded)[v.buffer] = true;
+    }
+  }
+  size_t slots = 0;
+  size_t slot_bytes = 0;
+  size_t whole_bytes = 0;
+  for (const auto& plan : ops_) {
+    size_t in_op = 0;
+    for (const auto& v : plan.views) {
+      if (candidate[v.buffer] && !excluded[v.buffer]) {
+        ++in_op;
+        slot_bytes = std::max(slot_bytes, std::min(v.bytes, plan.chunk_bytes));
+      }
+    }
+    slots = std::max(slots, in_op);
+  }
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    if (candidate[i] && !excluded[i]) {
+      whole_bytes += static_cast<size_t>(buffers_[i].device.nbytes());
+    }
+  }
+  slot_bytes = (slot_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+  const size_t sets = std::min(kWindowSets, copy_order_.size());
+  // Only where it saves memory (small jobs, one or two chunks, keep their whole buffers).
+  if (slots == 0 || sets * slots * slot_bytes >= whole_bytes) {
+    return;
+  }
+  for (size_t i = 0; i < buffers_.size(); ++i) {
+    buffers_[i].windowed = candidate[i] && !excluded[i];
+  }
+  for (auto& plan : ops_) {
+    size_t next = 0;
+    for (auto& v : plan.views) {
+      if (buffers_[v.buffer].windowed) {
+        v.slot = next++;
+        plan.windowed = true;
+      }
+    }
+  }
+  window_sets_ = sets;
+  window_slots_ = slots;
+  slot_bytes_ = slot_bytes;
+  window_ = at::empty(
+      {static_cast<int64_t>(sets * slots * slot_bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  set_used_.assign(sets, false);
+  for (size_t i = 0; i < sets; ++i) {
+    set_free_.emplace_back(device_.type());
+  }
+}
+
+size_t DeviceStaging::window_offset(size_t index, const View& view) const {
+  return ((index % window_sets_) * window_slots_ + view.slot) * slot_bytes_;
 }
 
 void DeviceStaging::add_op(size_t index, const std::vector<OpBuffer>& buffers, size_t chunk_bytes) {
@@ -109,18 +200,16 @@ const DeviceStaging::OpPlan* DeviceStaging::plan_of(size_t op) const {
   return op < ops_.size() && !ops_[op].views.empty() ? &ops_[op] : nullptr;
 }
 
-void DeviceStaging::copy_range(const OpPlan& plan, const View& view, size_t chunk, bool to_host) {
+void DeviceStaging::copy_range(const OpPlan& plan, const View& view, size_t chunk, size_t index, bool to_host) {
   const Buffer& b = buffers_[view.buffer];
   const auto [start, len] = chunk_range(view.bytes, plan.chunk_bytes, chunk);
   if (len == 0) {
     return;
   }
-  // Views and chunks start at whole elements (chunks are multiples of 64 bytes).
-  const auto esz = static_cast<size_t>(b.host_flat.element_size());
-  const auto first = static_cast<int64_t>((view.offset + start) / esz);
-  const auto count = static_cast<int64_t>(len / esz);
-  at::Tensor host = b.host_flat.narrow(0, first, count);
-  at::Tensor device = b.device_flat.narrow(0, first, count);
+  const auto n = static_cast<int64_t>(len);
+  at::Tensor device = b.device_bytes.narrow(0, static_cast<int64_t>(view.offset + start), n);
+  at::Tensor host = b.windowed ? window_.narrow(0, static_cast<int64_t>(window_offset(index, view)), n)
+                               : bytes_of(b.host).narrow(0, static_cast<int64_t>(view.offset + start), n);
   if (to_host) {
     host.copy_(device, /*non_blocking=*/true);
   } else {
@@ -144,25 +233,10 @@ void DeviceStaging::begin_copies_out() {
   for (auto& b : buffers_) {
     if (b.read) {
       impl_.recordDataPtrOnStream(b.device.storage().data_ptr(), copy_out_stream_);
-      if (!b.device_flat.defined()) {
-        b.host_flat.view(b.device.sizes()).copy_(b.device, /*non_blocking=*/true); // whole, any strides
+      if (!b.device_bytes.defined()) {
+        b.host.copy_(b.device, /*non_blocking=*/true); // whole, any strides
       }
     }
-  }
-  // The job's chunks in the order the core uses them (op by op, chunk by chunk), an event each.
-  for (size_t op = 0; op < ops_.size(); ++op) {
-    OpPlan& plan = ops_[op];
-    if (plan.views.empty()) {
-      continue;
-    }
-    plan.first_event = copy_order_.size();
-    for (size_t k = 0; k < plan.chunks; ++k) {
-      copy_order_.emplace_back(op, k);
-    }
-  }
-  chunk_events_.reserve(copy_order_.size());
-  for (size_t i = 0; i < copy_order_.size(); ++i) {
-    chunk_events_.emplace_back(device_.type());
   }
 }
 
@@ -175,10 +249,14 @@ void DeviceStaging::launch_copies_out_through(size_t index) {
   for (; next_copy_out_ <= index && next_copy_out_ < copy_order_.size(); ++next_copy_out_) {
     const auto [op, k] = copy_order_[next_copy_out_];
     const OpPlan& plan = ops_[op];
+    const size_t set = plan.windowed ? next_copy_out_ % window_sets_ : 0;
+    if (plan.windowed && set_used_[set]) {
+      set_free_[set].block(copy_out_stream_); // the set's last chunk has been copied back
+    }
     for (const auto& v : plan.views) {
       const Buffer& b = buffers_[v.buffer];
-      if (b.read && b.device_flat.defined()) {
-        copy_range(plan, v, k, /*to_host=*/true);
+      if (b.read && b.device_bytes.defined()) {
+        copy_range(plan, v, k, next_copy_out_, /*to_host=*/true);
       }
     }
     // Also for chunks with nothing to copy (write-only outputs): the job may overwrite them
@@ -187,11 +265,11 @@ void DeviceStaging::launch_copies_out_through(size_t index) {
   }
 }
 
-void DeviceStaging::wait_chunk(size_t op, size_t chunk) {
+std::vector<HostBinding> DeviceStaging::wait_chunk(size_t op, size_t chunk) {
   TORCH_INTERNAL_ASSERT(sealed_, "xccl_rs: wait_chunk before seal");
   const OpPlan* plan = plan_of(op);
   if (plan == nullptr) {
-    return;
+    return {};
   }
   if (!launched_) {
     begin_copies_out();
@@ -205,6 +283,18 @@ void DeviceStaging::wait_chunk(size_t op, size_t chunk) {
   }
   // The next chunks copy while the host works on this one.
   launch_copies_out_through(index + kCopyAhead);
+  std::vector<HostBinding> window;
+  if (plan->windowed) {
+    const auto base = reinterpret_cast<size_t>(window_.data_ptr());
+    for (const auto& v : plan->views) {
+      const Buffer& b = buffers_[v.buffer];
+      const auto [start, len] = chunk_range(v.bytes, plan->chunk_bytes, chunk);
+      if (b.windowed && len > 0) {
+        window.push_back(HostBinding{b.placeholder + v.offset + start, len, base + window_offset(index, v)});
+      }
+    }
+  }
+  return window;
 }
 
 void DeviceStaging::copy_back_chunk(size_t op, size_t chunk) {
@@ -212,19 +302,26 @@ void DeviceStaging::copy_back_chunk(size_t op, size_t chunk) {
   if (plan == nullptr) {
     return;
   }
+  const size_t index = plan->first_event + chunk;
   c10::DeviceGuard device_guard(device_);
   c10::StreamGuard stream_guard(copy_stream_);
   // The chunk's event has fired (wait_chunk), so the work queued before the collective is done.
   for (const auto& v : plan->views) {
     Buffer& b = buffers_[v.buffer];
-    if (!v.output || !b.write || !b.device_flat.defined()) {
+    if (!v.output || !b.write || !b.device_bytes.defined()) {
       continue;
     }
     if (!b.recorded) {
       impl_.recordDataPtrOnStream(b.device.storage().data_ptr(), copy_stream_);
       b.recorded = true;
     }
-    copy_range(*plan, v, chunk, /*to_host=*/false);
+    copy_range(*plan, v, chunk, index, /*to_host=*/false);
+  }
+  if (plan->windowed) {
+    // The host is done with this set (it read and wrote it), and its copies back are queued.
+    const size_t set = index % window_sets_;
+    set_free_[set].record(copy_stream_);
+    set_used_[set] = true;
   }
 }
 
@@ -233,8 +330,8 @@ void DeviceStaging::finish() {
   c10::StreamGuard stream_guard(copy_stream_);
   issued_.block(copy_stream_);
   for (auto& b : buffers_) {
-    if (b.write && !b.device_flat.defined()) {
-      b.device.copy_(b.host_flat.view(b.device.sizes()), /*non_blocking=*/true); // whole, any strides
+    if (b.write && !b.device_bytes.defined()) {
+      b.device.copy_(b.host, /*non_blocking=*/true); // whole, any strides
     }
     if (b.write && !b.recorded) {
       impl_.recordDataPtrOnStream(b.device.storage().data_ptr(), copy_stream_);
@@ -247,6 +344,7 @@ void DeviceStaging::finish() {
   // that use it have finished.
   buffers_.clear();
   chunk_events_.clear();
+  window_ = at::Tensor();
 }
 
 void DeviceStaging::make_current_stream_wait() {

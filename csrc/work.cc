@@ -31,8 +31,12 @@ rust::Vec<HostRelocation> staging_host_buffers(WorkReady& ready) {
   return table;
 }
 
-void chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk) {
-  ready.staging->wait_chunk(op, chunk);
+rust::Vec<HostRelocation> chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk) {
+  rust::Vec<HostRelocation> window;
+  for (const auto& b : ready.staging->wait_chunk(op, chunk)) {
+    window.push_back(HostRelocation{b.placeholder, b.bytes, b.host});
+  }
+  return window;
 }
 
 void chunk_outputs_done(WorkReady& ready, size_t op, size_t chunk) {

@@ -248,6 +248,47 @@ def test_every_collective_on_cuda_in_chunks(world_size):
     _check(res, world_size)
 
 
+def test_every_collective_on_cuda_in_many_chunks():
+    # 10 float32 chunks: every window set (csrc/device.cc) is reused three times.
+    res = run_ranks(3, w_every_collective, 10 * (16 << 10) + 37, timeout_s=240, env=CHUNKED)
+    _check(res, 3)
+
+
+def w_pinned_window(rank, world_size):
+    """A 256 MiB broadcast and all-reduce in 4 MiB chunks: right results, and the pinned host
+    memory in use stays near the window (three sets of one 4 MiB slot, rounded up to a power of
+    two by the caching host allocator), far below the tensor's size."""
+    import torch
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    n = 64 << 20  # float32 elements: 256 MiB
+    probs = []
+    t = torch.arange(n, dtype=torch.float32, device=dev) if rank == 0 else torch.zeros(n, device=dev)
+    dist.broadcast(t, src=0)
+    if not torch.equal(t, torch.arange(n, dtype=torch.float32, device=dev)):
+        probs.append("broadcast: wrong values")
+    t = torch.full((n,), float(rank + 1), device=dev)
+    dist.all_reduce(t)
+    if not torch.equal(t, torch.full((n,), float(world_size * (world_size + 1) // 2), device=dev)):
+        probs.append("all_reduce: wrong values")
+    torch.cuda.synchronize()
+    peak = torch.cuda.host_memory_stats()["active_bytes.peak"]
+    if peak > 64 << 20:
+        probs.append(f"pinned host memory in use peaked at {peak >> 20} MiB for a 256 MiB tensor")
+    return probs
+
+
+def test_pinned_memory_is_a_window():
+    import torch
+
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        pytest.skip("this torch has no torch.cuda.host_memory_stats")
+    env = {"XCCL_RS_PIPELINE_CHUNK_BYTES": str(4 << 20)}
+    _check(run_ranks(2, w_pinned_window, timeout_s=180, env=env), 2)
+
+
 def test_mixed_cpu_cuda_group_in_chunks():
     _check(run_ranks(3, w_mixed, 3 * (16 << 10) + 37, timeout_s=120, env=CHUNKED), 3)
 

@@ -35,14 +35,19 @@ struct BridgeStaging(cxx::UniquePtr<WorkReady>);
 impl Staging for BridgeStaging {
     fn host_buffers(&mut self) -> Result<Vec<Relocation>> {
         let table = ffi::staging_host_buffers(self.0.pin_mut()).map_err(|e| CommError::io(e.what().to_string()))?;
-        Ok(table.iter().map(|r| Relocation { placeholder: r.placeholder, bytes: r.bytes, host: r.host }).collect())
+        Ok(relocations(&table))
     }
-    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<()> {
-        ffi::chunk_inputs_ready(self.0.pin_mut(), op, chunk).map_err(|e| CommError::io(e.what().to_string()))
+    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<Vec<Relocation>> {
+        let table = ffi::chunk_inputs_ready(self.0.pin_mut(), op, chunk).map_err(|e| CommError::io(e.what().to_string()))?;
+        Ok(relocations(&table))
     }
     fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()> {
         ffi::chunk_outputs_done(self.0.pin_mut(), op, chunk).map_err(|e| CommError::io(e.what().to_string()))
     }
+}
+
+fn relocations(table: &[ffi::HostRelocation]) -> Vec<Relocation> {
+    table.iter().map(|r| Relocation { placeholder: r.placeholder, bytes: r.bytes, host: r.host }).collect()
 }
 
 struct BridgeStore(cxx::UniquePtr<StoreRef>);

@@ -29,7 +29,7 @@ use crate::error::{CommError, ErrorKind, Result};
 use crate::hosts::HostMap;
 use crate::op::{Completion, Op};
 use crate::par::Par;
-use crate::pipeline::{self, Staging};
+use crate::pipeline::{self, Relocation, Staging};
 use crate::rendezvous::{Store, agree_on_token};
 use crate::transport::shm::ShmGroup;
 use crate::transport::shm::group::host_identity;
@@ -380,7 +380,11 @@ impl Worker {
     ) -> Result<T> {
         if let Some(inner) = staging.as_deref_mut() {
             let mut s = Described { inner, ctx };
-            ops.clone().try_for_each(|i| s.inputs_ready(i, 0))?;
+            for i in ops.clone() {
+                if !s.inputs_ready(i, 0)?.is_empty() {
+                    return Err(CommError::invalid("xccl_rs: internal error (please report): a window for an op that is not chunked"));
+                }
+            }
         }
         let result = run(self)?;
         if let Some(inner) = staging.as_deref_mut() {
@@ -444,7 +448,7 @@ impl Described<'_, '_> {
 }
 
 impl Staging for Described<'_, '_> {
-    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<()> {
+    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<Vec<Relocation>> {
         self.inner.inputs_ready(op, chunk).map_err(|e| self.describe(e))
     }
     fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()> {

@@ -76,8 +76,9 @@ pub mod ffi {
         /// On the thread that runs the job, first: allocates the pinned host buffers of its staged
         /// tensors and says which placeholder range each stands for.
         fn staging_host_buffers(ready: Pin<&mut WorkReady>) -> Result<Vec<HostRelocation>>;
-        /// Blocks until chunk `chunk` of op `op`'s staged inputs is on the host; Err if staging failed.
-        fn chunk_inputs_ready(ready: Pin<&mut WorkReady>, op: usize, chunk: usize) -> Result<()>;
+        /// Blocks until chunk `chunk` of op `op`'s staged inputs is on the host; Err if staging
+        /// failed. Returns where the chunk's windowed ranges are (pipeline::Staging::inputs_ready).
+        fn chunk_inputs_ready(ready: Pin<&mut WorkReady>, op: usize, chunk: usize) -> Result<Vec<HostRelocation>>;
         /// Chunk `chunk` of op `op`'s outputs is final: enqueues its copy back to the device.
         fn chunk_outputs_done(ready: Pin<&mut WorkReady>, op: usize, chunk: usize) -> Result<()>;
         /// Marks the work finished: `error` empty on success.

@@ -13,6 +13,8 @@
 //! Chunks of shared-memory collectives follow each other without a pause: their blocks are
 //! consecutive generations of the same double-buffered slots (shm_blocks.rs).
 
+use std::borrow::Cow;
+
 use crate::error::{CommError, Result};
 use crate::op::Op;
 use crate::transport::RawBuf;
@@ -40,8 +42,12 @@ pub trait Staging: Send {
     fn host_buffers(&mut self) -> Result<Vec<Relocation>> {
         Ok(Vec::new())
     }
-    /// Returns when chunk `chunk` of every input of op `op` is on the host.
-    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<()>;
+    /// Returns when chunk `chunk` of every input of op `op` is on the host, with where that
+    /// chunk's ranges are on the host when the staging keeps them in a window of chunk-sized
+    /// buffers rather than in whole buffers: the chunk's buffers inside a placeholder range of
+    /// the table are moved there for this chunk only (empty: nothing moves). Only chunked ops
+    /// may move; the window's memory must stay valid until `outputs_done` of the same chunk.
+    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<Vec<Relocation>>;
     /// Chunk `chunk` of every output of op `op` is final on the host: copy it back.
     fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()>;
 }
@@ -135,13 +141,15 @@ pub fn run_chunks(
 ) -> Result<()> {
     let (c, chunks) = plan(op, chunk_bytes);
     for k in 0..chunks {
-        if let Some(s) = staging.as_deref_mut() {
-            s.inputs_ready(index, k)?;
-        }
-        if chunks == 1 {
-            run(op)?;
+        let window = match staging.as_deref_mut() {
+            Some(s) => s.inputs_ready(index, k)?,
+            None => Vec::new(),
+        };
+        let chunk = if chunks == 1 { Cow::Borrowed(op) } else { Cow::Owned(chunk_op(op, c, k)) };
+        if window.is_empty() {
+            run(&chunk)?;
         } else {
-            run(&chunk_op(op, c, k))?;
+            run(&relocate(std::slice::from_ref(&chunk), &window)?[0])?;
         }
         if let Some(s) = staging.as_deref_mut() {
             s.outputs_done(index, k)?;

@@ -42,6 +42,37 @@ struct FakeDevice {
     fail_at: Option<(usize, usize)>,
     /// What `host_buffers` returns (placeholder ranges of the op's buffers); None: fail it.
     bindings: Option<Vec<Relocation>>,
+    /// Keep each chunk in a window of chunk-sized buffers instead (the op's buffers are
+    /// placeholders that `host_buffers` does not bind), as the bridge does.
+    window: Option<Window>,
+}
+
+/// A window of chunk-sized host buffers: the job's g-th chunk uses set g % SETS, one slot per
+/// distinct buffer of its op; a set is poisoned before each use.
+struct Window {
+    slots: Vec<Vec<u8>>,
+    per_set: usize,
+    chunks_seen: usize,
+    current: usize, // the set of the chunk in flight
+}
+
+const SETS: usize = 3;
+
+impl Window {
+    fn new(per_set: usize, slot_bytes: usize) -> Window {
+        Window { slots: vec![vec![POISON; slot_bytes]; SETS * per_set], per_set, chunks_seen: 0, current: 0 }
+    }
+}
+
+/// The distinct buffers of an op (an in-place buffer is both an input and an output).
+fn distinct(o: &StagedOp) -> Vec<RawBuf> {
+    let mut seen: Vec<RawBuf> = Vec::new();
+    for s in o.inputs.iter().chain(&o.outputs) {
+        if !seen.iter().any(|b| b.ptr() == s.host.ptr()) {
+            seen.push(s.host);
+        }
+    }
+    seen
 }
 
 /// How a job's op buffers point at the host buffers: directly, or (`deferred`) through
@@ -82,23 +113,49 @@ impl Staging for FakeDevice {
         self.bindings.clone().ok_or_else(|| CommError::io("out of pinned memory"))
     }
 
-    fn inputs_ready(&mut self, op: usize, k: usize) -> Result<(), CommError> {
+    fn inputs_ready(&mut self, op: usize, k: usize) -> Result<Vec<Relocation>, CommError> {
         self.log.lock().unwrap().push((op, k, 'i'));
         if self.fail_at == Some((op, k)) {
             return Err(CommError::io("device lost"));
         }
         let o = &self.ops[op];
+        if let Some(w) = self.window.as_mut() {
+            let set = w.chunks_seen % SETS;
+            w.chunks_seen += 1;
+            w.current = set;
+            let mut table = Vec::new();
+            for (j, b) in distinct(o).iter().enumerate() {
+                let slot = &mut w.slots[set * w.per_set + j];
+                slot.fill(POISON);
+                let (start, len) = chunk_of(b, o.chunk, k);
+                if let Some(s) = o.inputs.iter().find(|s| s.host.ptr() == b.ptr()) {
+                    slot[..len].copy_from_slice(&s.device.lock().unwrap()[start..start + len]);
+                }
+                table.push(Relocation { placeholder: b.ptr() as usize + start, bytes: len, host: slot.as_mut_ptr() as usize });
+            }
+            return Ok(table);
+        }
         for s in &o.inputs {
             let (start, len) = chunk_of(&s.host, o.chunk, k);
             let mut dev = s.device.lock().unwrap();
             RawBuf::from_slice(&mut dev[start..start + len]).copy_to(s.host.sub(start, len));
         }
-        Ok(())
+        Ok(Vec::new())
     }
 
     fn outputs_done(&mut self, op: usize, k: usize) -> Result<(), CommError> {
         self.log.lock().unwrap().push((op, k, 'o'));
         let o = &self.ops[op];
+        if let Some(w) = self.window.as_ref() {
+            let buffers = distinct(o);
+            for s in &o.outputs {
+                let (start, len) = chunk_of(&s.host, o.chunk, k);
+                let j = buffers.iter().position(|b| b.ptr() == s.host.ptr()).unwrap();
+                let slot = &w.slots[w.current * w.per_set + j];
+                s.device.lock().unwrap()[start..start + len].copy_from_slice(&slot[..len]);
+            }
+            return Ok(());
+        }
         for s in &o.outputs {
             let (start, len) = chunk_of(&s.host, o.chunk, k);
             let mut dev = s.device.lock().unwrap();
@@ -112,10 +169,20 @@ fn device(bytes: Vec<u8>) -> Arc<Mutex<Vec<u8>>> {
     Arc::new(Mutex::new(bytes))
 }
 
+/// How the staged job's buffers reach the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    /// The op's buffers are the host buffers.
+    Direct,
+    /// Placeholders, bound to whole host buffers in host_buffers.
+    Deferred,
+    /// Placeholders, each chunk moved into a window of chunk-sized buffers in inputs_ready.
+    Windowed,
+}
+
 /// A job of an in-place all-reduce (several chunks), an all-gather (several chunks) and a
 /// small broadcast (one chunk), every buffer staged; results compared with references.
-/// `deferred`: the op buffers are placeholders, bound to host memory only in host_buffers.
-fn staged_job_with(net: Net, deferred: bool) {
+fn staged_job_with(net: Net, mode: Mode) {
     let c = match net {
         Net::Tcp => 32 << 10,
         Net::Shm => 8192,
@@ -123,7 +190,7 @@ fn staged_job_with(net: Net, deferred: bool) {
     for size in [1usize, 2, 3] {
         let chunk = c;
         spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
-            let what = format!("size {size} rank {rank} (deferred {deferred})");
+            let what = format!("size {size} rank {rank} ({mode:?})");
             assert_eq!(comm.pipeline_chunk_bytes(), chunk);
             let n = 3 * chunk / 4 + 5; // f32 elements: 3 chunks and 20 bytes: 4 chunks
             let ar_in: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
@@ -141,36 +208,43 @@ fn staged_job_with(net: Net, deferred: bool) {
             let bc_dev = device(bc_in);
 
             let (ar_buf, ag_in_buf, bc_buf) = (buf(&mut ar_host), buf(&mut ag_host_in), buf(&mut bc_host));
-            let ag_views = views(&mut ag_host_out, size, ag_len);
-            let mut addresses = Addresses::new(deferred);
+            let ag_out_whole = RawBuf::from_slice(&mut ag_host_out);
+            let mut addresses = Addresses::new(mode != Mode::Direct);
             let mut ar = op_with(OpKind::AllReduce, DType::Float32, vec![], addresses.of(ar_buf, 1));
             ar.reduce_op = ReduceOp::Sum;
-            let ag_out_whole = RawBuf::from_slice(&mut ag_host_out);
             let ag = op_with(OpKind::AllGather, DType::UInt8, addresses.of(ag_in_buf, 1), addresses.of(ag_out_whole, size));
             let mut bc = op_with(OpKind::Broadcast, DType::UInt8, vec![], addresses.of(bc_buf, 1));
             bc.root = (size - 1) as i64;
+            // Where the fake device copies: the host buffers, or (windowed) the op's own
+            // placeholders, whose chunks it moves into its window.
+            let (ar_host_buf, ag_host_in_buf, ag_host_views, bc_host_buf) = if mode == Mode::Windowed {
+                (ar.outputs[0], ag.inputs[0], ag.outputs.clone(), bc.outputs[0])
+            } else {
+                (ar_buf, ag_in_buf, views(&mut ag_host_out, size, ag_len), bc_buf)
+            };
             let log = Arc::new(Mutex::new(Vec::new()));
             let fake = FakeDevice {
                 ops: vec![
                     StagedOp {
                         chunk,
-                        inputs: vec![Staged { host: ar_buf, device: ar_dev.clone() }],
-                        outputs: vec![Staged { host: ar_buf, device: ar_dev.clone() }],
+                        inputs: vec![Staged { host: ar_host_buf, device: ar_dev.clone() }],
+                        outputs: vec![Staged { host: ar_host_buf, device: ar_dev.clone() }],
                     },
                     StagedOp {
                         chunk,
-                        inputs: vec![Staged { host: ag_in_buf, device: ag_dev_in.clone() }],
-                        outputs: ag_views.iter().zip(&ag_dev_out).map(|(v, d)| Staged { host: *v, device: d.clone() }).collect(),
+                        inputs: vec![Staged { host: ag_host_in_buf, device: ag_dev_in.clone() }],
+                        outputs: ag_host_views.iter().zip(&ag_dev_out).map(|(v, d)| Staged { host: *v, device: d.clone() }).collect(),
                     },
                     StagedOp {
                         chunk: usize::MAX,
-                        inputs: vec![Staged { host: bc_buf, device: bc_dev.clone() }],
-                        outputs: vec![Staged { host: bc_buf, device: bc_dev.clone() }],
+                        inputs: vec![Staged { host: bc_host_buf, device: bc_dev.clone() }],
+                        outputs: vec![Staged { host: bc_host_buf, device: bc_dev.clone() }],
                     },
                 ],
                 log: log.clone(),
                 fail_at: None,
-                bindings: Some(addresses.table),
+                bindings: Some(if mode == Mode::Deferred { addresses.table } else { Vec::new() }),
+                window: (mode == Mode::Windowed).then(|| Window::new(size + 1, chunk)),
             };
             let (tx, rx) = std::sync::mpsc::channel();
             comm.submit_with(vec![ar, ag, bc], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false)
@@ -186,6 +260,9 @@ fn staged_job_with(net: Net, deferred: bool) {
                 assert!(*d.lock().unwrap() == pattern(r, 7, ag_len), "{what}: all-gather block of rank {r}");
             }
             assert!(*bc_dev.lock().unwrap() == pattern(size - 1, 8, 300), "{what}: broadcast");
+            if mode == Mode::Windowed {
+                assert!(ar_host.iter().chain(&ag_host_in).chain(&ag_host_out).all(|&b| b == POISON), "{what}: whole buffers untouched");
+            }
             let want_log: Vec<(usize, usize, char)> = std::iter::once((0, 0, 'h'))
                 .chain(
                     [(0, 4), (1, 3), (2, 1)]
@@ -199,14 +276,20 @@ fn staged_job_with(net: Net, deferred: bool) {
 }
 
 fn staged_job(net: Net) {
-    staged_job_with(net, false);
+    staged_job_with(net, Mode::Direct);
 }
 
 /// As the bridge runs jobs on accelerator tensors: op buffers that are placeholders until the
 /// staging binds them (a core that touched one before would crash, one that moved it wrongly
 /// would leave poison in the results).
 fn staged_job_with_placeholders(net: Net) {
-    staged_job_with(net, true);
+    staged_job_with(net, Mode::Deferred);
+}
+
+/// The same job with each chunk in a window of chunk-sized buffers (sets reused every third
+/// chunk, poisoned before each use): the core must run each chunk where inputs_ready says.
+fn staged_job_in_a_window(net: Net) {
+    staged_job_with(net, Mode::Windowed);
 }
 
 /// The staging cannot allocate its host buffers on one rank (pinned memory exhausted): every
@@ -221,6 +304,7 @@ fn host_buffer_failure_fails_every_rank(net: Net) {
             log: Arc::new(Mutex::new(Vec::new())),
             fail_at: None,
             bindings: (rank != 2).then_some(addresses.table),
+            window: None,
         };
         let (tx, rx) = std::sync::mpsc::channel();
         comm.submit_with(vec![o], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false).expect("submit");
@@ -244,6 +328,7 @@ fn staging_failure_fails_every_rank(net: Net) {
             log: Arc::new(Mutex::new(Vec::new())),
             fail_at: (rank == 1).then_some((0, 1)),
             bindings: Some(Vec::new()),
+            window: None,
         };
         let (tx, rx) = std::sync::mpsc::channel();
         comm.submit_with(vec![o], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false).expect("submit");
@@ -283,6 +368,7 @@ fn chunk_size_mismatch(net: Net) {
 both_nets!(
     staged_job,
     staged_job_with_placeholders,
+    staged_job_in_a_window,
     staging_failure_fails_every_rank,
     host_buffer_failure_fails_every_rank,
     chunk_size_mismatch

@@ -56,8 +56,9 @@ impl RawBuf {
     /// ranges from lengths they validated, so a failure here is a bug, never peer input.
     pub fn sub(&self, offset: usize, len: usize) -> RawBuf {
         assert!(offset.checked_add(len).is_some_and(|end| end <= self.len), "RawBuf::sub out of bounds");
-        // SAFETY: in bounds (checked above), so the result stays inside the caller's buffer.
-        RawBuf { ptr: unsafe { self.ptr.add(offset) }, len }
+        // In bounds (checked above), so the result stays inside the caller's buffer. Wrapping
+        // arithmetic: the buffer may be a placeholder (src/pipeline.rs) that points nowhere yet.
+        RawBuf { ptr: self.ptr.wrapping_add(offset), len }
     }
 
     /// Copies `self` into `dst` (equal lengths); a no-op when both are the same memory.

@@ -9,9 +9,13 @@
 //             point into it); add_op(): which ranges of which buffers each op uses, and its
 //             chunk size; seal(): records `issued` on the caller's current stream. The call
 //             returns: the caller's thread allocates no host memory and makes no copies.
-//   progress  host_buffers(): a pinned host buffer per device tensor, and the placeholder
-//             range each stands for (the core moves its op buffers there, src/pipeline.rs);
-//             the two copy streams.
+//   progress  host_buffers(): the pinned host memory and the two copy streams. A contiguous
+//             tensor of a chunked op gets no host buffer of its size: its chunks take turns in
+//             a window of chunk-sized slots (three sets, so that chunk k+1 copies out and
+//             chunk k-1 copies back while the host works on chunk k), and wait_chunk() tells
+//             the core where each chunk is. Other tensors (strided ones, ops that are not
+//             chunked, windows that would not be smaller) get a whole buffer, and the core
+//             moves its op buffers there for the whole job (src/pipeline.rs).
 //             First wait_chunk(): the copy-out stream waits for `issued` (so the copies follow
 //             the work queued before the collective). For each chunk: wait_chunk() enqueues
 //             its device->host copies on it if they are not yet, with an event after them,
@@ -89,11 +93,14 @@ class DeviceStaging {
   // Records `issued` on the caller's current stream; call once, after the last add_op.
   void seal();
 
-  // Thread that runs the job, first: allocates the pinned host buffers (from the device
-  // runtime's caching host allocator) and says which placeholder range each stands for.
+  // Thread that runs the job, first: allocates the pinned host memory (from the device
+  // runtime's caching host allocator), a window of chunk-sized slots for the chunks of large
+  // contiguous tensors, whole buffers for the others, and says which placeholder range each
+  // whole buffer stands for.
   std::vector<HostBinding> host_buffers();
-  // Progress thread: returns when chunk `chunk` of op `op`'s inputs is on the host.
-  void wait_chunk(size_t op, size_t chunk);
+  // Progress thread: returns when chunk `chunk` of op `op`'s inputs is on the host, with where
+  // its windowed ranges are (placeholder range -> window memory).
+  std::vector<HostBinding> wait_chunk(size_t op, size_t chunk);
   // Progress thread: chunk `chunk` of op `op`'s outputs is final; enqueues its copies back.
   void copy_back_chunk(size_t op, size_t chunk);
   // Progress thread, after the job succeeded: the remaining copies back (non-contiguous
@@ -105,13 +112,14 @@ class DeviceStaging {
 
  private:
   struct Buffer {
-    at::Tensor device;      // the user's tensor
-    size_t placeholder;     // where the core's op buffers point until host_buffers()
+    at::Tensor device;       // the user's tensor
+    size_t placeholder;      // where the core's op buffers point (src/pipeline.rs)
     bool read;
     bool write;
-    at::Tensor device_flat; // a flat view of it when contiguous (copied by chunks), else undefined
-    at::Tensor host_flat;   // the pinned host buffer, flat (from host_buffers())
-    bool recorded = false;  // device memory recorded on the copy-back stream
+    bool windowed = false;   // its chunks go through the window (host_buffers())
+    at::Tensor device_bytes; // the tensor's bytes, flat, when contiguous (copied by chunks)
+    at::Tensor host;         // its whole pinned host buffer, contiguous (not windowed)
+    bool recorded = false;   // device memory recorded on the copy-back stream
   };
   // A byte range of a staged buffer that an op uses.
   struct View {
@@ -119,19 +127,25 @@ class DeviceStaging {
     size_t offset; // bytes from the buffer's start
     size_t bytes;
     bool output;
+    size_t slot = 0; // its slot in a window set (windowed buffers)
   };
   struct OpPlan {
     size_t chunk_bytes = SIZE_MAX;
     size_t chunks = 1;
     std::vector<View> views;
     size_t first_event = 0; // index of chunk 0 in copy_order_ and chunk_events_
+    bool windowed = false;  // some of its views go through the window
   };
 
   HostRange stage(const at::Tensor& t, bool read, bool write);
-  // Copies chunk `chunk` of `view` between device and host (to_host: device to host).
-  void copy_range(const OpPlan& plan, const View& view, size_t chunk, bool to_host);
+  // Decides which buffers go through the window and allocates it, or their whole buffers.
+  void plan_window();
+  // Where chunk number `index` of the job (in copy_order_) keeps `view` in the window.
+  size_t window_offset(size_t index, const View& view) const;
+  // Copies chunk `chunk` (the job's chunk number `index`) of `view` between device and host.
+  void copy_range(const OpPlan& plan, const View& view, size_t chunk, size_t index, bool to_host);
   const OpPlan* plan_of(size_t op) const;
-  // First wait_chunk: the copy-out stream waits for `issued`; the chunks' order and events.
+  // First wait_chunk: the copy-out stream waits for `issued`; whole copies of strided tensors.
   void begin_copies_out();
   // Enqueues the device->host copies of the chunks up to copy_order_[index] not yet enqueued.
   void launch_copies_out_through(size_t index);
@@ -152,6 +166,15 @@ class DeviceStaging {
   std::vector<std::pair<size_t, size_t>> copy_order_; // (op, chunk), in the order the core uses them
   size_t next_copy_out_ = 0;                           // copy_order_'s first chunk not enqueued yet
   std::vector<c10::Event> chunk_events_;               // after each chunk's copies to the host
+  // The window: `sets` sets of `slots` slots of `slot_bytes` bytes of pinned memory; the job's
+  // chunk number i uses set i % sets. A set is reused only after the copies back of the chunk
+  // that used it before (set_free_, on the copy-back stream).
+  at::Tensor window_;
+  size_t window_sets_ = 0;
+  size_t window_slots_ = 0;
+  size_t slot_bytes_ = 0;
+  std::vector<c10::Event> set_free_;
+  std::vector<bool> set_used_;
 };
 
 } // namespace xccl_rs

@@ -50,8 +50,8 @@ struct HostRelocation; // src/ffi.rs
 // pinned host buffers. Throws on an allocation failure.
 rust::Vec<HostRelocation> staging_host_buffers(WorkReady& ready);
 // Called on the thread that runs the job, before chunk `chunk` of op `op` runs: waits for its
-// staged inputs. Throws (cxx turns that into the Rust Err) on a device error.
-void chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk);
+// staged inputs, and says where the chunk's windowed ranges are. Throws (cxx turns that into the Rust Err) on a device error.
+rust::Vec<HostRelocation> chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk);
 // Called on the same thread after that chunk's outputs are final: enqueues their copies back.
 void chunk_outputs_done(WorkReady& ready, size_t op, size_t chunk);
 
