@@ -196,16 +196,19 @@ mod tests {
         let table = [Relocation { placeholder: base, bytes: 256, host }];
         let mut other = vec![0u8; 8];
         let mut op = Op::new(OpKind::AllGather, DType::UInt8);
-        // SAFETY: placeholders, never dereferenced by relocate.
-        op.inputs.push(unsafe { RawBuf::new((base + 64) as *mut u8, 64) });
+        let placeholder = |offset: usize, len: usize| {
+            // SAFETY: placeholders, never dereferenced; relocate reads their addresses only.
+            unsafe { RawBuf::new((base + offset) as *mut u8, len) }
+        };
+        op.inputs.push(placeholder(64, 64));
         op.outputs.push(RawBuf::from_slice(&mut other));
-        op.outputs.push(unsafe { RawBuf::new((base + 128) as *mut u8, 128) });
+        op.outputs.push(placeholder(128, 128));
         let moved = relocate(&[op.clone()], &table).unwrap();
         assert_eq!(moved[0].inputs[0].ptr() as usize, host + 64);
         assert_eq!(moved[0].inputs[0].len(), 64);
         assert_eq!(moved[0].outputs[0].ptr(), other.as_mut_ptr(), "a host buffer stays");
         assert_eq!(moved[0].outputs[1].ptr() as usize, host + 128);
-        op.outputs[1] = unsafe { RawBuf::new((base + 200) as *mut u8, 64) };
+        op.outputs[1] = placeholder(200, 64);
         let e = relocate(&[op], &table).unwrap_err();
         assert!(e.message.contains("offset 200"), "{}", e.message);
     }

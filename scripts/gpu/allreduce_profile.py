@@ -11,15 +11,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import xccl_rs  # noqa: F401
+from ranks import cuda_group
 
-dev = torch.device("cuda", 0)
-torch.cuda.set_device(dev)
-rank = int(os.environ.get("RANK", "0"))
-world = int(os.environ.get("WORLD", "1"))
-store = dist.TCPStore("127.0.0.1", int(os.environ.get("PORT", "29613")), world, rank == 0)
-dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-group = dist.new_group(backend="xccl_rs")
+dev, rank, world, group = cuda_group(29613)
 t = torch.ones(32 << 20, dtype=torch.bfloat16, device=dev)
 
 

@@ -15,18 +15,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import xccl_rs
+from ranks import cuda_group
 
-dev = torch.device("cuda", 0)
-torch.cuda.set_device(dev)
-rank = int(os.environ.get("RANK", "0"))
-world = int(os.environ.get("WORLD", "1"))
-store = dist.TCPStore("127.0.0.1", int(os.environ.get("PORT", "29611")), world, rank == 0)
-if os.environ.get("VIA_NEW_GROUP"):  # as the benchmark does: a gloo world, then dist.new_group
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    group = dist.new_group(backend="xccl_rs")
-else:
-    group = xccl_rs.new_group(store, rank, world)
+dev, rank, world, group = cuda_group(29611, via_new_group=bool(os.environ.get("VIA_NEW_GROUP")))
 tensors = [torch.ones(1 << 18, device=dev) for _ in range(100)]
 
 

@@ -19,15 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-import xccl_rs  # noqa: F401
+from ranks import cuda_group
 
-dev = torch.device("cuda", 0)
-torch.cuda.set_device(dev)
-rank = int(os.environ.get("RANK", "0"))
-world = int(os.environ.get("WORLD", "1"))
-store = dist.TCPStore("127.0.0.1", int(os.environ.get("PORT", "29612")), world, rank == 0)
-dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-group = dist.new_group(backend="xccl_rs")  # as xccl_rs.bench makes it
+dev, rank, world, group = cuda_group(29612)
 tensors = [torch.ones(1 << 18, device=dev) for _ in range(100)]
 
 
