@@ -325,9 +325,13 @@ impl Worker {
         // Staged buffers were described by placeholders: the staging allocates their host
         // memory now, on this thread rather than the caller's.
         let relocated;
-        let ops = match staging.as_deref_mut().map(|s| s.host_buffers().and_then(|t| pipeline::relocate(ops, &t))) {
-            None => ops,
-            Some(Ok(moved)) => {
+        let bound = staging.as_deref_mut().map(|s| {
+            let table = s.host_buffers()?;
+            if table.is_empty() { Ok(None) } else { pipeline::relocate(ops, &table).map(Some) }
+        });
+        let ops = match bound {
+            None | Some(Ok(None)) => ops,
+            Some(Ok(Some(moved))) => {
                 relocated = moved;
                 &relocated[..]
             }
