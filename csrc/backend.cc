@@ -182,7 +182,7 @@ class XcclRsBackend::Job {
   }
 
   // The bytes of a tensor the op only reads: the tensor's own when contiguous, else a
-  // contiguous copy's; an accelerator tensor's placeholder range (its host buffer is allocated
+  // contiguous copy's; an accelerator tensor's placeholder range (its host memory is allocated
   // by the thread that runs the job, device.h).
   BufferView input(const at::Tensor& t) {
     check(t);

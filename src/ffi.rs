@@ -73,8 +73,8 @@ pub mod ffi {
 
         fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(store: &StoreRef, key: &str, timeout_ms: u64) -> Result<Vec<u8>>;
-        /// On the thread that runs the job, first: allocates the pinned host buffers of its staged
-        /// tensors and says which placeholder range each stands for.
+        /// On the thread that runs the job, first: allocates the pinned host memory of its staged
+        /// tensors and says which placeholder range each whole buffer stands for.
         fn staging_host_buffers(ready: Pin<&mut WorkReady>) -> Result<Vec<HostRelocation>>;
         /// Blocks until chunk `chunk` of op `op`'s staged inputs is on the host; Err if staging
         /// failed. Returns where the chunk's windowed ranges are (pipeline::Staging::inputs_ready).

@@ -90,9 +90,9 @@ def _make(op: str, nbytes: int, dtype: torch.dtype, rank: int, world: int, devic
 
 def _issue_async(group, control, device: torch.device, count: int) -> dict:
     """How long issuing `count` async all_reduces of 1 MiB takes on the host (the calls only,
-    not their completion), the slowest rank's: the first time (cold: device runtimes allocate
-    pinned staging memory for sizes they have not seen) and the second (steady state, as in a
-    training loop)."""
+    not their completion), the slowest rank's: the first time (cold: the first device
+    collective of a process pays the runtime's first use of events and streams once) and the
+    second (steady state, as in a training loop)."""
     ts = [torch.ones(1 << 18, device=device) for _ in range(count)]
     out = {"op": "issue_async", "count": count, "bytes": 1 << 20, "device": str(device)}
     for label in ("cold", "warm"):

@@ -47,7 +47,7 @@ struct WorkReady {
 struct HostRelocation; // src/ffi.rs
 
 // Called on the thread that runs the job, before anything else: allocates its staged tensors'
-// pinned host buffers. Throws on an allocation failure.
+// pinned host memory (whole buffers and the window). Throws on an allocation failure.
 rust::Vec<HostRelocation> staging_host_buffers(WorkReady& ready);
 // Called on the thread that runs the job, before chunk `chunk` of op `op` runs: waits for its
 // staged inputs, and says where the chunk's windowed ranges are. Throws (cxx turns that into the Rust Err) on a device error.
