@@ -21,8 +21,8 @@
 //             its device->host copies on it if they are not yet, with an event after them,
 //             blocks until the event has fired, then enqueues the next chunk's copies (one
 //             chunk ahead, not all at once: device.cc says why); the host algorithm runs on it;
-//             copy_back_chunk() enqueues its host->device copies on the copy-back stream.
-//             At the end finish() records `outputs_ready` on that stream; the work completes.
+//             copy_back_chunk() enqueues its host->device copies on the copy-back stream,
+//             then (windowed chunks) the event that frees the chunk's window set. At the end finish() records `outputs_ready` on that stream; the work completes.
 //   caller    Work.wait(): waits for the host algorithm, then makes the current stream wait
 //             for `outputs_ready` (it does not wait for the copies themselves).
 // So while the host works on chunk k, the device copies chunk k+1 out and chunk k-1 back, on
@@ -47,7 +47,7 @@
 
 namespace xccl_rs {
 
-// A host address range: where the core finds a buffer's bytes.
+// An address range as the core sees it: for a staged tensor, a placeholder (above).
 struct HostRange {
   size_t ptr;
   size_t bytes;
