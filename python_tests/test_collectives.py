@@ -586,19 +586,29 @@ def collectives_sweep(rank, w, themes):
 # pytest side
 # --------------------------------------------------------------------------------------
 
-_RUNS: dict[int, harness.RunResult] = {}
+_RUNS: dict[object, harness.RunResult] = {}
 
 
-def _run(w: int) -> harness.RunResult:
-    if w not in _RUNS:
-        _RUNS[w] = run_ranks(
-            w, collectives_sweep, THEMES, timeout_s=420, check=False
-        )
-        res = _RUNS[w]
+def sweep_once(key, world_size: int, **run_kwargs) -> harness.RunResult:
+    """The collectives sweep on `world_size` ranks, run once per `key` and shared by the
+    per-theme tests (run_kwargs go to run_ranks)."""
+    if key not in _RUNS:
+        res = run_ranks(world_size, collectives_sweep, THEMES, check=False, **run_kwargs)
+        _RUNS[key] = res
         r0 = res.value(0)
         if r0:
-            print(f"\n[w={w}] {res.elapsed:.1f}s, per theme (cases, s): {r0['themes']}")
-    return _RUNS[w]
+            print(f"\n[{key}] {res.elapsed:.1f}s, per theme (cases, s): {r0['themes']}")
+    return _RUNS[key]
+
+
+def check_theme(res: harness.RunResult, world_size: int, theme: str) -> None:
+    """Fails with the sweep's report for `theme`, or if a rank ran no case of it."""
+    rep = res.report(prefix=theme + "/")
+    if rep:
+        raise AssertionError(rep)
+    for r in range(world_size):
+        counts = res.value(r)["themes"]
+        assert counts[theme][0] > 0, f"rank {r} ran no {theme} case"
 
 
 @pytest.mark.parametrize("theme", THEMES)
@@ -606,10 +616,4 @@ def _run(w: int) -> harness.RunResult:
 def test_collective(w, theme):
     if theme == "p2p" and w == 1:
         pytest.skip("p2p needs world_size >= 2")
-    res = _run(w)
-    rep = res.report(prefix=theme + "/")
-    if rep:
-        raise AssertionError(rep)
-    for r in range(w):
-        counts = res.value(r)["themes"]
-        assert counts[theme][0] > 0, f"rank {r} ran no {theme} case"
+    check_theme(sweep_once(f"w={w}", w, timeout_s=420), w, theme)

@@ -17,8 +17,8 @@ import textwrap
 import pytest
 
 import harness
-from harness import IS_GLOO, free_port, run_ranks
-from test_collectives import THEMES, collectives_sweep
+from harness import IS_GLOO, free_port
+from test_collectives import THEMES, check_theme, sweep_once
 
 pytestmark = pytest.mark.skipif(IS_GLOO, reason="xccl_rs host topology")
 
@@ -29,38 +29,19 @@ LAYOUTS = {
 }
 ENV = {"XCCL_RS_SHM_CHUNK_BYTES": "65536", "XCCL_RS_SHM_ONESHOT_BYTES": "4096"}
 
-_RUNS: dict[str, harness.RunResult] = {}
-
-
-def _run(layout: str) -> harness.RunResult:
-    if layout not in _RUNS:
-        hosts = LAYOUTS[layout]
-        _RUNS[layout] = run_ranks(
-            len(hosts),
-            collectives_sweep,
-            THEMES,
-            timeout_s=600,
-            check=False,
-            env=ENV,
-            rank_env=lambda r: {"XCCL_RS_HOST_ID": hosts[r]},
-        )
-        res = _RUNS[layout]
-        r0 = res.value(0)
-        if r0:
-            print(f"\n[{layout}] {res.elapsed:.1f}s, per theme (cases, s): {r0['themes']}")
-    return _RUNS[layout]
-
 
 @pytest.mark.parametrize("theme", THEMES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_collective_on_mixed_group(layout, theme):
-    res = _run(layout)
-    rep = res.report(prefix=theme + "/")
-    if rep:
-        raise AssertionError(rep)
-    for r in range(len(LAYOUTS[layout])):
-        counts = res.value(r)["themes"]
-        assert counts[theme][0] > 0, f"rank {r} ran no {theme} case"
+    hosts = LAYOUTS[layout]
+    res = sweep_once(
+        f"mixed {layout}",
+        len(hosts),
+        timeout_s=600,
+        env=ENV,
+        rank_env=lambda r: {"XCCL_RS_HOST_ID": hosts[r]},
+    )
+    check_theme(res, len(hosts), theme)
 
 
 WORKER = textwrap.dedent(

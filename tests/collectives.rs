@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use xccl_rs::{Config, DType, OpKind, ReduceOp};
 
 const SEGMENT: usize = 4096;
-const FACTOR: f64 = 0.25;
 const LIMIT: Duration = Duration::from_secs(60);
 
 fn cfg(net: Net) -> Config {
@@ -47,9 +46,7 @@ fn allreduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
                     let salt = (k * 100_000 + n) as u64;
                     // Misaligned for odd n (the kernels must not assume alignment), guarded.
                     let mut data = Guarded::new(&T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop)), n % 3);
-                    let mut o = op_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()]);
-                    o.reduce_op = rop;
-                    o.premul_factor = FACTOR;
+                    let o = reduction_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()], rop);
                     run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
                     let got = T::from_bytes(data.data());
                     assert_eq!(got.len(), n, "{what}");
@@ -148,9 +145,7 @@ fn reduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
                         let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
                         let before = T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop));
                         let mut data = Guarded::new(&before, n % 2);
-                        let mut o = op_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()]);
-                        o.reduce_op = rop;
-                        o.premul_factor = FACTOR;
+                        let mut o = reduction_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()], rop);
                         o.root = root as i64;
                         run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
                         if rank == root {
@@ -192,9 +187,7 @@ fn reduce_scatter_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
                             _ => (0..size).map(|r| input.raw().sub(r * per * esz, per * esz)).collect::<Vec<_>>(),
                         };
                         let output = if layout == Layout::InPlace { blocks[rank] } else { out.raw() };
-                        let mut o = op_with(OpKind::ReduceScatter, T::DTYPE, blocks, vec![output]);
-                        o.reduce_op = rop;
-                        o.premul_factor = FACTOR;
+                        let o = reduction_with(OpKind::ReduceScatter, T::DTYPE, blocks, vec![output], rop);
                         run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
                         let got = match layout {
                             Layout::InPlace => T::from_bytes(&input.data()[rank * per * esz..(rank + 1) * per * esz]),

@@ -17,7 +17,6 @@ use xccl_rs::{CommError, Communicator, Config, DType, MemoryStore, Op, OpKind, R
 use ReduceOp::*;
 
 const SEGMENT: usize = 4096;
-const FACTOR: f64 = 0.25;
 const LIMIT: Duration = Duration::from_secs(90);
 
 /// Host ids per rank. Hosts are numbered by their lowest rank, so "b" may be host 1 or 2.
@@ -111,9 +110,7 @@ fn allreduce_layouts<T: TestElem>(ops: &'static [ReduceOp]) {
                     let what = format!("allreduce {} {rop:?} {layout:?} n {n} rank {rank}", T::DTYPE);
                     let salt = (k * 100_000 + n) as u64;
                     let mut data = Guarded::new(&T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop)), n % 3);
-                    let mut o = op_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()]);
-                    o.reduce_op = rop;
-                    o.premul_factor = FACTOR;
+                    let o = reduction_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()], rop);
                     run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
                     check(layout, &T::from_bytes(data.data()), salt, rop, 0, &what);
                     all.push(data.data().to_vec());
@@ -175,9 +172,7 @@ fn reduce_case<T: TestElem>(layout: &[&str], comm: &Communicator, rank: usize, r
         let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
         let before = T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop));
         let mut data = Guarded::new(&before, n % 2);
-        let mut o = op_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()]);
-        o.reduce_op = rop;
-        o.premul_factor = FACTOR;
+        let mut o = reduction_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()], rop);
         o.root = root as i64;
         run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
         if rank == root {
@@ -280,9 +275,7 @@ fn direct_collectives() {
                     let salt = (k * 100_000 + n) as u64 + 555;
                     let mut input = f32::to_bytes(&inputs::<f32>(rank, 0, n * size, salt, rop));
                     let mut out = vec![0u8; n * 4];
-                    let mut o = op_with(OpKind::ReduceScatter, DType::Float32, views(&mut input, size, n * 4), vec![buf(&mut out)]);
-                    o.reduce_op = rop;
-                    o.premul_factor = FACTOR;
+                    let o = reduction_with(OpKind::ReduceScatter, DType::Float32, views(&mut input, size, n * 4), vec![buf(&mut out)], rop);
                     run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
                     check_reduced(&f32::from_bytes(&out), size, rank * n, salt, rop, FACTOR, &what);
                 }

@@ -47,6 +47,20 @@ struct FakeDevice {
     window: Option<Window>,
 }
 
+impl FakeDevice {
+    /// A fake device for `ops` that fails nothing, binds no whole buffers and keeps no window.
+    fn new(ops: Vec<StagedOp>) -> FakeDevice {
+        FakeDevice { ops, log: Arc::new(Mutex::new(Vec::new())), fail_at: None, bindings: Some(Vec::new()), window: None }
+    }
+}
+
+/// Submits `ops` staged through `fake` and waits for the job's result.
+fn run_staged(comm: &xccl_rs::Communicator, ops: Vec<xccl_rs::Op>, fake: FakeDevice) -> Result<xccl_rs::Completion, CommError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    comm.submit_with(ops, Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false).expect("submit");
+    rx.recv().unwrap()
+}
+
 /// A window of chunk-sized host buffers: the job's g-th chunk uses set g % SETS, one slot per
 /// distinct buffer of its op; a set is poisoned before each use.
 struct Window {
@@ -246,10 +260,7 @@ fn staged_job_with(net: Net, mode: Mode) {
                 bindings: Some(if mode == Mode::Deferred { addresses.table } else { Vec::new() }),
                 window: (mode == Mode::Windowed).then(|| Window::new(size + 1, chunk)),
             };
-            let (tx, rx) = std::sync::mpsc::channel();
-            comm.submit_with(vec![ar, ag, bc], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false)
-                .expect("submit");
-            rx.recv().unwrap().unwrap_or_else(|e| panic!("{what}: {e}"));
+            run_staged(&comm, vec![ar, ag, bc], fake).unwrap_or_else(|e| panic!("{what}: {e}"));
 
             let got = bytes_f32(&ar_dev.lock().unwrap());
             for (i, g) in got.iter().enumerate() {
@@ -299,16 +310,9 @@ fn host_buffer_failure_fails_every_rank(net: Net) {
         let mut host = vec![0u8; 4096];
         let mut addresses = Addresses::new(true);
         let o = op_with(OpKind::AllReduce, DType::Float32, vec![], addresses.of(buf(&mut host), 1));
-        let fake = FakeDevice {
-            ops: vec![StagedOp { chunk: usize::MAX, inputs: vec![], outputs: vec![] }],
-            log: Arc::new(Mutex::new(Vec::new())),
-            fail_at: None,
-            bindings: (rank != 2).then_some(addresses.table),
-            window: None,
-        };
-        let (tx, rx) = std::sync::mpsc::channel();
-        comm.submit_with(vec![o], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false).expect("submit");
-        let e = expect_err(rx.recv().unwrap(), "a rank could not allocate its staging");
+        let mut fake = FakeDevice::new(vec![StagedOp { chunk: usize::MAX, inputs: vec![], outputs: vec![] }]);
+        fake.bindings = (rank != 2).then_some(addresses.table);
+        let e = expect_err(run_staged(&comm, vec![o], fake), "a rank could not allocate its staging");
         assert_mentions(&e, &["out of pinned memory"], &format!("rank {rank}"));
     });
 }
@@ -323,16 +327,9 @@ fn staging_failure_fails_every_rank(net: Net) {
         let n = 3 * c / 4;
         let mut host = vec![0u8; n * 4];
         let o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut host)]);
-        let fake = FakeDevice {
-            ops: vec![StagedOp { chunk: c, inputs: vec![], outputs: vec![] }],
-            log: Arc::new(Mutex::new(Vec::new())),
-            fail_at: (rank == 1).then_some((0, 1)),
-            bindings: Some(Vec::new()),
-            window: None,
-        };
-        let (tx, rx) = std::sync::mpsc::channel();
-        comm.submit_with(vec![o], Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false).expect("submit");
-        let e = expect_err(rx.recv().unwrap(), "a rank's staging failed");
+        let mut fake = FakeDevice::new(vec![StagedOp { chunk: c, inputs: vec![], outputs: vec![] }]);
+        fake.fail_at = (rank == 1).then_some((0, 1));
+        let e = expect_err(run_staged(&comm, vec![o], fake), "a rank's staging failed");
         assert_mentions(&e, &["device lost"], &format!("rank {rank}"));
     });
 }

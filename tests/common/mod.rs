@@ -213,6 +213,17 @@ pub fn op_with(kind: OpKind, dtype: DType, inputs: Vec<RawBuf>, outputs: Vec<Raw
     o
 }
 
+/// The PREMUL_SUM factor of the reduction tests (references use the same).
+pub const FACTOR: f64 = 0.25;
+
+/// A reduction op of `kind` and `dtype` with reduce op `rop` (and FACTOR for PREMUL_SUM).
+pub fn reduction_with(kind: OpKind, dtype: DType, inputs: Vec<RawBuf>, outputs: Vec<RawBuf>, rop: ReduceOp) -> Op {
+    let mut o = op_with(kind, dtype, inputs, outputs);
+    o.reduce_op = rop;
+    o.premul_factor = FACTOR;
+    o
+}
+
 /// `parts` consecutive views of `len` bytes each over `b`.
 pub fn views(b: &mut [u8], parts: usize, len: usize) -> Vec<RawBuf> {
     assert_eq!(b.len(), parts * len);
