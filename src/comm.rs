@@ -337,7 +337,7 @@ impl Worker {
             }
             Some(Err(e)) => {
                 let ctx = self.ctx(ops.first().map_or(OpKind::Barrier, |o| o.kind), self.seq);
-                let e = CommError::new(e.kind, format!("{}: {}", ctx.describe(), e.message));
+                let e = ctx.annotate(e);
                 self.fail(&ctx, e.clone());
                 return Err(e);
             }
@@ -418,7 +418,7 @@ impl Worker {
         };
         let chunk_bytes = self.config.pipeline_chunk_bytes;
         let world_size = self.transport.size();
-        pipeline::run_chunks(op, index, chunk_bytes, staging.map(|inner| Described { inner, ctx }).as_mut().map(|d| d as &mut dyn Staging), |chunk| {
+        pipeline::run_chunks(op, index, chunk_bytes, ctx, staging.map(|inner| Described { inner, ctx }).as_mut().map(|d| d as &mut dyn Staging), |chunk| {
             let mut step = Step {
                 transport: self.transport.as_mut(),
                 ctx,
@@ -447,7 +447,7 @@ struct Described<'a, 'b> {
 
 impl Described<'_, '_> {
     fn describe(&self, e: CommError) -> CommError {
-        CommError::new(e.kind, format!("{}: {}", self.ctx.describe(), e.message))
+        self.ctx.annotate(e)
     }
 }
 

@@ -17,7 +17,7 @@ use std::borrow::Cow;
 
 use crate::error::{CommError, Result};
 use crate::op::Op;
-use crate::transport::RawBuf;
+use crate::transport::{OpCtx, RawBuf};
 use crate::types::OpKind;
 
 /// A placeholder address range that a job's buffers were described with, and the host memory
@@ -101,7 +101,7 @@ pub fn chunk_op(op: &Op, c: usize, k: usize) -> Op {
 /// `ops` with every buffer inside a placeholder range of `table` moved to the host memory it
 /// stands for (same offset); other buffers (host tensors of a mixed job) are left as they are.
 /// A buffer that starts in a range but runs past its end is an error (the bridge described it
-/// wrongly), not memory to touch.
+/// wrongly), not memory to touch; callers prefix it with the op (OpCtx::annotate).
 pub fn relocate(ops: &[Op], table: &[Relocation]) -> Result<Vec<Op>> {
     let moved = |b: &RawBuf| -> Result<RawBuf> {
         let ptr = b.ptr() as usize;
@@ -111,7 +111,7 @@ pub fn relocate(ops: &[Op], table: &[Relocation]) -> Result<Vec<Op>> {
         let offset = ptr - r.placeholder;
         if b.len() > r.bytes - offset.min(r.bytes) {
             return Err(CommError::invalid(format!(
-                "xccl_rs: internal error (please report): a buffer of {} bytes at offset {offset} of a staging buffer of {} bytes",
+                "internal error (please report): a buffer of {} bytes at offset {offset} of a staging buffer of {} bytes",
                 b.len(),
                 r.bytes
             )));
@@ -136,6 +136,7 @@ pub fn run_chunks(
     op: &Op,
     index: usize,
     chunk_bytes: usize,
+    ctx: &OpCtx,
     mut staging: Option<&mut (dyn Staging + '_)>,
     mut run: impl FnMut(&Op) -> Result<()>,
 ) -> Result<()> {
@@ -149,7 +150,8 @@ pub fn run_chunks(
         if window.is_empty() {
             run(&chunk)?;
         } else {
-            run(&relocate(std::slice::from_ref(&chunk), &window)?[0])?;
+            let moved = relocate(std::slice::from_ref(&chunk), &window).map_err(|e| ctx.annotate(e))?;
+            run(&moved[0])?;
         }
         if let Some(s) = staging.as_deref_mut() {
             s.outputs_done(index, k)?;

@@ -68,13 +68,15 @@ struct Window {
     per_set: usize,
     chunks_seen: usize,
     current: usize, // the set of the chunk in flight
+    /// Describe each chunk's range one byte short (a staging bug the core must refuse).
+    short: bool,
 }
 
 const SETS: usize = 3;
 
 impl Window {
     fn new(per_set: usize, slot_bytes: usize) -> Window {
-        Window { slots: vec![vec![POISON; slot_bytes]; SETS * per_set], per_set, chunks_seen: 0, current: 0 }
+        Window { slots: vec![vec![POISON; slot_bytes]; SETS * per_set], per_set, chunks_seen: 0, current: 0, short: false }
     }
 }
 
@@ -145,7 +147,8 @@ impl Staging for FakeDevice {
                 if let Some(s) = o.inputs.iter().find(|s| s.host.ptr() == b.ptr()) {
                     slot[..len].copy_from_slice(&s.device.lock().unwrap()[start..start + len]);
                 }
-                table.push(Relocation { placeholder: b.ptr() as usize + start, bytes: len, host: slot.as_mut_ptr() as usize });
+                let bytes = if w.short { len - 1 } else { len };
+                table.push(Relocation { placeholder: b.ptr() as usize + start, bytes, host: slot.as_mut_ptr() as usize });
             }
             return Ok(table);
         }
@@ -334,6 +337,31 @@ fn staging_failure_fails_every_rank(net: Net) {
     });
 }
 
+/// A staging that describes a chunk's window wrongly on one rank (one byte short): the core
+/// refuses to run the chunk there, and every rank fails, that one naming the op and itself.
+fn window_mismatch_fails_every_rank(net: Net) {
+    spawn_ranks(3, cfg(net), LIMIT, move |rank, comm, _| {
+        let n = 1000;
+        let mut host = vec![POISON; n * 4];
+        let mut addresses = Addresses::new(true);
+        let o = op_with(OpKind::AllReduce, DType::Float32, vec![], addresses.of(buf(&mut host), 1));
+        let placeholder = o.outputs[0];
+        let dev = device(f32_bytes(&vec![1.0; n]));
+        let mut fake = FakeDevice::new(vec![StagedOp {
+            chunk: usize::MAX,
+            inputs: vec![Staged { host: placeholder, device: dev.clone() }],
+            outputs: vec![Staged { host: placeholder, device: dev }],
+        }]);
+        let mut window = Window::new(1, n * 4);
+        window.short = rank == 1;
+        fake.window = Some(window);
+        let e = expect_err(run_staged(&comm, vec![o], fake), "a rank's window was described wrongly");
+        if rank == 1 {
+            assert_mentions(&e, &["internal error", "allreduce #0 on rank 1"], "rank 1");
+        }
+    });
+}
+
 /// Ranks configured with different chunk sizes fail with a message that names the setting
 /// (shared memory) or the sizes (TCP), instead of exchanging different ranges.
 fn chunk_size_mismatch(net: Net) {
@@ -366,6 +394,7 @@ both_nets!(
     staged_job,
     staged_job_with_placeholders,
     staged_job_in_a_window,
+    window_mismatch_fails_every_rank,
     staging_failure_fails_every_rank,
     host_buffer_failure_fails_every_rank,
     chunk_size_mismatch

@@ -10,7 +10,7 @@ pub mod tcp;
 
 use std::time::{Duration, Instant};
 
-use crate::error::Result;
+use crate::error::{CommError, Result};
 use crate::types::OpKind;
 pub use tcp::frame::Header;
 
@@ -107,6 +107,11 @@ impl OpCtx {
     /// "allreduce #17 on rank 0": how every error message starts.
     pub fn describe(&self) -> String {
         format!("xccl_rs: {} #{} on rank {}", self.op.name(), self.seq, self.rank)
+    }
+
+    /// `e` with its message prefixed by [`describe`](Self::describe).
+    pub fn annotate(&self, e: CommError) -> CommError {
+        CommError::new(e.kind, format!("{}: {}", self.describe(), e.message))
     }
 }
 
