@@ -7,24 +7,41 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-/// Prints, one per line: version, include dir, lib dir, cxx11 abi flag, python include dir.
-const PROBE: &str = r#"
-import os, sys, sysconfig
-import torch
-root = os.path.dirname(torch.__file__)
-print(torch.__version__.split('+')[0])
-print(os.path.join(root, 'include'))
-print(os.path.join(root, 'lib'))
-print(int(torch._C._GLIBCXX_USE_CXX11_ABI))
-print(sysconfig.get_paths()['include'])
-"#;
+/// The one description of the C++ flags (python/xccl_rs/torch_build_flags.py), asked of a
+/// Python interpreter with torch; setup.py runs it once and hands us its output in a file
+/// (XCCL_RS_TORCH_FLAGS), so that the package's metadata and the build agree on the torch.
+const FLAGS_SCRIPT: &str = "python/xccl_rs/torch_build_flags.py";
 
 struct Torch {
     version: (u32, u32),
-    include: PathBuf,
+    include_dirs: Vec<PathBuf>,
     lib: PathBuf,
-    cxx11_abi: bool,
     python_include: PathBuf,
+    cxx_flags: Vec<String>,
+}
+
+impl Torch {
+    /// Parses the script's `lines` format: `key<TAB>value<TAB>value...`.
+    fn parse(text: &str) -> Result<Torch, String> {
+        let mut rows = std::collections::HashMap::new();
+        for line in text.lines() {
+            let mut parts = line.split('\t');
+            if let Some(key) = parts.next() {
+                rows.insert(key.to_string(), parts.map(str::to_string).collect::<Vec<_>>());
+            }
+        }
+        let one = |key: &str| -> Result<String, String> {
+            rows.get(key).and_then(|v| v.first().cloned()).ok_or_else(|| format!("no `{key}` in the torch flags: {text}"))
+        };
+        let number = |key: &str| -> Result<u32, String> { one(key)?.parse().map_err(|e| format!("{key}: {e}")) };
+        Ok(Torch {
+            version: (number("version_major")?, number("version_minor")?),
+            include_dirs: rows.get("include_dirs").cloned().unwrap_or_default().into_iter().map(PathBuf::from).collect(),
+            lib: one("library_dir")?.into(),
+            python_include: one("python_include")?.into(),
+            cxx_flags: rows.get("cxx_flags").cloned().unwrap_or_default(),
+        })
+    }
 }
 
 fn candidates() -> Vec<String> {
@@ -46,26 +63,20 @@ fn probe(python: &str, isolated: bool) -> Result<Torch, String> {
         // -E ignores that, so the torch we must match (the installed one) is found.
         cmd.arg("-E");
     }
-    let out = cmd.arg("-c").arg(PROBE).output().map_err(|e| format!("cannot run {python}: {e}"))?;
+    let script = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR")).join(FLAGS_SCRIPT);
+    let out = cmd.arg(&script).output().map_err(|e| format!("cannot run {python}: {e}"))?;
     if !out.status.success() {
-        return Err(format!("{python} cannot import torch: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(format!("{python} cannot describe its torch: {}", String::from_utf8_lossy(&out.stderr).trim()));
     }
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let lines: Vec<&str> = text.lines().collect();
-    if lines.len() < 5 {
-        return Err(format!("unexpected probe output from {python}: {text}"));
-    }
-    let mut v = lines[0].split('.').map(|p| p.parse::<u32>().unwrap_or(0));
-    Ok(Torch {
-        version: (v.next().unwrap_or(0), v.next().unwrap_or(0)),
-        include: lines[1].into(),
-        lib: lines[2].into(),
-        cxx11_abi: lines[3] == "1",
-        python_include: lines[4].into(),
-    })
+    Torch::parse(&String::from_utf8_lossy(&out.stdout))
 }
 
 fn find_torch() -> Torch {
+    if let Some(file) = std::env::var_os("XCCL_RS_TORCH_FLAGS").filter(|f| !f.is_empty()) {
+        println!("cargo:rerun-if-changed={}", file.to_string_lossy());
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("XCCL_RS_TORCH_FLAGS={}: {e}", file.to_string_lossy()));
+        return Torch::parse(&text).unwrap_or_else(|e| panic!("XCCL_RS_TORCH_FLAGS={}: {e}", file.to_string_lossy()));
+    }
     let mut errors = Vec::new();
     for python in candidates() {
         for isolated in [false, true] {
@@ -85,7 +96,8 @@ fn find_torch() -> Torch {
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    for v in ["XCCL_RS_PYTHON", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE"] {
+    println!("cargo:rerun-if-changed={FLAGS_SCRIPT}");
+    for v in ["XCCL_RS_PYTHON", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "XCCL_RS_TORCH_FLAGS"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     if std::env::var_os("CARGO_FEATURE_BRIDGE").is_none() {
@@ -101,27 +113,22 @@ fn build_bridge() {
         export_bridge(PathBuf::from(dir));
         return;
     }
-    let torch = find_torch();
-    if torch.version < (2, 8) {
-        panic!("\n\nxccl_rs needs torch >= 2.8, found {}.{}\n", torch.version.0, torch.version.1);
-    }
-    // torch >= 2.12 headers require C++20; older ones build with it too.
-    let std_flag = "-std=c++20";
+    let torch = find_torch(); // the script refuses torch older than 2.8
     let sources = ["csrc/backend.cc", "csrc/device.cc", "csrc/work.cc", "csrc/store.cc", "csrc/module.cc"];
     let mut build = cxx_build::bridge("src/ffi.rs");
     build
         .files(sources)
         .include("csrc/include")
-        .include(&torch.include)
-        .include(torch.include.join("torch/csrc/api/include"))
+        .includes(&torch.include_dirs)
         .include(&torch.python_include)
-        .flag(std_flag)
         .flag("-fvisibility=hidden")
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-missing-field-initializers")
-        .define("_GLIBCXX_USE_CXX11_ABI", if torch.cxx11_abi { "1" } else { "0" })
         .define("TORCH_EXTENSION_NAME", "_C")
         .opt_level(2);
+    for flag in &torch.cxx_flags {
+        build.flag(flag); // C++ standard, C++ ABI, pybind11's ABI tags
+    }
     build.compile("xccl_rs_bridge");
     for f in sources.iter().chain(["csrc/include/xccl_rs/backend.h", "csrc/include/xccl_rs/device.h", "csrc/include/xccl_rs/work.h", "csrc/include/xccl_rs/store.h", "src/ffi.rs"].iter()) {
         println!("cargo:rerun-if-changed={f}");
