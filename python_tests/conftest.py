@@ -25,8 +25,24 @@ def _has_accelerator() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
+# The smoke suite (`pytest -m smoke`), run on every torch of the version matrix
+# (scripts/torch_matrix.sh): registration, every collective at 2 ranks, AVG and PREMUL_SUM, size
+# and dtype mismatches, a private group and a weight-sync round trip. Node-id prefixes.
+SMOKE = [
+    "test_registration.py::test_init_env",
+    "test_registration.py::test_init_explicit_store",
+    "test_collectives.py::test_collective[w2-",
+    "test_avg_premul.py::test_avg_premul[w2]",
+    "test_errors.py::test_size_mismatch_raises_everywhere",
+    "test_errors.py::test_dtype_mismatch_raises_everywhere",
+    "test_private_group.py::test_private_group_without_default_world",
+    "test_weight_sync.py::test_round_trips",
+]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA or XPU device (skipped otherwise)")
+    config.addinivalue_line("markers", "smoke: the per-torch-version smoke suite (conftest.SMOKE)")
 
 
 def pytest_report_header(config):
@@ -34,6 +50,9 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.nodeid.split("/")[-1].startswith(prefix) for prefix in SMOKE):
+            item.add_marker(pytest.mark.smoke)
     if _has_accelerator():
         return
     skip = pytest.mark.skip(reason="no CUDA/XPU device available")

@@ -28,7 +28,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "== installing ${XCCL_RS_TORCH:-torch} from PyPI (about 3 GB, a minute or two)"
   "$PY" -m pip install -q "${XCCL_RS_TORCH:-torch}"
 fi
-"$PY" -m pip install -q "setuptools>=68" "setuptools-rust>=1.9" wheel pytest numpy tqdm
+# Build tools (setuptools-rust for the extension; cmake and ninja for the C++ package's test and
+# the emulated XPU device of the tests), and the test tools.
+"$PY" -m pip install -q "setuptools>=68" "setuptools-rust>=1.9" wheel pytest numpy tqdm cmake ninja
 
 echo "== building xccl_rs against torch $("$PY" -c 'import torch; print(torch.__version__)')"
 # --no-build-isolation: the extension must be compiled against the torch installed here.

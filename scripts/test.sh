@@ -26,4 +26,11 @@ if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: that is a failure, not a pass" >&2
   exit 1
 fi
+
+# The oldest torch we support, besides the newest above: the smoke suite against torch 2.8
+# (its own venv in the cache, kept for the next run). XCCL_RS_TEST_OLDEST=0 skips it.
+if [ "${XCCL_RS_TEST_OLDEST:-1}" != 0 ]; then
+  echo "== torch 2.8: build and smoke suite (scripts/torch_matrix.sh 2.8)"
+  XCCL_RS_MATRIX_KEEP=1 "$ROOT/scripts/torch_matrix.sh" 2.8 || rc=1
+fi
 exit "$rc"

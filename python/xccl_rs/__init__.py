@@ -12,12 +12,61 @@ through the ``torch.distributed.backends`` entry point of this package.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import _C  # the Rust cdylib, which is also this Python extension
+REBUILD = "pip install --force-reinstall --no-deps . (in the xccl_rs source directory)"
+
+
+def _running_torch() -> tuple[str, bool]:
+    """(major.minor, C++11 ABI) of the torch in this process."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2]), bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def _mismatch(built: tuple[str, bool | None]) -> ImportError:
+    def name(v: str, abi: bool | None) -> str:
+        return f"torch {v}" + ("" if abi is None else f" ({'C++11' if abi else 'pre-C++11'} ABI)")
+
+    running = _running_torch()
+    return ImportError(
+        f"xccl_rs was compiled against {name(*built)} but is being loaded into {name(*running)}, "
+        f"and a c10d backend only works in the torch it was compiled against: rebuild it with `{REBUILD}`"
+    )
+
+
+def _load_extension():
+    """Imports the compiled module, after checking (where the build recorded it, in
+    _build_info.py) that it was compiled against this torch: loading it into another one could
+    fail on a missing symbol or, worse, run with another c10d::Backend layout."""
+    try:
+        from . import _build_info
+    except ImportError:  # built without setup.py (cargo, scripts/gpu): _C says below
+        built = None
+    else:
+        built = (_build_info.TORCH_VERSION, _build_info.TORCH_CXX11_ABI)
+        if built != _running_torch():
+            raise _mismatch(built)
+    if importlib.util.find_spec(f"{__name__}._C") is None:
+        raise ImportError(
+            f"xccl_rs at {os.path.dirname(__file__)} has no compiled extension (_C): it was installed "
+            f"without its build; rebuild it with `{REBUILD}`"
+        )
+    try:
+        from . import _C
+    except ImportError as e:
+        if built is not None or "undefined symbol" not in str(e):
+            raise
+        raise _mismatch(("an unknown version", None)) from e
+    if _C.torch_version_built != _running_torch()[0]:
+        raise _mismatch((_C.torch_version_built, None))
+    return _C
+
+
+_C = _load_extension()
 
 __all__ = ["BACKEND_NAME", "destroy_group", "new_group", "register", "torch_version_built"]
 __version__ = "0.1.0"
@@ -27,16 +76,6 @@ DEVICES = ["cpu", "xpu", "cuda"]
 
 #: The torch version (major.minor) the native module was compiled against.
 torch_version_built: str = _C.torch_version_built
-
-
-def _check_torch_version() -> None:
-    running = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    if running != torch_version_built:
-        raise ImportError(
-            f"xccl_rs was built against torch {torch_version_built} but torch {running} is "
-            "installed; the c10d Backend ABI changes between torch releases, so rebuild xccl_rs "
-            "(pip install --force-reinstall --no-build-isolation .)"
-        )
 
 
 def _timeout_of(opts) -> timedelta:
@@ -121,5 +160,4 @@ def destroy_group(group: dist.ProcessGroup) -> None:
     group.shutdown()
 
 
-_check_torch_version()
 register()

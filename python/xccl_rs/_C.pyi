@@ -1,0 +1,19 @@
+# Type stubs of the compiled module (csrc/module.cc).
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+torch_version_built: str
+
+def create_backend(
+    store: dist.Store, rank: int, size: int, timeout: timedelta, group_id: str = ""
+) -> dist.Backend: ...
+def new_process_group(
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    name: str,
+    device: torch.device | None = None,
+) -> dist.ProcessGroup: ...

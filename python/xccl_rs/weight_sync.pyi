@@ -1,0 +1,70 @@
+# Type stubs of the weight-sync engine's public API (python/xccl_rs/weight_sync.py).
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Union
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES: int
+MIN_BUCKET_BYTES: int
+
+_Device = Union[str, torch.device, None]
+_NamedTensors = Union[Iterable[tuple[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+class WeightSyncError(RuntimeError): ...
+
+class SyncStats:
+    bytes: int
+    tensors: int
+    buckets: int
+    seconds: float
+    shared_window: bool
+    def __init__(
+        self, bytes: int = 0, tensors: int = 0, buckets: int = 0, seconds: float = 0.0, shared_window: bool = False
+    ) -> None: ...
+    @property
+    def gbps(self) -> float: ...
+
+def plan_buckets(named_tensors: _NamedTensors, bucket_bytes: int) -> list[list[list[object]]]: ...
+
+class SendStream:
+    def add(self, name: str, t: torch.Tensor) -> None: ...
+    def finish(self) -> SyncStats: ...
+    def abort(self, reason: str = "the sender gave up") -> None: ...
+
+class WeightSender:
+    group: dist.ProcessGroup
+    src: int
+    bucket_bytes: int
+    device: torch.device
+    shared_memory: bool
+    last_stats: SyncStats | None
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        src: int = 0,
+        bucket_bytes: int = ...,
+        device: _Device = None,
+        shared_memory: bool | None = None,
+    ) -> None: ...
+    def release(self) -> None: ...
+    def send(self, named_tensors: _NamedTensors, progress: bool = False) -> SyncStats: ...
+    def stream(self, progress: bool = False, total_bytes: int | None = None) -> SendStream: ...
+
+class WeightReceiver:
+    group: dist.ProcessGroup
+    src: int
+    bucket_bytes: int | None
+    bucket_device: torch.device
+    device: torch.device
+    last_stats: SyncStats | None
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        src: int = 0,
+        bucket_bytes: int | None = None,
+        device: _Device = None,
+        bucket_device: _Device = None,
+    ) -> None: ...
+    def release(self) -> None: ...
+    def receive(self, progress: bool = False, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]: ...
