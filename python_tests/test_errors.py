@@ -492,3 +492,26 @@ def test_dead_peer_raises_on_survivors(warmup):
             probs.append(f"rank {r}: {m}")
     assert res.exitcodes.get(1) == 1, f"victim exit code {res.exitcodes.get(1)}"
     assert not probs, "\n".join(probs)
+
+
+def w_invalid_setting(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(harness.BACKEND, store=ctx().connect_store(), rank=rank, world_size=world_size,
+                                timeout=ctx().timeout())
+        dist.all_reduce(torch.ones(1))
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.skipif(IS_GLOO, reason="XCCL_RS_* settings concern xccl_rs")
+def test_invalid_setting_fails_every_rank():
+    """XCCL_RS_TRANSPORT=shm is not a transport: every rank's group creation fails, naming the
+    variable and the allowed values (it used to mean `auto`, silently)."""
+    res = run_ranks(2, w_invalid_setting, init="none", timeout_s=90, env={"XCCL_RS_TRANSPORT": "shm"})
+    for r in range(2):
+        msg = res.value(r)
+        assert msg and "XCCL_RS_TRANSPORT" in msg and '"shm"' in msg and "`auto`, `tcp`" in msg, f"rank {r}: {msg}"

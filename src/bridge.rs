@@ -72,7 +72,7 @@ pub fn new_comm(store: cxx::UniquePtr<StoreRef>, rank: i32, size: i32, timeout_m
         if rank < 0 || size <= 0 {
             return Err(CommError::invalid(format!("xccl_rs: invalid rank {rank} / size {size}")));
         }
-        let config = Config::from_env(Duration::from_millis(timeout_ms));
+        let config = Config::from_env(Duration::from_millis(timeout_ms)).map_err(|e| CommError::invalid(e.to_string()))?;
         let store = BridgeStore(store);
         Communicator::new(&store, rank as usize, size as usize, config).map(|c| Box::new(RustComm(c)))
     })

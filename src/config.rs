@@ -1,65 +1,14 @@
-//! Every `XCCL_RS_*` environment variable, its default and its meaning. `docs/env.md` lists the
-//! same table for users; keep the two in step.
+//! Every `XCCL_RS_*` runtime setting, declared once: one row of the `settings!` table below
+//! gives a setting's field, variable, type, default, parser and doc (NCCL's `NCCL_PARAM`). The
+//! macro derives the [`Config`] struct, its defaults ([`Config::with_timeout`]), the reading of
+//! the environment ([`Config::from_env`]) and the list of names ([`SETTINGS`]), which a test
+//! compares with `docs/env.md`.
 //!
-//! | variable | default | field |
-//! |---|---|---|
-//! | `XCCL_RS_SEGMENT_BYTES` | 1 MiB | `segment_bytes` |
-//! | `XCCL_RS_SOCKET_HOST` | this host's address | `socket_host` |
-//! | `XCCL_RS_TRANSPORT` | `auto` | `transport` |
-//! | `XCCL_RS_HOST_ID` | unset (hostname + /dev/shm identity) | `host_id`: ranks with equal ids count as one host |
-//! | `XCCL_RS_SHM_CHUNK_BYTES` | 4 MiB | `shm_chunk_bytes` |
-//! | `XCCL_RS_SHM_ONESHOT_BYTES` | 64 KiB | `shm_oneshot_bytes` |
-//! | `XCCL_RS_SPIN_US` | 50 | `spin` |
-//! | `XCCL_RS_THREADS` | 0 (auto) | `threads` |
-//! | `XCCL_RS_THREAD_MIN_BYTES` | 256 KiB | `thread_min_bytes` |
-//! | `XCCL_RS_LOG` | off | [`init_logging`] |
+//! An unset or empty variable takes the default. A set one that does not parse is an error
+//! naming the variable, its value and what is allowed, never a silent default: a typo in
+//! `XCCL_RS_TRANSPORT=shm` must not quietly mean `auto`.
 
 use std::time::Duration;
-
-/// Settings read once per communicator.
-#[derive(Clone, Debug)]
-pub struct Config {
-    /// `XCCL_RS_SEGMENT_BYTES` (default 1 MiB): bytes a reduction receives from each peer per
-    /// round. Bounds the scratch memory of a reduction to `(world_size - 1) * segment`.
-    pub segment_bytes: usize,
-    /// `XCCL_RS_SOCKET_HOST` (default: this host's address as its hostname resolves, else
-    /// 127.0.0.1): the address peers use to reach this rank.
-    pub socket_host: Option<String>,
-    /// The group timeout: every operation, and the connection set-up, must finish within it.
-    pub timeout: Duration,
-    /// `XCCL_RS_TRANSPORT` (default `auto`): `auto` uses shared memory between ranks on the
-    /// same host (same hostname and same /dev/shm) and TCP between hosts; `tcp` forces TCP
-    /// between every pair.
-    pub transport: TransportChoice,
-    /// `XCCL_RS_HOST_ID` (default unset: hostname and /dev/shm's device and inode): when set,
-    /// replaces this rank's host identity. Ranks with equal ids count as one host: for
-    /// containers that share /dev/shm under different hostnames, and for tests (one process
-    /// posing as several hosts). A group whose ranks span several hosts uses shared memory
-    /// within each host and TCP between hosts.
-    pub host_id: Option<String>,
-    /// `XCCL_RS_SHM_CHUNK_BYTES` (default 4 MiB): bytes of each of the two data slots of a
-    /// rank's shared-memory segment; a segment is `2 * chunk + 4 KiB`. Collectives move larger
-    /// tensors in blocks of this size, double-buffered.
-    pub shm_chunk_bytes: usize,
-    /// `XCCL_RS_SHM_ONESHOT_BYTES` (default 64 KiB): all-reduces up to this size use the
-    /// one-shot path (every rank reduces the whole tensor from every rank's slot: one
-    /// synchronization instead of two).
-    pub shm_oneshot_bytes: usize,
-    /// `XCCL_RS_SPIN_US` (default 50): how long a waiting rank spins before it sleeps on a futex.
-    pub spin: Duration,
-    /// `XCCL_RS_THREADS` (default 0: the cores available to this process divided by the ranks
-    /// on this host, at most 8): threads a rank uses for the copies and reductions of large
-    /// shared-memory blocks.
-    pub threads: usize,
-    /// `XCCL_RS_THREAD_MIN_BYTES` (default 256 KiB): the smallest piece of a block step a
-    /// helper thread takes; smaller steps stay on one thread.
-    pub thread_min_bytes: usize,
-    /// `XCCL_RS_PIPELINE_CHUNK_BYTES` (default 16 MiB, a power of two, at least 64 KiB; other
-    /// values are rounded down to one): larger collectives run in chunks of this many bytes
-    /// per buffer (src/pipeline.rs), so that the copies of accelerator tensors to and from the
-    /// host overlap the communication. Must be the same on every rank.
-    pub pipeline_chunk_bytes: usize,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportChoice {
@@ -68,12 +17,129 @@ pub enum TransportChoice {
 }
 
 pub const DEFAULT_SHM_CHUNK_BYTES: usize = 4 << 20;
-
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
-
 pub const DEFAULT_THREAD_MIN_BYTES: usize = 256 << 10;
-
 pub const DEFAULT_PIPELINE_CHUNK_BYTES: usize = 16 << 20;
+
+/// A setting whose value does not parse: names the variable, the value and what is allowed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidSetting {
+    pub name: &'static str,
+    pub value: String,
+    pub allowed: String,
+}
+
+impl std::fmt::Display for InvalidSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "xccl_rs: {}={:?} is not valid: expected {}", self.name, self.value, self.allowed)
+    }
+}
+
+impl std::error::Error for InvalidSetting {}
+
+/// A parser turns a variable's trimmed text into the setting's value, or says what is allowed.
+type Parse<T> = fn(&str) -> Result<T, String>;
+
+macro_rules! settings {
+    ($( $(#[doc = $doc:literal])* $field:ident : $ty:ty = $name:literal, default $default:expr, parse $parse:expr; )*) => {
+        /// Settings read once per communicator (the module doc says how).
+        #[derive(Clone, Debug)]
+        pub struct Config {
+            /// The group timeout: every operation, and the connection set-up, must finish within it.
+            pub timeout: Duration,
+            $( $(#[doc = $doc])* pub $field: $ty, )*
+        }
+
+        /// The variable of every runtime setting, plus `XCCL_RS_LOG` ([`init_logging`]).
+        pub const SETTINGS: &[&str] = &[$($name,)* "XCCL_RS_LOG"];
+
+        impl Config {
+            /// Defaults with the given timeout, for tests and embedders.
+            pub fn with_timeout(timeout: Duration) -> Config {
+                Config { timeout, $( $field: $default, )* }
+            }
+
+            /// Reads the environment; `timeout` comes from the group (`init_process_group(timeout=...)`).
+            pub fn from_env(timeout: Duration) -> Result<Config, InvalidSetting> {
+                Config::from_lookup(timeout, |name| std::env::var(name).ok())
+            }
+
+            /// [`Config::from_env`] over any source of variables (tests).
+            pub fn from_lookup(timeout: Duration, lookup: impl Fn(&str) -> Option<String>) -> Result<Config, InvalidSetting> {
+                let mut config = Config::with_timeout(timeout);
+                $(
+                    if let Some(value) = lookup($name).filter(|v| !v.trim().is_empty()) {
+                        let parse: Parse<$ty> = $parse;
+                        config.$field = parse(value.trim())
+                            .map_err(|allowed| InvalidSetting { name: $name, value: value.clone(), allowed })?;
+                    }
+                )*
+                Ok(config)
+            }
+        }
+    };
+}
+
+settings! {
+    /// `XCCL_RS_SEGMENT_BYTES` (default 1 MiB, at least 64): bytes a reduction receives from
+    /// each peer per round over TCP. Bounds its scratch memory to `(world_size - 1) * segment`.
+    segment_bytes: usize = "XCCL_RS_SEGMENT_BYTES", default DEFAULT_SEGMENT_BYTES, parse |v| bytes_at_least(v, 64);
+    /// `XCCL_RS_SOCKET_HOST` (default: this host's address as its hostname resolves, else
+    /// 127.0.0.1): the address peers use to reach this rank.
+    socket_host: Option<String> = "XCCL_RS_SOCKET_HOST", default None, parse |v| Ok(Some(v.to_string()));
+    /// `XCCL_RS_TRANSPORT` (default `auto`): `auto` uses shared memory between ranks on the
+    /// same host (same hostname and same /dev/shm) and TCP between hosts; `tcp` forces TCP
+    /// between every pair.
+    transport: TransportChoice = "XCCL_RS_TRANSPORT", default TransportChoice::Auto, parse transport;
+    /// `XCCL_RS_HOST_ID` (default unset: hostname and /dev/shm's device and inode): when set,
+    /// replaces this rank's host identity. Ranks with equal ids count as one host: for
+    /// containers that share /dev/shm under different hostnames, and for tests (one process
+    /// posing as several hosts). A group whose ranks span several hosts uses shared memory
+    /// within each host and TCP between hosts.
+    host_id: Option<String> = "XCCL_RS_HOST_ID", default None, parse |v| Ok(Some(v.to_string()));
+    /// `XCCL_RS_SHM_CHUNK_BYTES` (default 4 MiB, at least 4096, rounded down to a multiple of
+    /// 64): bytes of each of the two data slots of a rank's shared-memory segment; a segment is
+    /// `2 * chunk + 4 KiB`. Collectives move larger tensors in blocks of this size, double-buffered.
+    shm_chunk_bytes: usize = "XCCL_RS_SHM_CHUNK_BYTES", default DEFAULT_SHM_CHUNK_BYTES, parse |v| bytes_at_least(v, 4096).map(|b| b / 64 * 64);
+    /// `XCCL_RS_SHM_ONESHOT_BYTES` (default 64 KiB): all-reduces up to this size use the
+    /// one-shot path (every rank reduces the whole tensor from every rank's slot: one
+    /// synchronization instead of two).
+    shm_oneshot_bytes: usize = "XCCL_RS_SHM_ONESHOT_BYTES", default 64 << 10, parse |v| bytes_at_least(v, 0);
+    /// `XCCL_RS_SPIN_US` (default 50): how long a waiting rank spins before it sleeps on a futex.
+    spin: Duration = "XCCL_RS_SPIN_US", default Duration::from_micros(50), parse |v| number(v, "microseconds").map(Duration::from_micros);
+    /// `XCCL_RS_THREADS` (default 0: the cores available to this process divided by the ranks
+    /// on this host, at most 8): threads a rank uses for the copies and reductions of large
+    /// shared-memory blocks.
+    threads: usize = "XCCL_RS_THREADS", default 0, parse |v| bytes_at_least(v, 0);
+    /// `XCCL_RS_THREAD_MIN_BYTES` (default 256 KiB): the smallest piece of a block step a
+    /// helper thread takes; smaller steps stay on one thread.
+    thread_min_bytes: usize = "XCCL_RS_THREAD_MIN_BYTES", default DEFAULT_THREAD_MIN_BYTES, parse |v| bytes_at_least(v, 0);
+    /// `XCCL_RS_PIPELINE_CHUNK_BYTES` (default 16 MiB, a power of two, at least 64 KiB; other
+    /// values are rounded down to one): larger collectives run in chunks of this many bytes
+    /// per buffer (src/pipeline.rs), so that the copies of accelerator tensors to and from the
+    /// host overlap the communication. Must be the same on every rank.
+    pipeline_chunk_bytes: usize = "XCCL_RS_PIPELINE_CHUNK_BYTES", default DEFAULT_PIPELINE_CHUNK_BYTES, parse |v| bytes_at_least(v, 0).map(pipeline_chunk);
+}
+
+fn number(v: &str, what: &str) -> Result<u64, String> {
+    v.parse().map_err(|_| format!("a whole number of {what}"))
+}
+
+fn bytes_at_least(v: &str, min: usize) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(b) if b >= min => Ok(b),
+        _ if min > 0 => Err(format!("a whole number of bytes, at least {min}")),
+        _ => Err("a whole number".to_string()),
+    }
+}
+
+fn transport(v: &str) -> Result<TransportChoice, String> {
+    match v.to_ascii_lowercase().as_str() {
+        "auto" => Ok(TransportChoice::Auto),
+        "tcp" => Ok(TransportChoice::Tcp),
+        _ => Err("one of `auto`, `tcp`".to_string()),
+    }
+}
 
 /// The largest power of two ≤ `bytes`, at least 64 KiB.
 fn pipeline_chunk(bytes: usize) -> usize {
@@ -82,31 +148,6 @@ fn pipeline_chunk(bytes: usize) -> usize {
 }
 
 impl Config {
-    /// Reads the environment; `timeout` comes from the group (`init_process_group(timeout=...)`).
-    pub fn from_env(timeout: Duration) -> Config {
-        Config {
-            segment_bytes: env_usize("XCCL_RS_SEGMENT_BYTES")
-                .filter(|&b| b >= 64)
-                .unwrap_or(DEFAULT_SEGMENT_BYTES),
-            socket_host: std::env::var("XCCL_RS_SOCKET_HOST").ok().filter(|s| !s.is_empty()),
-            timeout,
-            transport: match std::env::var("XCCL_RS_TRANSPORT").unwrap_or_default().trim().to_ascii_lowercase().as_str() {
-                "tcp" => TransportChoice::Tcp,
-                _ => TransportChoice::Auto,
-            },
-            host_id: std::env::var("XCCL_RS_HOST_ID").ok().filter(|s| !s.trim().is_empty()),
-            shm_chunk_bytes: env_usize("XCCL_RS_SHM_CHUNK_BYTES")
-                .filter(|&b| b >= 4096)
-                .map(|b| b / 64 * 64)
-                .unwrap_or(DEFAULT_SHM_CHUNK_BYTES),
-            shm_oneshot_bytes: env_usize("XCCL_RS_SHM_ONESHOT_BYTES").unwrap_or(64 << 10),
-            spin: Duration::from_micros(env_usize("XCCL_RS_SPIN_US").unwrap_or(50) as u64),
-            threads: env_usize("XCCL_RS_THREADS").unwrap_or(0),
-            thread_min_bytes: env_usize("XCCL_RS_THREAD_MIN_BYTES").unwrap_or(DEFAULT_THREAD_MIN_BYTES),
-            pipeline_chunk_bytes: pipeline_chunk(env_usize("XCCL_RS_PIPELINE_CHUNK_BYTES").unwrap_or(DEFAULT_PIPELINE_CHUNK_BYTES)),
-        }
-    }
-
     /// The threads a rank uses when `local_ranks` ranks share this host (see `threads`).
     pub fn threads_for(&self, local_ranks: usize) -> usize {
         if self.threads > 0 {
@@ -115,27 +156,6 @@ impl Config {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         (cores / local_ranks.max(1)).clamp(1, 8)
     }
-
-    /// Defaults with the given timeout, for tests and embedders.
-    pub fn with_timeout(timeout: Duration) -> Config {
-        Config {
-            segment_bytes: DEFAULT_SEGMENT_BYTES,
-            socket_host: None,
-            timeout,
-            transport: TransportChoice::Auto,
-            host_id: None,
-            shm_chunk_bytes: DEFAULT_SHM_CHUNK_BYTES,
-            shm_oneshot_bytes: 64 << 10,
-            spin: Duration::from_micros(50),
-            threads: 0,
-            thread_min_bytes: DEFAULT_THREAD_MIN_BYTES,
-            pipeline_chunk_bytes: DEFAULT_PIPELINE_CHUNK_BYTES,
-        }
-    }
-}
-
-fn env_usize(name: &str) -> Option<usize> {
-    std::env::var(name).ok()?.trim().parse().ok()
 }
 
 /// `XCCL_RS_LOG` (default off): a `tracing` filter such as `info` or `xccl_rs=debug`; logs go to
@@ -151,4 +171,70 @@ pub fn init_logging() {
                 .try_init();
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn from(vars: &[(&str, &str)]) -> Result<Config, InvalidSetting> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(Duration::from_secs(1), |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn unset_and_empty_take_the_defaults() {
+        let c = from(&[("XCCL_RS_TRANSPORT", " "), ("XCCL_RS_SPIN_US", "")]).unwrap();
+        assert_eq!(c.transport, TransportChoice::Auto);
+        assert_eq!(c.spin, Duration::from_micros(50));
+        assert_eq!(c.segment_bytes, DEFAULT_SEGMENT_BYTES);
+        assert_eq!(c.pipeline_chunk_bytes, DEFAULT_PIPELINE_CHUNK_BYTES);
+    }
+
+    #[test]
+    fn values_parse_and_round_as_documented() {
+        let c = from(&[
+            ("XCCL_RS_TRANSPORT", "TCP"),
+            ("XCCL_RS_SHM_CHUNK_BYTES", "5000"),
+            ("XCCL_RS_PIPELINE_CHUNK_BYTES", "100000"),
+            ("XCCL_RS_SPIN_US", " 7 "),
+            ("XCCL_RS_HOST_ID", "a"),
+        ])
+        .unwrap();
+        assert_eq!(c.transport, TransportChoice::Tcp);
+        assert_eq!(c.shm_chunk_bytes, 4992);
+        assert_eq!(c.pipeline_chunk_bytes, 65536);
+        assert_eq!(c.spin, Duration::from_micros(7));
+        assert_eq!(c.host_id.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn invalid_values_name_the_variable_and_what_is_allowed() {
+        let cases = [
+            ("XCCL_RS_TRANSPORT", "shm", "one of `auto`, `tcp`"),
+            ("XCCL_RS_SEGMENT_BYTES", "32", "at least 64"),
+            ("XCCL_RS_SHM_CHUNK_BYTES", "4k", "at least 4096"),
+            ("XCCL_RS_SPIN_US", "-1", "microseconds"),
+            ("XCCL_RS_THREADS", "many", "a whole number"),
+        ];
+        for (name, value, allowed) in cases {
+            let err = from(&[(name, value)]).unwrap_err();
+            assert_eq!((err.name, err.value.as_str()), (name, value));
+            let text = err.to_string();
+            assert!(text.contains(name) && text.contains(value) && text.contains(allowed), "{text}");
+        }
+    }
+
+    /// docs/env.md's runtime table lists exactly the declared settings.
+    #[test]
+    fn docs_list_exactly_the_declared_settings() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/env.md")).unwrap();
+        let runtime = doc.split("## Runtime").nth(1).unwrap().split("\n## ").next().unwrap();
+        let mut documented: Vec<&str> =
+            runtime.lines().filter_map(|l| l.strip_prefix("| `")).filter_map(|l| l.split('`').next()).collect();
+        let mut declared = SETTINGS.to_vec();
+        documented.sort();
+        declared.sort();
+        assert_eq!(documented, declared, "docs/env.md's Runtime table vs config.rs's settings");
+    }
 }

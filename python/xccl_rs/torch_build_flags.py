@@ -11,12 +11,12 @@ The flags are what torch's own ``torch.utils.cpp_extension`` would use, without 
 ninja machinery:
 - C++20: torch >= 2.12 headers refuse anything older, and older headers accept it.
 - ``_GLIBCXX_USE_CXX11_ABI`` as torch was built.
-- On torch < 2.10, pybind11's ABI tags (``PYBIND11_COMPILER_TYPE``, ``PYBIND11_STDLIB``,
-  ``PYBIND11_BUILD_ABI``) as torch reports them. pybind11 2.x shares its type registry only
+- Where torch exports them (torch 2.8 does, 2.15 does not), pybind11's ABI tags
+  (``PYBIND11_COMPILER_TYPE``, ``PYBIND11_STDLIB``, ``PYBIND11_BUILD_ABI``) as torch reports them. pybind11 2.x shares its type registry only
   between modules with equal tags, and the tags follow the compiler (g++ 12 says _cxxabi1017,
-  torch 2.8 was built with _cxxabi1016): with other tags, our module cannot see torch's
-  ``c10d::Store`` type, and the backend creator rejects torch's PrefixStore. pybind11 3
-  (torch >= 2.10) decides compatibility itself, and torch stops exporting the tags.
+  torch 2.8 reports _cxxabi1018): with other tags, our module cannot see torch's
+  ``c10d::Store`` type, and the backend creator rejects torch's PrefixStore. Newer pybind11
+  decides compatibility itself, and torch stops exporting the tags.
 """
 
 from __future__ import annotations
