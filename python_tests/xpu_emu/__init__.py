@@ -12,10 +12,11 @@ source changes and locks the directory, so that ranks starting together build it
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = ["runtime.cc", "memory.cc", "kernels.cc", "module.cc"]
+_SOURCES = ["runtime.cc", "memory.cc", "kernels.cc", "c10d_ops.cc", "module.cc"]
 _EXT = None
 
 # For harness.run_ranks(setup=...): a (module, function) reference a spawned rank resolves.
@@ -96,4 +97,16 @@ def activate():
     xpu.set_device = lambda device: ext.set_device(_index(device) if _index(device) >= 0 else 0)
     xpu.synchronize = lambda device=None: ext.synchronize(_index(device))
     xpu.current_stream = lambda device=None: ext.current_stream(_index(device))
+    xpu.stream = stream
     return ext
+
+
+@contextlib.contextmanager
+def stream(s):
+    """Makes the XPU ``torch.Stream`` ``s`` current inside the block (torch.xpu.stream)."""
+    ext = load()
+    old = ext.exchange_stream(s.stream_id, s.device_index)
+    try:
+        yield s
+    finally:
+        ext.exchange_stream(old, s.device_index)

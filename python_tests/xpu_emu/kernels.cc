@@ -2,6 +2,9 @@
 // copies, fill_ and zero_ are tasks on the current stream (runtime.h); every other op takes
 // the boxed CPU fallback, whose copies to the CPU wait for the current stream and whose
 // results go back as tasks on it, so that it too runs in stream order.
+#include <cstdio>
+#include <cstdlib>
+
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/native/CPUFallback.h>
@@ -56,6 +59,12 @@ void copy_on_stream(const at::Tensor& src, const at::Tensor& dst, bool non_block
     return;
   }
   const c10::DeviceIndex device = dst.is_xpu() ? dst.device().index() : src.device().index();
+  static const bool trace = std::getenv("XCCL_RS_XPU_EMU_TRACE") != nullptr;
+  if (trace) {
+    std::fprintf(stderr, "xpu_emu: copy %s %p -> %s %p, %zu bytes, on stream %lld%s\n", src.device().str().c_str(),
+                 src.data_ptr(), dst.device().str().c_str(), dst.data_ptr(), static_cast<size_t>(dst.nbytes()),
+                 static_cast<long long>(current_stream(device).id()), non_blocking ? "" : " (blocking)");
+  }
   enqueue_current(device, [src, dst] { host_view(dst).copy_(host_view(src)); });
   if (!non_blocking && (src.is_cpu() || dst.is_cpu())) {
     worker(current_stream(device)).synchronize();
@@ -98,6 +107,8 @@ at::Tensor& zero_(at::Tensor& self) {
 }
 
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  // Only ATen ops have CPU kernels that mean the same thing (c10d ops: c10d_ops.cc).
+  TORCH_CHECK(op.schema().name().rfind("aten::", 0) == 0, "xpu_emu: no XPU kernel for ", op.schema().name());
   at::native::cpu_fallback(op, stack);
 }
 

@@ -35,6 +35,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](int index) { return py::reinterpret_steal<py::object>(THPStream_Wrap(current_stream(resolve(index)))); },
       py::arg("index") = -1);
   m.def(
+      "exchange_stream",
+      [](int64_t stream_id, int device_index) {
+        const c10::Stream s(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::XPU, resolve(device_index)), stream_id);
+        return exchange_stream(s).id();
+      },
+      "Makes the stream current on its device; returns the previous one's id (torch.Stream's "
+      "`with` asks the build's accelerator, not the stream's device type).");
+  m.def(
       "sleep_ms",
       [](double ms) {
         const auto us = static_cast<int64_t>(ms * 1000);
