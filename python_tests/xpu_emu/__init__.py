@@ -98,6 +98,14 @@ def activate():
     xpu.synchronize = lambda device=None: ext.synchronize(_index(device))
     xpu.current_stream = lambda device=None: ext.current_stream(_index(device))
     xpu.stream = stream
+    # torch's Python asks torch.accelerator which device type the build supports (e.g.
+    # init_process_group(device_id=...)); an XPU build answers xpu. (c10's at::getAccelerator
+    # still answers the build's own accelerator: docs/testing.md.)
+    acc = torch.accelerator
+    acc.current_accelerator = lambda check_available=False: torch.device("xpu", ext.current_device())
+    acc.device_count = ext.device_count
+    acc.is_available = lambda: True
+    acc.current_device_index = ext.current_device
     return ext
 
 
