@@ -3,17 +3,35 @@
 
 #include <algorithm>
 
+#include <ATen/EmptyTensor.h>
 #include <c10/util/Exception.h>
+
+#include "xccl_rs/version.h"
+#if XCCL_RS_TORCH_AT_LEAST(2, 8)
+#include <ATen/core/CachingHostAllocator.h>
+#endif
 
 namespace xccl_rs {
 
 namespace {
 
-// Pinned (page-locked) host memory from the device runtime's caching host allocator: copies
-// to and from it run asynchronously, and the allocator keeps a block until the copies that
-// use it have finished.
+// Pinned (page-locked) host memory from the caching host allocator of `device_type`'s
+// runtime: copies to and from it run asynchronously, and the allocator keeps a block until
+// the copies that use it have finished. Taken from that device type's allocator
+// (at::getHostAllocator, torch >= 2.8), not with pinned_memory(true), which asks the build's
+// accelerator (at::getAccelerator: CUDA in a CUDA build, whatever the tensor's device).
+at::Tensor pinned(at::IntArrayRef sizes, at::ScalarType dtype, c10::DeviceType device_type) {
+#if XCCL_RS_TORCH_AT_LEAST(2, 8)
+  return at::detail::empty_generic(sizes, at::getHostAllocator(device_type), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   dtype, at::MemoryFormat::Contiguous);
+#else
+  (void)device_type;
+  return at::empty(sizes, at::TensorOptions().dtype(dtype).pinned_memory(true), at::MemoryFormat::Contiguous);
+#endif
+}
+
 at::Tensor pinned_like(const at::Tensor& t) {
-  return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true), at::MemoryFormat::Contiguous);
+  return pinned(t.sizes(), t.scalar_type(), t.device().type());
 }
 
 // Placeholder addresses start here: above every user-space address (x86-64 with 5-level
@@ -158,8 +176,7 @@ void DeviceStaging::plan_window() {
   window_sets_ = sets;
   window_slots_ = slots;
   slot_bytes_ = slot_bytes;
-  window_ = at::empty(
-      {static_cast<int64_t>(sets * slots * slot_bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  window_ = pinned({static_cast<int64_t>(sets * slots * slot_bytes)}, at::kByte, device_.type());
   set_used_.assign(sets, false);
   for (size_t i = 0; i < sets; ++i) {
     set_free_.emplace_back(device_.type());

@@ -243,6 +243,9 @@ def _rank_main(rank: int, world_size: int, q, payload: bytes) -> None:
         import torch  # noqa: F401
         import torch.distributed as dist
 
+        if cfg["setup"] is not None:
+            q.put(("progress", rank, f"<setup {cfg['setup'][1]}>"))
+            _resolve(cfg["setup"])()
         backend = cfg["backend"]
         if cfg["import_backend"] and "xccl_rs" in backend:
             import xccl_rs  # noqa: F401  (registers the backend)
@@ -413,6 +416,7 @@ def run_ranks(
     check: bool = True,
     fail_grace_s: float | None = None,
     shutdown_grace_s: float = 15.0,
+    setup=None,
     **kwargs,
 ) -> RunResult:
     """Run fn(rank, world_size, *args, **kwargs) on world_size spawned ranks.
@@ -427,6 +431,9 @@ def run_ranks(
     rank_env: a function of the rank returning more environment for that rank only (applied
       after ``env``), e.g. a per-rank XCCL_RS_HOST_ID.
     expect_fail_ranks: ranks allowed to raise / die without reporting (e.g. os._exit).
+    setup: a function, or its (module, qualname), each rank calls with no arguments after
+      importing torch and before importing xccl_rs and initialising (e.g. the emulated XPU,
+      xpu_emu.ACTIVATE).
     check: raise AssertionError listing every problem (default); otherwise return the
       RunResult for the caller to inspect (result.report(prefix)).
     """
@@ -438,6 +445,7 @@ def run_ranks(
     if fail_grace_s is None:
         fail_grace_s = min(pg_timeout_s + 10.0, 40.0)
     fn_ref = (fn.__module__, fn.__qualname__)
+    setup_ref = setup if setup is None or isinstance(setup, tuple) else (setup.__module__, setup.__qualname__)
     if fn_ref[0] == "__main__":
         raise ValueError("run_ranks needs a function importable by module name")
     tmpdir = tempfile.mkdtemp(prefix="xccl_rs_test_")
@@ -490,6 +498,7 @@ def run_ranks(
                 "import_backend": import_backend,
                 "destroy": destroy,
                 "tmpdir": tmpdir,
+                "setup": setup_ref,
             }
             p = ctx_mp.Process(
                 target=_rank_main,

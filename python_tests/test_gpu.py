@@ -41,12 +41,13 @@ def _close(got, want, what, probs, exact=False):
         probs.append(f"{what}: max error {(got.float() - want.float()).abs().max().item()}")
 
 
-def w_every_collective(rank, world_size, N=N):  # noqa: N803 (the element count, as above)
+def w_every_collective(rank, world_size, N=N, device_type="cuda"):  # noqa: N803 (the element count, as above)
     import torch
     import torch.distributed as dist
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    from accel import use
+
+    dev = use(device_type)
     n = world_size
     probs = []
     for dtype in ("float32", "bfloat16"):
@@ -130,18 +131,19 @@ def w_every_collective(rank, world_size, N=N):  # noqa: N803 (the element count,
     return probs
 
 
-def w_stream_order(rank, world_size):
+def w_stream_order(rank, world_size, device_type="cuda"):
     """A kernel queued behind a long sleep writes the tensor just before the collective; a
     kernel reads it just after wait(). Both must see the collective in stream order."""
     import torch
     import torch.distributed as dist
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    from accel import current_stream, side_stream, sleep, use
+
+    dev = use(device_type)
     probs = []
     for async_op in (False, True):
         t = torch.zeros(1 << 20, device=dev)
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the fill runs long after the call
+        sleep(device_type, 100)  # ~0.1 s of device time: the fill runs long after the call
         t.fill_(rank + 1.0)
         work = dist.all_reduce(t, async_op=async_op)
         if async_op:
@@ -151,25 +153,26 @@ def w_stream_order(rank, world_size):
         if not torch.equal(y.cpu(), torch.full_like(y.cpu(), want)):
             probs.append(f"async_op={async_op}: read {y[0].item()} after wait, expected {want}")
     # a side stream: the collective follows the work queued on the stream current at the call
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
+    side, on_side = side_stream(device_type)
+    with on_side:
         t = torch.empty(4096, device=dev)
-        torch.cuda._sleep(100_000_000)
+        sleep(device_type, 50)
         t.fill_(1.0)
         dist.all_reduce(t)
         z = t + 0
-    torch.cuda.current_stream().wait_stream(side)
+    current_stream(device_type).wait_stream(side)
     if z[0].item() != world_size:
         probs.append(f"side stream: {z[0].item()}, expected {world_size}")
     return probs
 
 
-def w_futures(rank, world_size):
+def w_futures(rank, world_size, device_type="cuda"):
     import torch
     import torch.distributed as dist
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    from accel import use
+
+    dev = use(device_type)
     probs = []
     ts = [torch.full((1 << 18,), float(rank + i), device=dev) for i in range(8)]
     futs = [dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True).get_future() for t in ts]
@@ -191,12 +194,14 @@ def w_futures(rank, world_size):
     return probs
 
 
-def w_mixed(rank, world_size, n=5000):
-    """Rank 0 on the CPU, the others on CUDA: one group, one collective."""
+def w_mixed(rank, world_size, n=5000, device_type="cuda"):
+    """Rank 0 on the CPU, the others on the accelerator: one group, one collective."""
     import torch
     import torch.distributed as dist
 
-    dev = torch.device("cpu") if rank == 0 else torch.device("cuda", 0)
+    from accel import use
+
+    dev = torch.device("cpu") if rank == 0 else use(device_type)
     probs = []
     t = torch.full((n,), float(rank + 1), device=dev)
     dist.all_reduce(t)
@@ -205,7 +210,7 @@ def w_mixed(rank, world_size, n=5000):
     b = torch.arange(n + 7, dtype=torch.float32, device=dev) if rank == 1 else torch.zeros(n + 7, device=dev)
     dist.broadcast(b, src=1)
     if not torch.equal(b.cpu(), torch.arange(n + 7, dtype=torch.float32)):
-        probs.append("broadcast from a CUDA rank to a CPU rank")
+        probs.append(f"broadcast from a {device_type} rank to a CPU rank")
     out = torch.empty(world_size * 3, device=dev)
     dist.all_gather_into_tensor(out, torch.full((3,), float(rank), device=dev))
     want = torch.arange(world_size, dtype=torch.float32).repeat_interleave(3)
@@ -214,14 +219,16 @@ def w_mixed(rank, world_size, n=5000):
     return probs
 
 
-def w_size_mismatch(rank, world_size):
+def w_size_mismatch(rank, world_size, device_type="cuda"):
     import torch
     import torch.distributed as dist
 
-    t = torch.ones(100 + (rank == 1), device="cuda:0")
+    from accel import synchronize, use
+
+    t = torch.ones(100 + (rank == 1), device=use(device_type))
     try:
         dist.all_reduce(t)
-        torch.cuda.synchronize()
+        synchronize(device_type)
     except Exception as e:  # noqa: BLE001
         return str(e)
     return None
@@ -254,16 +261,17 @@ def test_every_collective_on_cuda_in_many_chunks():
     _check(res, 3)
 
 
-def w_pinned_window(rank, world_size):
+def w_pinned_window(rank, world_size, device_type="cuda", n=64 << 20):
     """A 256 MiB broadcast and all-reduce in 4 MiB chunks: right results, and the pinned host
     memory in use stays near the window (three sets of one 4 MiB slot, rounded up to a power of
     two by the caching host allocator), far below the tensor's size."""
     import torch
     import torch.distributed as dist
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    n = 64 << 20  # float32 elements: 256 MiB
+    from accel import synchronize, use
+
+    dev = use(device_type)
+    # n: float32 elements (256 MiB by default)
     probs = []
     t = torch.arange(n, dtype=torch.float32, device=dev) if rank == 0 else torch.zeros(n, device=dev)
     dist.broadcast(t, src=0)
@@ -273,11 +281,27 @@ def w_pinned_window(rank, world_size):
     dist.all_reduce(t)
     if not torch.equal(t, torch.full((n,), float(world_size * (world_size + 1) // 2), device=dev)):
         probs.append("all_reduce: wrong values")
-    torch.cuda.synchronize()
-    peak = torch.cuda.host_memory_stats()["active_bytes.peak"]
-    if peak > 64 << 20:
-        probs.append(f"pinned host memory in use peaked at {peak >> 20} MiB for a 256 MiB tensor")
-    return probs
+    synchronize(device_type)
+    return probs + _pinned_peak_problems(device_type, n * 4)
+
+
+def _pinned_peak_problems(device_type, tensor_bytes):
+    """The pinned host memory in use peaked far below the tensor's size (a quarter), and came
+    from the host allocator of ``device_type``."""
+    import torch
+
+    if device_type == "cuda":
+        peak = torch.cuda.host_memory_stats()["active_bytes.peak"]
+    else:
+        import xpu_emu
+
+        stats = xpu_emu.load().host_memory_stats()
+        if stats["allocations"] == 0:
+            return ["no pinned host memory came from the xpu host allocator"]
+        peak = stats["peak_bytes"]
+    if peak > tensor_bytes // 4:
+        return [f"pinned host memory in use peaked at {peak >> 20} MiB for a {tensor_bytes >> 20} MiB tensor"]
+    return []
 
 
 def test_pinned_memory_is_a_window():
@@ -316,25 +340,26 @@ def test_size_mismatch_on_cuda_raises_everywhere():
         assert msg and "mismatch" in msg, f"rank {r}: {msg!r}\n{res.report()}"
 
 
-def w_private_group_on_cuda(rank, world_size):
+def w_private_group_on_cuda(rank, world_size, device_type="cuda"):
     """xccl_rs.new_group(device="cuda"): bound to the current CUDA device; CUDA tensors work
     through the group's own methods and dist.*(group=)."""
     import torch
     import torch.distributed as dist
 
     import xccl_rs
+    from accel import use
     from harness import ctx
 
-    torch.cuda.set_device(0)
+    use(device_type)
     probs = []
-    store = dist.PrefixStore("private_cuda/", ctx().connect_store())
-    pg = xccl_rs.new_group(store, rank, world_size, timeout=ctx().timeout(), device="cuda")
-    t = torch.full((4097,), float(rank + 1), device="cuda")
+    store = dist.PrefixStore(f"private_{device_type}/", ctx().connect_store())
+    pg = xccl_rs.new_group(store, rank, world_size, timeout=ctx().timeout(), device=device_type)
+    t = torch.full((4097,), float(rank + 1), device=device_type)
     dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
     want = (world_size + 1) / 2
     if not torch.allclose(t.cpu(), torch.full((4097,), want)):
         probs.append(f"AVG over the private group: {t[0].item()}, expected {want}")
-    b = torch.arange(100, dtype=torch.float32, device="cuda") * (rank == 0)
+    b = torch.arange(100, dtype=torch.float32, device=device_type) * (rank == 0)
     dist.broadcast(b, group_src=0, group=pg)
     if not torch.equal(b.cpu(), torch.arange(100, dtype=torch.float32)):
         probs.append("broadcast over the private group")

@@ -31,7 +31,7 @@ def _exchange(store, key, rank, world, value):
     return [pickle.loads(store.get(f"{key}/{r}")) for r in range(world)]
 
 
-def w_verl_engine(rank, world_size):
+def w_verl_engine(rank, world_size, device="cpu", bucket_device="cpu"):
     import asyncio
 
     import torch
@@ -67,7 +67,8 @@ def w_verl_engine(rank, world_size):
     for rebuild in (False, True):
         engine = CheckpointEngineRegistry.new(
             "xccl_rs", bucket_size=BUCKET, is_master=(rank == 0),
-            rebuild_group=rebuild, device="cpu", timeout_s=30, group_name=f"t{int(rebuild)}",
+            rebuild_group=rebuild, device=device, bucket_device=bucket_device, timeout_s=30,
+            group_name=f"t{int(rebuild)}",
         )
         for _ in range(2):
             meta = engine.prepare()
@@ -82,6 +83,8 @@ def w_verl_engine(rank, world_size):
                     out["problems"].append(f"step {step}: metrics {metrics}")
             else:
                 got = asyncio.run(receive(engine, step))
+                out["problems"] += [f"step {step}: {n} on {t.device}" for n, t in got if t.device.type != device]
+                got = [(n, t.cpu()) for n, t in got]
                 out["problems"] += [f"step {step}: {p}" for p in compare(got, make_tensors(f"verl{step}", BUCKET))]
             out["keys"].append((rebuild, engine.group_key and engine.group_key[1:]))
             engine.finalize()

@@ -458,21 +458,24 @@ def test_constructor_checks():
 # --------------------------------------------------------------------------------------
 
 
-def w_gpu(rank, world_size):
-    """CUDA tensors in and out: over an NCCL group with CUDA buckets (2+ devices), and over the
-    harness's group with CPU buckets (device-to-host packing, host-to-device output) and with
-    CUDA buckets (xccl_rs stages them to the host and back)."""
+def w_gpu(rank, world_size, device_type="cuda"):
+    """Accelerator tensors in and out: over an NCCL group with CUDA buckets (2+ devices), and
+    over the harness's group with CPU buckets (device-to-host packing, host-to-device output)
+    and with device buckets (xccl_rs stages them to the host and back)."""
     import torch
     import torch.distributed as dist
 
     from xccl_rs.weight_sync import WeightReceiver, WeightSender
 
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
+    mod = getattr(torch, device_type)
+    dev = torch.device(device_type, rank % mod.device_count())
+    mod.set_device(dev)
     probs = []
     # "cuda" without an index is the current device (a bucket on cuda:0 must count as on it)
-    for backend, bucket_dev in (("nccl", dev), (None, torch.device("cpu")), (None, "cuda")):
-        if backend == "nccl" and (not dist.is_nccl_available() or torch.cuda.device_count() < world_size):
+    for backend, bucket_dev in (("nccl", dev), (None, torch.device("cpu")), (None, device_type)):
+        if backend == "nccl" and (
+            device_type != "cuda" or not dist.is_nccl_available() or torch.cuda.device_count() < world_size
+        ):
             continue
         pg = dist.new_group(backend=backend) if backend else dist.group.WORLD
         case = f"gpu-{backend}-{bucket_dev}"

@@ -9,14 +9,11 @@
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/version.h>
 
 #include "rust/cxx.h"
 #include "xccl_rs/src/ffi.rs.h"
+#include "xccl_rs/version.h"
 #include "xccl_rs/work.h"
-
-#define XCCL_RS_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 // Whether a c10d call is synchronous (torch passes async_op down as opts.asyncOp).
 #define XCCL_RS_CALLER_WAITS(opts) (!(opts).asyncOp)
