@@ -130,9 +130,9 @@ fn build_bridge() {
         build.flag(flag); // C++ standard, C++ ABI, pybind11's ABI tags
     }
     build.compile("xccl_rs_bridge");
-    for f in sources.iter().chain(["csrc/include/xccl_rs/backend.h", "csrc/include/xccl_rs/device.h", "csrc/include/xccl_rs/work.h", "csrc/include/xccl_rs/store.h", "src/ffi.rs"].iter()) {
-        println!("cargo:rerun-if-changed={f}");
-    }
+    // A directory: cargo reruns us when any file under it changes (sources and headers).
+    println!("cargo:rerun-if-changed=csrc");
+    println!("cargo:rerun-if-changed=src/ffi.rs");
     let lib = torch.lib.display().to_string();
     println!("cargo:rustc-link-search=native={lib}");
     for l in ["c10", "torch_cpu", "torch", "torch_python"] {

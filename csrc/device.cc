@@ -6,10 +6,7 @@
 #include <ATen/EmptyTensor.h>
 #include <c10/util/Exception.h>
 
-#include "xccl_rs/version.h"
-#if XCCL_RS_TORCH_AT_LEAST(2, 8)
 #include <ATen/core/CachingHostAllocator.h>
-#endif
 
 namespace xccl_rs {
 
@@ -18,16 +15,11 @@ namespace {
 // Pinned (page-locked) host memory from the caching host allocator of `device_type`'s
 // runtime: copies to and from it run asynchronously, and the allocator keeps a block until
 // the copies that use it have finished. Taken from that device type's allocator
-// (at::getHostAllocator, torch >= 2.8), not with pinned_memory(true), which asks the build's
-// accelerator (at::getAccelerator: CUDA in a CUDA build, whatever the tensor's device).
+// (at::getHostAllocator, in every torch we support), not with pinned_memory(true), which asks
+// the build's accelerator (at::getAccelerator: CUDA in a CUDA build, whatever the tensor's device).
 at::Tensor pinned(at::IntArrayRef sizes, at::ScalarType dtype, c10::DeviceType device_type) {
-#if XCCL_RS_TORCH_AT_LEAST(2, 8)
   return at::detail::empty_generic(sizes, at::getHostAllocator(device_type), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                    dtype, at::MemoryFormat::Contiguous);
-#else
-  (void)device_type;
-  return at::empty(sizes, at::TensorOptions().dtype(dtype).pinned_memory(true), at::MemoryFormat::Contiguous);
-#endif
 }
 
 at::Tensor pinned_like(const at::Tensor& t) {
