@@ -1,5 +1,5 @@
-#![cfg_attr(not(feature = "bridge"), allow(dead_code))]
-//! Builds the C++ bridge (feature `bridge`) against the torch of the Python interpreter that
+#![cfg_attr(not(feature = "cpp"), allow(dead_code))]
+//! Builds the C++ bridge (feature `cpp`; `bridge` adds the Python module) against the torch of the Python interpreter that
 //! builds us: asks that torch for its version, include and library paths, C++ standard and
 //! ABI, and fails with a readable message when torch is missing or too old. Without the
 //! feature the crate is the pure Rust core and needs no torch.
@@ -100,13 +100,13 @@ fn main() {
     for v in ["XCCL_RS_PYTHON", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "XCCL_RS_TORCH_FLAGS"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
-    if std::env::var_os("CARGO_FEATURE_BRIDGE").is_none() {
+    if std::env::var_os("CARGO_FEATURE_CPP").is_none() {
         return;
     }
     build_bridge();
 }
 
-#[cfg(feature = "bridge")]
+#[cfg(feature = "cpp")]
 fn build_bridge() {
     println!("cargo:rerun-if-env-changed=XCCL_RS_BRIDGE_EXPORT");
     if let Some(dir) = std::env::var_os("XCCL_RS_BRIDGE_EXPORT").filter(|d| !d.is_empty()) {
@@ -114,28 +114,36 @@ fn build_bridge() {
         return;
     }
     let torch = find_torch(); // the script refuses torch older than 2.8
-    let sources = ["csrc/backend.cc", "csrc/device.cc", "csrc/work.cc", "csrc/store.cc", "csrc/module.cc"];
+    // The Python extension (`bridge`) adds its pybind11 module; `cpp` alone needs no Python.
+    let python = cfg!(feature = "bridge");
+    let mut sources = vec!["csrc/api.cc", "csrc/communicator.cc", "csrc/backend.cc", "csrc/device.cc", "csrc/work.cc", "csrc/store.cc"];
+    if python {
+        sources.push("csrc/module.cc");
+    }
     let mut build = cxx_build::bridge("src/ffi.rs");
     build
-        .files(sources)
+        .files(&sources)
+        .include("include")
         .include("csrc/include")
         .includes(&torch.include_dirs)
-        .include(&torch.python_include)
         .flag("-fvisibility=hidden")
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-missing-field-initializers")
-        .define("TORCH_EXTENSION_NAME", "_C")
         .opt_level(2);
+    if python {
+        build.include(&torch.python_include).define("TORCH_EXTENSION_NAME", "_C");
+    }
     for flag in &torch.cxx_flags {
         build.flag(flag); // C++ standard, C++ ABI, pybind11's ABI tags
     }
     build.compile("xccl_rs_bridge");
-    // A directory: cargo reruns us when any file under it changes (sources and headers).
-    println!("cargo:rerun-if-changed=csrc");
-    println!("cargo:rerun-if-changed=src/ffi.rs");
+    // Directories: cargo reruns us when any file under them changes (sources and headers).
+    for dir in ["csrc", "include", "src/ffi.rs"] {
+        println!("cargo:rerun-if-changed={dir}");
+    }
     let lib = torch.lib.display().to_string();
     println!("cargo:rustc-link-search=native={lib}");
-    for l in ["c10", "torch_cpu", "torch", "torch_python"] {
+    for l in ["c10", "torch_cpu", "torch"].into_iter().chain(python.then_some("torch_python")) {
         println!("cargo:rustc-link-lib=dylib={l}");
     }
     // Find torch's libraries next to the installed package ($ORIGIN/../torch/lib), or where we
@@ -148,7 +156,7 @@ fn build_bridge() {
 /// C++ (header, glue source, `rust/cxx.h`) and copies it to `dir`, but compiles no C++ and links
 /// no torch. Built as a staticlib, the crate then leaves the bridge's C++ symbols undefined; the
 /// other machine compiles `csrc/` and the glue against its own torch and links them in.
-#[cfg(feature = "bridge")]
+#[cfg(feature = "cpp")]
 fn export_bridge(dir: PathBuf) {
     let _ = cxx_build::bridge("src/ffi.rs"); // writes the generated files into OUT_DIR
     let generated = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("cxxbridge");
@@ -165,5 +173,5 @@ fn export_bridge(dir: PathBuf) {
     println!("cargo:rerun-if-changed=src/ffi.rs");
 }
 
-#[cfg(not(feature = "bridge"))]
+#[cfg(not(feature = "cpp"))]
 fn build_bridge() {}

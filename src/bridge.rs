@@ -1,7 +1,8 @@
 //! The Rust side of the C++ bridge: adapts the c10d Store to [`Store`], turns
-//! [`ffi::OpRequest`]s into [`Op`]s and completions into `work_done` calls. Also the Python
-//! module init symbol, which must be defined here (a C++ `extern "C"` symbol linked into a Rust
-//! cdylib is not exported).
+//! [`ffi::OpRequest`]s into [`Op`]s and completions into `work_done` calls. With the `bridge`
+//! feature also the Python module init symbol, which must be defined here (a C++ `extern "C"`
+//! symbol linked into a Rust cdylib is not exported); the C++ library of the CMake package
+//! (feature `cpp` alone) has no Python and must not reference it.
 
 use std::time::Duration;
 
@@ -162,12 +163,14 @@ fn catch<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
     }
 }
 
+#[cfg(feature = "bridge")]
 unsafe extern "C" {
     /// Defined by csrc/module.cc: pybind11's module init, under a name that does not clash with ours.
     fn PyInit_xccl_rs_cxx() -> *mut std::ffi::c_void;
 }
 
 /// The Python extension's entry point (`xccl_rs._C`).
+#[cfg(feature = "bridge")]
 #[unsafe(no_mangle)]
 pub extern "C" fn PyInit__C() -> *mut std::ffi::c_void {
     // SAFETY: called by the Python interpreter with the GIL held, exactly like a module init;

@@ -1,6 +1,7 @@
 //! xccl_rs: a torch.distributed backend. This crate is the core (it knows nothing of torch):
-//! communicators, transports, collective algorithms and reduction kernels. With the `bridge`
-//! feature it also holds the C++ bridge and is the Python extension module `xccl_rs._C`.
+//! communicators, transports, collective algorithms and reduction kernels. With the `cpp`
+//! feature it also holds the C++ bridge (for libtorch programs, through the CMake package); with
+//! `bridge` it is moreover the Python extension module `xccl_rs._C`.
 //! See docs/architecture.md.
 
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -27,7 +28,7 @@ pub use rendezvous::{MemoryStore, Store};
 pub use transport::RawBuf;
 pub use types::{DType, OpKind, ReduceOp};
 
-#[cfg(feature = "bridge")]
+#[cfg(feature = "cpp")]
 mod bridge;
-#[cfg(feature = "bridge")]
+#[cfg(feature = "cpp")]
 mod ffi;

@@ -27,7 +27,9 @@ import os
 import sysconfig
 
 MIN_TORCH = (2, 8)
-LIBRARIES = ["c10", "torch_cpu", "torch", "torch_python"]
+# A C++ program links libtorch (CPP_LIBRARIES); the Python extension also torch_python.
+CPP_LIBRARIES = ["c10", "torch_cpu", "torch"]
+LIBRARIES = [*CPP_LIBRARIES, "torch_python"]
 PYBIND11_TAGS = ["COMPILER_TYPE", "STDLIB", "BUILD_ABI"]
 
 
@@ -56,6 +58,7 @@ def describe() -> dict:
         "python_include": sysconfig.get_paths()["include"],
         "library_dir": os.path.join(root, "lib"),
         "libraries": LIBRARIES,
+        "cpp_libraries": CPP_LIBRARIES,
         "cxx_flags": ["-std=c++20", *defines],
         "ext_suffix": sysconfig.get_config_var("EXT_SUFFIX"),
     }

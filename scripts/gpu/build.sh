@@ -14,7 +14,7 @@ IFS=$'\t' read -r -a TORCH_FLAGS <<<"${T[cxx_flags]}"
 IFS=$'\t' read -r -a TORCH_INCLUDES <<<"${T[include_dirs]}"
 TORCH_LIB="${T[library_dir]}"
 FLAGS=(-O2 -fPIC -fvisibility=hidden -DTORCH_EXTENSION_NAME=_C "${TORCH_FLAGS[@]}"
-       -Icsrc/include -I.gpu/include "${TORCH_INCLUDES[@]/#/-I}" -I"${T[python_include]}")
+       -Iinclude -Icsrc/include -I.gpu/include "${TORCH_INCLUDES[@]/#/-I}" -I"${T[python_include]}")
 mkdir -p .gpu/obj
 pids=()
 for src in csrc/*.cc .gpu/ffi.rs.cc; do
