@@ -10,6 +10,21 @@
 
 namespace xccl_rs {
 
+namespace {
+
+// A ProcessGroup that answers "xccl_rs" where torch asks a group for its backend's name (DDP's
+// logging data, ProcessGroup.name()): torch's own answers "custom" for every backend
+// registered from outside it.
+class XcclRsProcessGroup final : public c10d::ProcessGroup {
+ public:
+  using c10d::ProcessGroup::ProcessGroup;
+  const std::string getBackendName() const override {
+    return "xccl_rs";
+  }
+};
+
+} // namespace
+
 c10::intrusive_ptr<c10d::Backend> create_backend(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
@@ -40,7 +55,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_process_group(
     int size,
     const Options& options) {
   auto backend = create_backend(store, rank, size, options);
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  c10::intrusive_ptr<c10d::ProcessGroup> pg = c10::make_intrusive<XcclRsProcessGroup>(store, rank, size);
   for (auto device : {c10::DeviceType::CPU, c10::DeviceType::CUDA, c10::DeviceType::XPU}) {
     pg->setBackend(device, c10d::ProcessGroup::BackendType::CUSTOM, backend);
   }

@@ -137,8 +137,10 @@ def test_wheel_metadata(tmp_path):
     platform tag, and ships py.typed and the type stubs of the public API."""
     import torch
 
+    # The environment of scripts/setup.sh's install, so that cargo finds its build fresh.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("CARGO_TARGET_DIR", str(CACHE / "target"))
+    env["XCCL_RS_PYTHON"] = sys.executable
     p = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(tmp_path), str(ROOT)],
         capture_output=True, text=True, timeout=1500, env=env,

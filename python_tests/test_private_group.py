@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
-from harness import ctx, run_ranks, seed_of
+import pytest
+
+from harness import IS_XCCL, ctx, run_ranks, seed_of
 from test_weight_sync import compare, make_tensors
 
 
@@ -196,5 +198,38 @@ def w_device_argument(rank, world_size):
 
 def test_device_argument():
     res = run_ranks(2, w_device_argument, init="none", timeout_s=90)
+    problems = [f"rank {r}: {p}" for r in range(2) for p in res.value(r)]
+    assert not problems, "\n".join(problems)
+
+
+def w_names(rank, world_size):
+    """Where torch asks for the backend's name, the answer is xccl_rs: the backend, a private
+    group (ProcessGroup.name(), DDP's logging data), and dist.get_backend of the default world."""
+    import torch
+    import torch.distributed as dist
+
+    import xccl_rs
+
+    c = ctx()
+    problems = []
+    dist.init_process_group("xccl_rs", store=dist.PrefixStore("world/", c.connect_store()), rank=rank,
+                            world_size=world_size, timeout=c.timeout())
+    pg = xccl_rs.new_group(dist.PrefixStore("private/", c.connect_store()), rank, world_size, timeout=c.timeout())
+    names = {
+        "dist.get_backend()": dist.get_backend(),
+        "the world's CPU backend": dist.group.WORLD._get_backend(torch.device("cpu")).name(),
+        "the private group": pg.name(),
+        "the private group's CPU backend": pg._get_backend(torch.device("cpu")).name(),
+    }
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), process_group=pg)
+    names["DDP's logging data on the private group"] = model._get_ddp_logging_data().get("backend_name")
+    problems += [f"{what} says {name!r}" for what, name in names.items() if name != "xccl_rs"]
+    xccl_rs.destroy_group(pg)
+    return problems
+
+
+@pytest.mark.skipif(not IS_XCCL, reason="concerns xccl_rs's name")
+def test_torch_sees_our_name():
+    res = run_ranks(2, w_names, init="none", timeout_s=90)
     problems = [f"rank {r}: {p}" for r in range(2) for p in res.value(r)]
     assert not problems, "\n".join(problems)

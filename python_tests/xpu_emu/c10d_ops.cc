@@ -24,10 +24,10 @@ void via_private_use1(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   TORCH_CHECK(pg, "xpu_emu: ", schema.name(), " has no process group argument");
   auto backend = pg->getBackend(c10::DeviceType::XPU);
-  if (!pg->hasBackendForDeviceType(c10::DeviceType::PrivateUse1)) {
-    // CUSTOM: the type torch gives a registered third-party backend such as xccl_rs.
-    pg->setBackend(c10::DeviceType::PrivateUse1, c10d::ProcessGroup::BackendType::CUSTOM, backend);
-  }
+  // CUSTOM: the type torch gives a registered third-party backend such as xccl_rs. Setting it
+  // again is harmless: setBackend keeps the backend already registered for a backend type.
+  // (Not guarded by hasBackendForDeviceType, which torch 2.11 lacks.)
+  pg->setBackend(c10::DeviceType::PrivateUse1, c10d::ProcessGroup::BackendType::CUSTOM, backend);
   TORCH_CHECK(pg->getBackend(c10::DeviceType::PrivateUse1).get() == backend.get(), "xpu_emu: ", schema.name(),
               ": the group's XPU backend is not its CUSTOM backend; the emulator cannot route it");
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), stack);
