@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-REBUILD = "pip install --force-reinstall --no-deps . (in the xccl_rs source directory)"
+REBUILD = "pip install --force-reinstall --no-deps ."  # run in the xccl_rs source directory
 
 
 def _running_torch() -> tuple[str, bool]:
@@ -34,7 +34,8 @@ def _mismatch(built: tuple[str, bool | None]) -> ImportError:
     running = _running_torch()
     return ImportError(
         f"xccl_rs was compiled against {name(*built)} but is being loaded into {name(*running)}, "
-        f"and a c10d backend only works in the torch it was compiled against: rebuild it with `{REBUILD}`"
+        f"and a c10d backend only works in the torch it was compiled against: rebuild it in the xccl_rs "
+        f"source directory with `{REBUILD}`"
     )
 
 
@@ -53,7 +54,7 @@ def _load_extension():
     if importlib.util.find_spec(f"{__name__}._C") is None:
         raise ImportError(
             f"xccl_rs at {os.path.dirname(__file__)} has no compiled extension (_C): it was installed "
-            f"without its build; rebuild it with `{REBUILD}`"
+            f"without its build; rebuild it in the xccl_rs source directory with `{REBUILD}`"
         )
     try:
         from . import _C
