@@ -1,12 +1,8 @@
 # cmake -P: builds the Rust core with cargo, as a static library whose cxx bridge C++ (the
 # header xccl_rs/src/ffi.rs.h, rust/cxx.h, the glue ffi.rs.cc) build.rs writes to EXPORT and
-# does not compile (XCCL_RS_BRIDGE_EXPORT): CMakeLists.txt compiles it with csrc/.
+# does not compile (XCCL_RS_BRIDGE_EXPORT): CMakeLists.txt compiles it with csrc/. build.rs
+# reruns when one of those copies is missing (a fresh build directory).
 # In: CARGO, TARGET_DIR, EXPORT, ROOT (the crate).
-if(EXISTS "${TARGET_DIR}/release/libxccl_rs.a" AND NOT EXISTS "${EXPORT}/ffi.rs.cc")
-  # cargo reruns build.rs (which writes EXPORT) only when its inputs change.
-  message(STATUS "xccl_rs: ${EXPORT} is missing, making cargo rerun build.rs")
-  file(TOUCH "${ROOT}/build.rs")
-endif()
 execute_process(
   COMMAND "${CMAKE_COMMAND}" -E env "CARGO_TARGET_DIR=${TARGET_DIR}" "XCCL_RS_BRIDGE_EXPORT=${EXPORT}"
           "${CARGO}" rustc --release --lib --features cpp --crate-type staticlib

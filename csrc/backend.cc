@@ -10,49 +10,33 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "xccl_rs/errors.h"
+
 namespace xccl_rs {
 
 namespace {
 
-// Op codes: src/types.rs OpKind.
-enum Kind : uint8_t {
-  kAllReduce = 0,
-  kBroadcast = 1,
-  kReduce = 2,
-  kAllGather = 3,
-  kGather = 4,
-  kScatter = 5,
-  kReduceScatter = 6,
-  kAllToAll = 7,
-  kBarrier = 8,
-  kSend = 9,
-  kRecv = 10,
-  kRecvAnySource = 11,
-};
-
-// Dtype codes: src/types.rs DType. Types the core cannot reduce but can move travel as bytes.
-constexpr uint8_t kBytes = 17;
-
-uint8_t wire_dtype(at::ScalarType t) {
+// The core's element type of a tensor; types it cannot reduce but can move travel as bytes.
+DType wire_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kDouble: return 0;
-    case at::kFloat: return 1;
-    case at::kHalf: return 2;
-    case at::kBFloat16: return 3;
-    case at::kChar: return 4;
-    case at::kByte: return 5;
-    case at::kShort: return 6;
-    case at::kInt: return 7;
-    case at::kLong: return 8;
-    case at::kBool: return 9;
-    case at::kUInt16: return 10;
-    case at::kUInt32: return 11;
-    case at::kUInt64: return 12;
-    case at::kFloat8_e4m3fn: return 13;
-    case at::kFloat8_e5m2: return 14;
-    case at::kFloat8_e4m3fnuz: return 15;
-    case at::kFloat8_e5m2fnuz: return 16;
-    default: return kBytes;
+    case at::kDouble: return DType::Float64;
+    case at::kFloat: return DType::Float32;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kChar: return DType::Int8;
+    case at::kByte: return DType::UInt8;
+    case at::kShort: return DType::Int16;
+    case at::kInt: return DType::Int32;
+    case at::kLong: return DType::Int64;
+    case at::kBool: return DType::Bool;
+    case at::kUInt16: return DType::UInt16;
+    case at::kUInt32: return DType::UInt32;
+    case at::kUInt64: return DType::UInt64;
+    case at::kFloat8_e4m3fn: return DType::Float8E4M3FN;
+    case at::kFloat8_e5m2: return DType::Float8E5M2;
+    case at::kFloat8_e4m3fnuz: return DType::Float8E4M3FNUZ;
+    case at::kFloat8_e5m2fnuz: return DType::Float8E5M2FNUZ;
+    default: return DType::Bytes;
   }
 }
 
@@ -80,11 +64,11 @@ std::string shape_of(const at::Tensor& t) {
   return s.str();
 }
 
-OpRequest request(uint8_t kind, const at::Tensor* like) {
+OpRequest request(OpKind kind, const at::Tensor* like) {
   OpRequest r;
   r.kind = kind;
-  r.dtype = like ? wire_dtype(like->scalar_type()) : 5;
-  r.reduce_op = 0;
+  r.dtype = like ? wire_dtype(like->scalar_type()) : DType::UInt8;
+  r.reduce_op = ReduceOp::Sum;
   r.premul_factor = 1.0;
   r.root = 0;
   r.tag = 0;
@@ -113,7 +97,7 @@ CommHandle::~CommHandle() {
 // Builds one submission: stages tensors, keeps them alive, collects OpRequests.
 class XcclRsBackend::Job {
  public:
-  Job(XcclRsBackend& backend, const char* what, uint8_t kind, std::shared_ptr<WorkState> state)
+  Job(XcclRsBackend& backend, const char* what, OpKind kind, std::shared_ptr<WorkState> state)
       : backend_(backend), what_(what), kind_(kind), state_(std::move(state)) {}
 
   // "xccl_rs: allgather #5 on rank 1": the start of every message about this call.
@@ -228,21 +212,28 @@ class XcclRsBackend::Job {
     return view_of(c);
   }
 
+  // Whether the core defines the op on the dtype is its own check, when the job is submitted
+  // (an InvalidArgument error: a ValueError on every rank, the group goes on).
   void set_reduction(OpRequest& r, const c10d::ReduceOp& op) const {
-    r.reduce_op = static_cast<uint8_t>(op.op_);
-    if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
-      auto* s = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
-      if (s == nullptr) {
-        reject("ReduceOp.PREMUL_SUM without a factor (build it with torch.distributed._make_nccl_premul_sum)");
+    switch (op.op_) {
+      case c10d::ReduceOp::SUM: r.reduce_op = ReduceOp::Sum; break;
+      case c10d::ReduceOp::AVG: r.reduce_op = ReduceOp::Avg; break;
+      case c10d::ReduceOp::PRODUCT: r.reduce_op = ReduceOp::Product; break;
+      case c10d::ReduceOp::MIN: r.reduce_op = ReduceOp::Min; break;
+      case c10d::ReduceOp::MAX: r.reduce_op = ReduceOp::Max; break;
+      case c10d::ReduceOp::BAND: r.reduce_op = ReduceOp::BAnd; break;
+      case c10d::ReduceOp::BOR: r.reduce_op = ReduceOp::BOr; break;
+      case c10d::ReduceOp::BXOR: r.reduce_op = ReduceOp::BXor; break;
+      case c10d::ReduceOp::PREMUL_SUM: {
+        r.reduce_op = ReduceOp::PreMulSum;
+        auto* s = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+        if (s == nullptr) {
+          reject("ReduceOp.PREMUL_SUM without a factor (build it with torch.distributed._make_nccl_premul_sum)");
+        }
+        r.premul_factor = s->tensor_factor.defined() ? s->tensor_factor.to(at::kDouble).item<double>() : s->double_factor;
+        break;
       }
-      r.premul_factor = s->tensor_factor.defined() ? s->tensor_factor.to(at::kDouble).item<double>() : s->double_factor;
-    } else if (op.op_ > c10d::ReduceOp::PREMUL_SUM) {
-      reject("unsupported reduce op code " + std::to_string(static_cast<int>(op.op_)));
-    }
-    try {
-      check_reduction(r.dtype, r.reduce_op);
-    } catch (const std::exception& e) {
-      reject(e.what());
+      default: reject("unsupported reduce op code " + std::to_string(static_cast<int>(op.op_)));
     }
   }
 
@@ -272,7 +263,7 @@ class XcclRsBackend::Job {
  private:
   XcclRsBackend& backend_;
   const char* what_;
-  uint8_t kind_;
+  OpKind kind_;
   std::shared_ptr<WorkState> state_;
   rust::Vec<OpRequest> ops_;
 };
@@ -282,7 +273,7 @@ XcclRsBackend::XcclRsBackend(std::shared_ptr<CommHandle> comm, int rank, int siz
   (void)timeout;
 }
 
-XcclRsBackend::Job XcclRsBackend::begin(const char* what, uint8_t kind) {
+XcclRsBackend::Job XcclRsBackend::begin(const char* what, OpKind kind) {
   return Job(*this, what, kind, coalescing_ ? coalesced_state_ : new_work_state(what));
 }
 
@@ -297,8 +288,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type
   auto ready = ready_of(*job.state());
   try {
     comm_->comm->submit(std::move(job.ops()), std::move(ready), std::move(done), caller_waits);
-  } catch (const std::exception& e) {
-    C10_THROW_ERROR(DistBackendError, e.what());
+  } catch (const rust::Error& e) {
+    raise_core_error(e);
   }
   return c10::make_intrusive<XcclRsWork>(getRank(), type, job.state());
 }
@@ -318,8 +309,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::endCoalescing() {
   auto ready = ready_of(*state);
   try {
     comm_->comm->submit(std::move(coalesced_ops_), std::move(ready), std::move(done), false);
-  } catch (const std::exception& e) {
-    C10_THROW_ERROR(DistBackendError, e.what());
+  } catch (const rust::Error& e) {
+    raise_core_error(e);
   }
   coalesced_ops_ = rust::Vec<OpRequest>();
   return c10::make_intrusive<XcclRsWork>(getRank(), c10d::OpType::COALESCED, state);
@@ -340,17 +331,17 @@ void XcclRsBackend::shutdown() {
 }
 
 void XcclRsBackend::abort() {
-  comm_->comm->abort_op(kBarrier, "xccl_rs: the group was aborted by rank " + std::to_string(getRank()));
+  comm_->comm->abort_op(OpKind::Barrier, "xccl_rs: the group was aborted by rank " + std::to_string(getRank()));
 }
 
 // ---- all-reduce, broadcast, reduce ----
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
-  auto job = begin("allreduce", kAllReduce);
+  auto job = begin("allreduce", OpKind::AllReduce);
   if (tensors.size() != 1) {
     job.reject("takes exactly one tensor per rank, got " + std::to_string(tensors.size()));
   }
-  auto r = request(kAllReduce, &tensors[0]);
+  auto r = request(OpKind::AllReduce, &tensors[0]);
   job.set_reduction(r, opts.reduceOp);
   r.outputs.push_back(job.output(tensors[0]));
   job.add(std::move(r));
@@ -360,9 +351,9 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
-  auto job = begin("allreduce_coalesced", kAllReduce);
+  auto job = begin("allreduce_coalesced", OpKind::AllReduce);
   for (auto& t : tensors) {
-    auto r = request(kAllReduce, &t);
+    auto r = request(OpKind::AllReduce, &t);
     job.set_reduction(r, opts.reduceOp);
     r.outputs.push_back(job.output(t));
     job.add(std::move(r));
@@ -371,11 +362,11 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allreduce_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
-  auto job = begin("broadcast", kBroadcast);
+  auto job = begin("broadcast", OpKind::Broadcast);
   if (tensors.size() != 1 || opts.rootTensor != 0) {
     job.reject("takes exactly one tensor per rank");
   }
-  auto r = request(kBroadcast, &tensors[0]);
+  auto r = request(OpKind::Broadcast, &tensors[0]);
   r.root = opts.rootRank;
   // Only the root's values are read, and they do not change: the root's accelerator tensor is
   // not copied back, the others' are not copied to the host.
@@ -386,11 +377,11 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::broadcast(std::vector<at::Tensor>&
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
-  auto job = begin("reduce", kReduce);
+  auto job = begin("reduce", OpKind::Reduce);
   if (tensors.size() != 1 || opts.rootTensor != 0) {
     job.reject("takes exactly one tensor per rank");
   }
-  auto r = request(kReduce, &tensors[0]);
+  auto r = request(OpKind::Reduce, &tensors[0]);
   r.root = opts.rootRank;
   job.set_reduction(r, opts.reduceOp);
   // Only the root's tensor changes: elsewhere it is an input only (nothing copied back).
@@ -405,7 +396,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  auto job = begin("allgather", kAllGather);
+  auto job = begin("allgather", OpKind::AllGather);
   if (inputs.size() != 1 || outputs.size() != 1) {
     job.reject("takes one input tensor and one output list per rank");
   }
@@ -414,7 +405,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather(
     job.reject_and_abort("the output list has " + std::to_string(outputs[0].size()) + " tensors, expected " +
                          std::to_string(getSize()) + " (one per rank)");
   }
-  auto r = request(kAllGather, &in);
+  auto r = request(OpKind::AllGather, &in);
   r.inputs.push_back(job.input(in));
   for (auto& out : outputs[0]) {
     job.same_kind(out, in, "an output tensor");
@@ -431,13 +422,13 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  auto job = begin("all_gather_into_tensor", kAllGather);
+  auto job = begin("all_gather_into_tensor", OpKind::AllGather);
   job.same_kind(output, input, "the output tensor");
   if (output.numel() != input.numel() * getSize()) {
     job.reject_and_abort("the output has shape " + shape_of(output) + ", expected " + std::to_string(getSize()) +
                          " times the input's " + std::to_string(input.numel()) + " elements");
   }
-  auto r = request(kAllGather, &input);
+  auto r = request(OpKind::AllGather, &input);
   r.inputs.push_back(job.input(input));
   r.outputs = split_views(job.output_only(output), getSize());
   job.add(std::move(r));
@@ -448,7 +439,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  auto job = begin("allgather_into_tensor_coalesced", kAllGather);
+  auto job = begin("allgather_into_tensor_coalesced", OpKind::AllGather);
   if (outputs.size() != inputs.size()) {
     job.reject_and_abort("got " + std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) + " inputs");
   }
@@ -459,7 +450,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_into_tensor_coalesced(
                            std::to_string(getSize()) + " times its input's " + std::to_string(inputs[i].numel()) +
                            " elements");
     }
-    auto r = request(kAllGather, &inputs[i]);
+    auto r = request(OpKind::AllGather, &inputs[i]);
     r.inputs.push_back(job.input(inputs[i]));
     r.outputs = split_views(job.output_only(outputs[i]), getSize());
     job.add(std::move(r));
@@ -472,13 +463,13 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_coalesced(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   // outputLists[r][i] receives input i of rank r (gloo's layout).
-  auto job = begin("allgather_coalesced", kAllGather);
+  auto job = begin("allgather_coalesced", OpKind::AllGather);
   if (static_cast<int>(outputLists.size()) != getSize()) {
     job.reject_and_abort("expected one output list per rank (" + std::to_string(getSize()) + "), got " +
                          std::to_string(outputLists.size()));
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
-    auto r = request(kAllGather, &inputs[i]);
+    auto r = request(OpKind::AllGather, &inputs[i]);
     r.inputs.push_back(job.input(inputs[i]));
     for (auto& list : outputLists) {
       if (list.size() != inputs.size() || list[i].numel() != inputs[i].numel()) {
@@ -498,12 +489,12 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  auto job = begin("gather", kGather);
+  auto job = begin("gather", OpKind::Gather);
   if (inputs.size() != 1) {
     job.reject("takes exactly one input tensor per rank");
   }
   const at::Tensor& in = inputs[0];
-  auto r = request(kGather, &in);
+  auto r = request(OpKind::Gather, &in);
   r.root = opts.rootRank;
   r.inputs.push_back(job.input(in));
   if (opts.rootRank == getRank()) {
@@ -529,8 +520,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather_single(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::GatherOptions& opts) {
-  auto job = begin("gather", kGather);
-  auto r = request(kGather, &input);
+  auto job = begin("gather", OpKind::Gather);
+  auto r = request(OpKind::Gather, &input);
   r.root = opts.rootRank;
   r.inputs.push_back(job.input(input));
   if (opts.rootRank == getRank()) {
@@ -550,12 +541,12 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  auto job = begin("scatter", kScatter);
+  auto job = begin("scatter", OpKind::Scatter);
   if (outputs.size() != 1) {
     job.reject("takes exactly one output tensor per rank");
   }
   const at::Tensor& out = outputs[0];
-  auto r = request(kScatter, &out);
+  auto r = request(OpKind::Scatter, &out);
   r.root = opts.rootRank;
   if (opts.rootRank == getRank()) {
     if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize()) {
@@ -582,12 +573,12 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs,
     std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  auto job = begin("reduce_scatter", kReduceScatter);
+  auto job = begin("reduce_scatter", OpKind::ReduceScatter);
   if (outputs.size() != 1 || inputs.size() != 1) {
     job.reject("takes one output tensor and one input list per rank");
   }
   const at::Tensor& out = outputs[0];
-  auto r = request(kReduceScatter, &out);
+  auto r = request(OpKind::ReduceScatter, &out);
   job.set_reduction(r, opts.reduceOp);
   if (static_cast<int>(inputs[0].size()) != getSize()) {
     job.reject_and_abort("the input list has " + std::to_string(inputs[0].size()) + " tensors, expected " +
@@ -609,8 +600,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  auto job = begin("reduce_scatter_tensor", kReduceScatter);
-  auto r = request(kReduceScatter, &output);
+  auto job = begin("reduce_scatter_tensor", OpKind::ReduceScatter);
+  auto r = request(OpKind::ReduceScatter, &output);
   job.set_reduction(r, opts.reduceOp);
   job.same_kind(input, output, "the input tensor");
   if (input.numel() != output.numel() * getSize()) {
@@ -627,12 +618,12 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  auto job = begin("reduce_scatter_tensor_coalesced", kReduceScatter);
+  auto job = begin("reduce_scatter_tensor_coalesced", OpKind::ReduceScatter);
   if (outputs.size() != inputs.size()) {
     job.reject_and_abort("got " + std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) + " inputs");
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
-    auto r = request(kReduceScatter, &outputs[i]);
+    auto r = request(OpKind::ReduceScatter, &outputs[i]);
     job.set_reduction(r, opts.reduceOp);
     job.same_kind(inputs[i], outputs[i], "an input tensor");
     if (inputs[i].numel() != outputs[i].numel() * getSize()) {
@@ -667,9 +658,9 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall_base(
     std::vector<int64_t>& outputSplits,
     std::vector<int64_t>& inputSplits,
     const c10d::AllToAllOptions& opts) {
-  auto job = begin("all_to_all_single", kAllToAll);
+  auto job = begin("all_to_all_single", OpKind::AllToAll);
   job.same_kind(output, input, "the output tensor");
-  auto r = request(kAllToAll, &input);
+  auto r = request(OpKind::AllToAll, &input);
   r.inputs = split_rows(job, input, job.input(input), inputSplits, getSize(), "input");
   r.outputs = split_rows(job, output, job.output_only(output), outputSplits, getSize(), "output");
   job.add(std::move(r));
@@ -680,12 +671,12 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllToAllOptions& opts) {
-  auto job = begin("alltoall", kAllToAll);
+  auto job = begin("alltoall", OpKind::AllToAll);
   if (static_cast<int>(outputs.size()) != getSize() || static_cast<int>(inputs.size()) != getSize()) {
     job.reject_and_abort("needs one input and one output tensor per rank (" + std::to_string(getSize()) + "), got " +
                          std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
   }
-  auto r = request(kAllToAll, &inputs[0]);
+  auto r = request(OpKind::AllToAll, &inputs[0]);
   for (int i = 0; i < getSize(); ++i) {
     job.same_kind(inputs[i], inputs[0], "an input tensor");
     job.same_kind(outputs[i], inputs[0], "an output tensor");
@@ -699,11 +690,11 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall(
 // ---- point-to-point, barrier ----
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  auto job = begin("send", kSend);
+  auto job = begin("send", OpKind::Send);
   if (tensors.size() != 1) {
     job.reject("takes exactly one tensor");
   }
-  auto r = request(kSend, &tensors[0]);
+  auto r = request(OpKind::Send, &tensors[0]);
   r.root = dstRank;
   r.tag = tag;
   r.inputs.push_back(job.input(tensors[0]));
@@ -712,11 +703,11 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::send(std::vector<at::Tensor>& tens
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  auto job = begin("recv", kRecv);
+  auto job = begin("recv", OpKind::Recv);
   if (tensors.size() != 1) {
     job.reject("takes exactly one tensor");
   }
-  auto r = request(kRecv, &tensors[0]);
+  auto r = request(OpKind::Recv, &tensors[0]);
   r.root = srcRank;
   r.tag = tag;
   r.outputs.push_back(job.output_only(tensors[0]));
@@ -725,11 +716,11 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::recv(std::vector<at::Tensor>& tens
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  auto job = begin("recv", kRecvAnySource);
+  auto job = begin("recv", OpKind::RecvAnySource);
   if (tensors.size() != 1) {
     job.reject("takes exactly one tensor");
   }
-  auto r = request(kRecvAnySource, &tensors[0]);
+  auto r = request(OpKind::RecvAnySource, &tensors[0]);
   r.root = -1;
   r.tag = tag;
   r.outputs.push_back(job.output_only(tensors[0]));
@@ -738,8 +729,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::recvAnysource(std::vector<at::Tens
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::barrier(const c10d::BarrierOptions& opts) {
-  auto job = begin("barrier", kBarrier);
-  job.add(request(kBarrier, nullptr));
+  auto job = begin("barrier", OpKind::Barrier);
+  job.add(request(OpKind::Barrier, nullptr));
   return launch(job, c10d::OpType::BARRIER, XCCL_RS_CALLER_WAITS(opts));
 }
 

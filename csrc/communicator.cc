@@ -2,6 +2,8 @@
 // one group share one communicator (see communicator.h).
 #include "xccl_rs/communicator.h"
 
+#include "xccl_rs/errors.h"
+
 #include <map>
 #include <mutex>
 #include <utility>
@@ -44,8 +46,8 @@ std::shared_ptr<CommHandle> new_communicator(
   rust::Box<RustComm> comm = [&]() {
     try {
       return new_comm(std::move(store_ref), rank, size, static_cast<uint64_t>(timeout.count()));
-    } catch (const std::exception& e) {
-      C10_THROW_ERROR(DistBackendError, e.what());
+    } catch (const rust::Error& e) {
+      raise_core_error(e);
     }
   }();
   return std::shared_ptr<CommHandle>(new CommHandle{std::move(comm), store});

@@ -11,6 +11,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "xccl_rs/communicator.h"
+#include "xccl_rs/errors.h"
+#include "xccl_rs/src/ffi.rs.h"
 #include "xccl_rs/xccl_rs.h"
 
 namespace xccl_rs {
@@ -67,5 +69,15 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
       pybind11::arg("device") = std::nullopt,
       no_gil(),
       "Create a private ProcessGroup served by xccl_rs over `store` (see xccl_rs.new_group).");
+  m.def(
+      "host_identity",
+      [] {
+        try {
+          return std::string(xccl_rs::host_identity());
+        } catch (const rust::Error& e) {
+          xccl_rs::raise_core_error(e); // an invalid XCCL_RS_HOST_ID, say
+        }
+      },
+      "Which ranks share memory: ranks with equal identities (the core's rule).");
   m.attr("torch_version_built") = xccl_rs::torch_version_built();
 }

@@ -3,17 +3,10 @@
 
 #include <c10/util/Exception.h>
 
+#include "xccl_rs/errors.h"
 #include "xccl_rs/src/ffi.rs.h"
 
 namespace xccl_rs {
-
-std::exception_ptr make_backend_error(const std::string& message) {
-  try {
-    C10_THROW_ERROR(DistBackendError, message);
-  } catch (...) {
-    return std::current_exception();
-  }
-}
 
 std::shared_ptr<WorkState> new_work_state(const std::string& what) {
   auto state = std::make_shared<WorkState>();
@@ -61,18 +54,19 @@ void complete_future(WorkState& state, const std::exception_ptr& failure) {
 
 } // namespace
 
-void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_rank) {
+void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank) {
   auto state = done->state;
   std::exception_ptr failure;
-  if (error.size() > 0) {
-    failure = make_backend_error(std::string(error));
+  if (kind != ErrorKind::Success) {
+    failure = make_error(kind, std::string(error));
   } else {
     try {
       for (auto& [user, staged] : state->copy_back) {
         user.copy_(staged);
       }
     } catch (const std::exception& e) {
-      failure = make_backend_error(
+      failure = make_error(
+          ErrorKind::Communication,
           std::string("xccl_rs: ") + state->what + ": copying the result into a non-contiguous output failed: " + e.what());
     }
   }
@@ -82,7 +76,8 @@ void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_r
       state->staging->finish();
       copied_back = true;
     } catch (const std::exception& e) {
-      failure = make_backend_error(
+      failure = make_error(
+          ErrorKind::Communication,
           std::string("xccl_rs: ") + state->what + ": copying the result back to " + state->staging->device().str() +
           " failed: " + e.what());
     }

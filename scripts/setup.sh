@@ -6,6 +6,7 @@
 #
 #   XCCL_RS_CACHE   where the venv and the cargo target directory live (default ~/.cache/xccl_rs)
 #   XCCL_RS_TORCH   the torch requirement to install (default "torch", the newest on PyPI)
+#   XCCL_RS_SETUP_TORCH_ONLY=1   only the venv and torch
 #
 # Source it (`. scripts/setup.sh`): it exports PY (the venv's python) and CARGO_TARGET_DIR.
 set -euo pipefail
@@ -27,6 +28,10 @@ export PY
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "== installing ${XCCL_RS_TORCH:-torch} from PyPI (about 3 GB, a minute or two)"
   "$PY" -m pip install -q "${XCCL_RS_TORCH:-torch}"
+fi
+# XCCL_RS_SETUP_TORCH_ONLY=1: stop here (scripts/torch_matrix.sh --prefetch).
+if [ "${XCCL_RS_SETUP_TORCH_ONLY:-0}" = 1 ]; then
+  return 0 2>/dev/null || exit 0
 fi
 # Build tools (setuptools-rust for the extension; cmake and ninja for the C++ package's test and
 # the emulated XPU device of the tests), and the test tools.

@@ -3,19 +3,41 @@
 # Python suite. Extra arguments go to pytest (e.g. -k allreduce).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${XCCL_RS_CACHE:-$HOME/.cache/xccl_rs}"
+OLDEST="${XCCL_RS_TEST_OLDEST:-1}"
+LOGS="$CACHE/test-logs"
+mkdir -p "$LOGS"
+
+# Downloads overlap with compiling: torch 2.8 (for the last phase) goes into its matrix venv
+# in the background while this torch and xccl_rs are set up and built.
+prefetch_pid=
+if [ "$OLDEST" != 0 ]; then
+  "$ROOT/scripts/torch_matrix.sh" --prefetch 2.8 >"$LOGS/prefetch-torch-2.8.log" 2>&1 &
+  prefetch_pid=$!
+fi
+
 . "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 
 # verl (for python_tests/test_verl.py: the adapter against the real package), without letting
-# it change the torch the extension was built against.
+# it change the torch the extension was built against; in the background during cargo test,
+# which does not use the venv.
+verl_pid=
 if ! "$PY" -c "import verl.checkpoint_engine" 2>/dev/null; then
-  echo "== installing verl 0.9.1 and its checkpoint-engine dependencies (about 1 GB, a minute)"
+  echo "== installing verl 0.9.1 and its checkpoint-engine dependencies in the background (log: $LOGS/verl.log)"
   TORCH_RELEASE="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
-  "$PY" -m pip install -q "verl==0.9.1" uvicorn fastapi pyzmq msgspec cachetools "torch==$TORCH_RELEASE"
+  "$PY" -m pip install -q "verl==0.9.1" uvicorn fastapi pyzmq msgspec cachetools "torch==$TORCH_RELEASE" \
+    >"$LOGS/verl.log" 2>&1 &
+  verl_pid=$!
 fi
 
 echo "== cargo test (Rust core: ranks as threads over loopback TCP)"
 cargo test --release --quiet
+if [ -n "$verl_pid" ] && ! wait "$verl_pid"; then
+  cat "$LOGS/verl.log" >&2
+  echo "installing verl failed (log above)" >&2
+  exit 1
+fi
 
 echo "== pytest (ranks as processes)"
 set +e
@@ -29,8 +51,9 @@ fi
 
 # The oldest torch we support, besides the newest above: the smoke suite against torch 2.8
 # (its own venv in the cache, kept for the next run). XCCL_RS_TEST_OLDEST=0 skips it.
-if [ "${XCCL_RS_TEST_OLDEST:-1}" != 0 ]; then
+if [ "$OLDEST" != 0 ]; then
   echo "== torch 2.8: build and smoke suite (scripts/torch_matrix.sh 2.8)"
+  wait "$prefetch_pid" || echo "(prefetching torch 2.8 failed, see $LOGS/prefetch-torch-2.8.log; the matrix installs it)"
   XCCL_RS_MATRIX_KEEP=1 "$ROOT/scripts/torch_matrix.sh" 2.8 || rc=1
 fi
 exit "$rc"

@@ -6,16 +6,31 @@
 #
 #   scripts/torch_matrix.sh            every version
 #   scripts/torch_matrix.sh 2.8 2.15   some
+#   scripts/torch_matrix.sh --prefetch 2.8   only make the venv and install torch (scripts/test.sh
+#                                            runs this in the background while it builds)
 #
 # Each version lives in $XCCL_RS_CACHE/matrix/torch-X.Y (a venv of about 5 GB and a cargo
 # target directory); it is deleted after its run unless XCCL_RS_MATRIX_KEEP=1.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${XCCL_RS_CACHE:-$HOME/.cache/xccl_rs}"
+PREFETCH=0
+if [ "${1:-}" = --prefetch ]; then
+  PREFETCH=1
+  shift
+fi
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(2.8 2.9 2.10 2.11 2.12 2.13 2.14 2.15)
 RESULTS="$CACHE/matrix/results.md"
 mkdir -p "$CACHE/matrix"
+
+if [ "$PREFETCH" = 1 ]; then
+  for v in "${VERSIONS[@]}"; do
+    (export XCCL_RS_CACHE="$CACHE/matrix/torch-$v" XCCL_RS_TORCH="torch==$v.*" XCCL_RS_SETUP_TORCH_ONLY=1
+     . "$ROOT/scripts/setup.sh") || exit 1
+  done
+  exit 0
+fi
 
 failed=0
 for v in "${VERSIONS[@]}"; do

@@ -4,15 +4,15 @@
 //! symbol linked into a Rust cdylib is not exported); the C++ library of the CMake package
 //! (feature `cpp` alone) has no Python and must not reference it.
 
+use std::cell::Cell;
 use std::time::Duration;
 
 use crate::comm::{Communicator, JobStaging};
 use crate::config::Config;
-use crate::error::{CommError, Result};
+use crate::error::{CommError, ErrorKind, Result};
 use crate::ffi::ffi::{self, BufferView, OpRequest, StoreRef, WorkDone, WorkReady};
 use crate::op::Op;
 use crate::pipeline::{Relocation, Staging, chunk_bytes_for};
-use crate::reduce::Reduction;
 use crate::rendezvous::Store;
 use crate::transport::RawBuf;
 use crate::types::{DType, OpKind, ReduceOp};
@@ -79,11 +79,56 @@ pub fn new_comm(store: cxx::UniquePtr<StoreRef>, rank: i32, size: i32, timeout_m
     })
 }
 
+/// The bridge's shared enums carry the core's codes. For each pair this checks, when the crate
+/// compiles, that every variant of the core's enum (the match is exhaustive, so a new variant
+/// must be added here) has the same number in the bridge's enum of the same name.
+macro_rules! same_codes {
+    ($core:ident, $shared:ident, [$($v:ident),* $(,)?]) => {
+        const _: () = {
+            const fn shared_code(v: $core) -> u8 {
+                match v {
+                    $($core::$v => ffi::$shared::$v.repr,)*
+                }
+            }
+            $(assert!(shared_code($core::$v) == $core::$v as u8, concat!("ffi::", stringify!($shared), "::", stringify!($v)));)*
+        };
+    };
+}
+same_codes!(OpKind, OpKind, [AllReduce, Broadcast, Reduce, AllGather, Gather, Scatter, ReduceScatter, AllToAll, Barrier, Send, Recv, RecvAnySource]);
+same_codes!(DType, DType, [
+    Float64, Float32, Float16, BFloat16, Int8, UInt8, Int16, Int32, Int64, Bool, UInt16, UInt32, UInt64,
+    Float8E4M3FN, Float8E5M2, Float8E4M3FNUZ, Float8E5M2FNUZ, Bytes,
+]);
+same_codes!(ReduceOp, ReduceOp, [Sum, Avg, Product, Min, Max, BAnd, BOr, BXor, PreMulSum]);
+
+fn core_kind(k: ffi::OpKind) -> Result<OpKind> {
+    OpKind::from_code(k.repr).ok_or_else(|| CommError::invalid(format!("unknown op kind {}", k.repr)))
+}
+
+/// How a core error reads in torch's terms (`c10d::ErrorType`, and the Python exception).
+fn shared_error_kind(kind: &ErrorKind) -> ffi::ErrorKind {
+    match kind {
+        ErrorKind::InvalidArgument => ffi::ErrorKind::InvalidArgument,
+        ErrorKind::Timeout => ffi::ErrorKind::Timeout,
+        ErrorKind::PeerFailure => ffi::ErrorKind::Remote,
+        ErrorKind::Mismatch | ErrorKind::Io | ErrorKind::Aborted => ffi::ErrorKind::Communication,
+    }
+}
+
+thread_local! {
+    /// The kind of the last error a bridge function returned on this thread (`take_error_kind`).
+    static LAST_ERROR_KIND: Cell<u8> = const { Cell::new(0) };
+}
+
+pub fn take_error_kind() -> ffi::ErrorKind {
+    ffi::ErrorKind { repr: LAST_ERROR_KIND.with(|k| k.replace(ffi::ErrorKind::Success.repr)) }
+}
+
 fn to_op(r: &OpRequest) -> Result<Op> {
-    let kind = OpKind::from_code(r.kind).ok_or_else(|| CommError::invalid(format!("unknown op code {}", r.kind)))?;
-    let dtype = DType::from_code(r.dtype).ok_or_else(|| CommError::invalid(format!("unknown dtype code {}", r.dtype)))?;
-    let reduce_op =
-        ReduceOp::from_code(r.reduce_op).ok_or_else(|| CommError::invalid(format!("unknown reduce op code {}", r.reduce_op)))?;
+    let kind = core_kind(r.kind)?;
+    let dtype = DType::from_code(r.dtype.repr).ok_or_else(|| CommError::invalid(format!("unknown dtype code {}", r.dtype.repr)))?;
+    let reduce_op = ReduceOp::from_code(r.reduce_op.repr)
+        .ok_or_else(|| CommError::invalid(format!("unknown reduce op code {}", r.reduce_op.repr)))?;
     // SAFETY: the C++ side builds views from tensors it keeps alive (in the work state) until
     // the job's completion, and no one else touches them meanwhile (c10d's contract for
     // in-flight tensors).
@@ -115,24 +160,24 @@ impl RustComm {
                 ops,
                 staging,
                 Box::new(move |result| match result {
-                    Ok(c) => ffi::work_done(done, "", c.source_rank),
-                    Err(e) => ffi::work_done(done, &e.message, -1),
+                    Ok(c) => ffi::work_done(done, ffi::ErrorKind::Success, "", c.source_rank),
+                    Err(e) => ffi::work_done(done, shared_error_kind(&e.kind), &e.message, -1),
                 }),
                 caller_waits,
             )
         })
     }
 
-    pub fn abort_op(&self, kind: u8, message: &str) {
-        if let Some(kind) = OpKind::from_code(kind) {
+    pub fn abort_op(&self, kind: ffi::OpKind, message: &str) {
+        if let Ok(kind) = core_kind(kind) {
             self.0.abort(kind, message);
         }
     }
 
     /// The chunk size the core will run an op of `kind` in (src/pipeline.rs): the bridge plans
     /// its copies of accelerator tensors with the same chunks.
-    pub fn chunk_bytes(&self, kind: u8) -> usize {
-        OpKind::from_code(kind).map_or(usize::MAX, |k| chunk_bytes_for(k, self.0.pipeline_chunk_bytes()))
+    pub fn chunk_bytes(&self, kind: ffi::OpKind) -> usize {
+        core_kind(kind).map_or(usize::MAX, |k| chunk_bytes_for(k, self.0.pipeline_chunk_bytes()))
     }
 
     pub fn next_seq(&self) -> u64 {
@@ -148,18 +193,26 @@ impl RustComm {
     }
 }
 
-pub fn check_reduction(dtype: u8, op: u8) -> std::result::Result<(), String> {
-    let dtype = DType::from_code(dtype).ok_or("unknown dtype")?;
-    let op = ReduceOp::from_code(op).ok_or("unknown reduce op")?;
-    Reduction { dtype, op, world_size: 1, premul_factor: 1.0 }.validate()
+/// This host's identity by the core's rule (comm.rs `this_host`), for Python's weight sync.
+pub fn host_identity() -> std::result::Result<String, String> {
+    catch(|| {
+        let config = Config::from_env(Duration::from_secs(1)).map_err(|e| CommError::invalid(e.to_string()))?;
+        Ok(crate::comm::this_host(&config))
+    })
 }
 
 /// Runs `f`, turning errors and panics into the message C++ will raise.
 fn catch<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(e.message),
-        Err(_) => Err("xccl_rs: internal error (a panic in the Rust core; please report it)".into()),
+        Ok(Err(e)) => {
+            LAST_ERROR_KIND.with(|k| k.set(shared_error_kind(&e.kind).repr));
+            Err(e.message)
+        }
+        Err(_) => {
+            LAST_ERROR_KIND.with(|k| k.set(ffi::ErrorKind::Communication.repr));
+            Err("xccl_rs: internal error (a panic in the Rust core; please report it)".into())
+        }
     }
 }
 

@@ -73,7 +73,7 @@ impl Communicator {
         let token = agree_on_token(store, rank, config.timeout)?;
         let transport = TcpTransport::connect(store, rank, size, token, config.socket_host.as_deref(), config.timeout)?;
         let (shm, mixed, hosts) = if size > 1 && config.transport == TransportChoice::Auto {
-            let mine = config.host_id.clone().or_else(host_identity).unwrap_or_default();
+            let mine = this_host(&config);
             let map = HostMap::exchange(store, rank, size, &mine, config.timeout)?;
             let hosts = map.host_count();
             let (shm, mixed) = shared_memory(store, rank, map, &config)?;
@@ -464,6 +464,12 @@ impl Staging for Described<'_, '_> {
 /// all ranks (the `*_shm.rs` algorithms); several hosts, some with two or more ranks, make a
 /// mixed group (`hier_*.rs`), with shared memory among this host's ranks when it has two or
 /// more; one rank per host leaves nothing to share (TCP only).
+/// Which ranks share memory: ranks whose identities are equal. `XCCL_RS_HOST_ID` when set, else
+/// this host and its /dev/shm; empty when there is no /dev/shm (then no rank shares memory).
+pub fn this_host(config: &Config) -> String {
+    config.host_id.clone().or_else(host_identity).unwrap_or_default()
+}
+
 fn shared_memory(store: &dyn Store, rank: usize, hosts: HostMap, config: &Config) -> Result<(Option<ShmGroup>, Option<Mixed>)> {
     let host = hosts.host_of(rank);
     let local = hosts.ranks(host).to_vec();

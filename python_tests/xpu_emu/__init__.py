@@ -57,6 +57,24 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+def _unity_source(directory: str) -> str:
+    """One translation unit that includes every source: each includes torch's headers, whose
+    parsing is most of the build, so compiled together they are parsed once (ninja's depfile
+    still rebuilds it when any included source changes)."""
+    path = os.path.join(directory, "xpu_emu_unity.cc")
+    text = "".join(f'#include "{os.path.join(_HERE, s)}"\n' for s in _SOURCES)
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return path
+    except OSError:
+        pass
+    with open(path + ".tmp", "w") as f:  # ranks may start together: replace atomically
+        f.write(text)
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def load():
     """Builds (if needed) and loads the extension; returns its module."""
     global _EXT
@@ -66,7 +84,7 @@ def load():
         _ninja_on_path()
         _EXT = cpp_load(
             name="xccl_rs_xpu_emu",
-            sources=[os.path.join(_HERE, s) for s in _SOURCES],
+            sources=[_unity_source(build_dir())],
             extra_cflags=["-O2", "-std=c++20"],
             build_directory=build_dir(),
             verbose=bool(os.environ.get("XCCL_RS_XPU_EMU_VERBOSE")),

@@ -148,7 +148,7 @@ class XcclRsBackend : public c10d::Backend {
   class Job;
 
  private:
-  Job begin(const char* what, uint8_t kind);
+  Job begin(const char* what, OpKind kind);
   // Submits the job (or adds it to the coalesced batch). `caller_waits`: the c10d call is
   // synchronous, so the job may run on this thread when the group is idle.
   c10::intrusive_ptr<c10d::Work> launch(Job& job, c10d::OpType type, bool caller_waits = false);

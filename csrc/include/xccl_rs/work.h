@@ -45,6 +45,7 @@ struct WorkReady {
 };
 
 struct HostRelocation; // src/ffi.rs
+enum class ErrorKind : std::uint8_t; // src/ffi.rs
 
 // Called on the thread that runs the job, before anything else: allocates its staged tensors'
 // pinned host memory (whole buffers and the window). Throws on an allocation failure.
@@ -56,10 +57,8 @@ rust::Vec<HostRelocation> chunk_inputs_ready(WorkReady& ready, size_t op, size_t
 void chunk_outputs_done(WorkReady& ready, size_t op, size_t chunk);
 
 // Called on the progress thread: copies staged outputs back, then completes the work and its
-// future. Never throws.
-void work_done(std::unique_ptr<WorkDone> done, rust::Str error, int64_t source_rank);
-
-std::exception_ptr make_backend_error(const std::string& message);
+// future (with the exception of `kind`, errors.h, unless it is Success). Never throws.
+void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank);
 
 class XcclRsWork : public c10d::Work {
  public:

@@ -1,0 +1,25 @@
+// How errors of the Rust core become torch's exceptions, in one place: the bridge's ErrorKind
+// (src/ffi.rs) decides the exception, for the errors Rust functions return (a rust::Error,
+// whose kind take_error_kind() keeps for this thread) and for the errors of finished work.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include "rust/cxx.h"
+
+namespace xccl_rs {
+
+enum class ErrorKind : std::uint8_t; // src/ffi.rs; cxx defines it in xccl_rs/src/ffi.rs.h
+
+// InvalidArgument: c10::ValueError (Python ValueError); every other kind:
+// c10::DistBackendError (torch.distributed.DistBackendError).
+std::exception_ptr make_error(ErrorKind kind, const std::string& message);
+
+[[noreturn]] void raise_error(ErrorKind kind, const std::string& message);
+
+// For the rust::Error a bridge function just threw on this thread.
+[[noreturn]] void raise_core_error(const rust::Error& e);
+
+} // namespace xccl_rs
