@@ -217,12 +217,18 @@ mod tests {
             ("XCCL_RS_SPIN_US", "-1", "microseconds"),
             ("XCCL_RS_THREADS", "many", "a whole number"),
         ];
+        let mut failures = crate::failures::Failures::new();
         for (name, value, allowed) in cases {
-            let err = from(&[(name, value)]).unwrap_err();
-            assert_eq!((err.name, err.value.as_str()), (name, value));
+            let what = format!("{name}={value:?}");
+            let Err(err) = from(&[(name, value)]) else {
+                failures.fail(format!("{what}: accepted"));
+                continue;
+            };
+            failures.eq((err.name, err.value.as_str()), (name, value), &what);
             let text = err.to_string();
-            assert!(text.contains(name) && text.contains(value) && text.contains(allowed), "{text}");
+            failures.check(text.contains(name) && text.contains(value) && text.contains(allowed), || format!("{what}: {text:?} should name the variable, the value and {allowed:?}"));
         }
+        failures.finish("invalid settings");
     }
 
     /// docs/env.md's runtime table lists exactly the declared settings.

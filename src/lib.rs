@@ -28,6 +28,11 @@ pub use rendezvous::{MemoryStore, Store};
 pub use transport::RawBuf;
 pub use types::{DType, OpKind, ReduceOp};
 
+/// The unit tests' collector of failing points, shared with the integration tests.
+#[cfg(test)]
+#[path = "../tests/common/failures.rs"]
+pub(crate) mod failures;
+
 #[cfg(feature = "cpp")]
 mod bridge;
 #[cfg(feature = "cpp")]

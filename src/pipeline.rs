@@ -175,19 +175,22 @@ mod tests {
         op.outputs = outs.iter_mut().map(|o| RawBuf::from_slice(o)).collect();
         let (c, n) = plan(&op, 256);
         assert_eq!((c, n), (256, 4));
+        let mut failures = crate::failures::Failures::new();
         let mut seen = vec![0u32; 1000];
         for k in 0..n {
             let sub = chunk_op(&op, c, k);
             for (i, b) in sub.outputs.iter().enumerate() {
                 let start = b.ptr() as usize - op.outputs[i].ptr() as usize;
-                assert_eq!(start, k * 256);
+                failures.eq(start, k * 256, format_args!("chunk {k} output {i}: start"));
                 if i == 0 {
                     (start..start + b.len()).for_each(|j| seen[j] += 1);
                 }
             }
-            assert_eq!(sub.inputs[0].len(), sub.outputs[0].len());
+            failures.eq(sub.inputs[0].len(), sub.outputs[0].len(), format_args!("chunk {k}: input vs output length"));
         }
-        assert!(seen.iter().all(|&s| s == 1));
+        let wrong: Vec<usize> = (0..seen.len()).filter(|&j| seen[j] != 1).collect();
+        failures.check(wrong.is_empty(), || format!("{} bytes of output 0 not covered exactly once, first {:?}", wrong.len(), wrong.first()));
+        failures.finish("chunk_op");
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! ReduceScatter, AllToAll with unequal and zero-length pairs, Barrier, and a coalesced job.
 //! Element counts 0, 1, odd, and around/above the (small) segment / slot size so multi-round
 //! paths run. Each test runs over TCP (`::tcp`) and shared memory (`::shm`). Every result is
-//! compared with a reference computed here from every rank's inputs.
+//! compared with a reference computed here from every rank's inputs. Each sweep reports every
+//! failing point (tests/common/failures.rs), each named by its parameters and rank.
 
 #[macro_use]
 mod common;
@@ -38,8 +39,10 @@ fn segment_counts(esz: usize) -> Vec<usize> {
 }
 
 fn allreduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
+    let mut failures = Failures::new();
     for size in 1..=5 {
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        let group = format!("allreduce {} size {size}", T::DTYPE);
+        sweep_ranks(&mut failures, &group, size, cfg(net), LIMIT, move |rank, comm, _, f| {
             for (k, &rop) in ops.iter().enumerate() {
                 for n in allreduce_counts(T::DTYPE.size(), size) {
                     let what = format!("allreduce {} {rop:?} size {size} n {n} rank {rank}", T::DTYPE);
@@ -47,14 +50,17 @@ fn allreduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
                     // Misaligned for odd n (the kernels must not assume alignment), guarded.
                     let mut data = Guarded::new(&T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop)), n % 3);
                     let o = reduction_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()], rop);
-                    run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                    let got = T::from_bytes(data.data());
-                    assert_eq!(got.len(), n, "{what}");
-                    check_reduced(&got, size, 0, salt, rop, FACTOR, &what);
+                    f.op(run(&comm, vec![o]), &what)?;
+                    let got = data.data(f, &what);
+                    if f.eq(got.len(), n * T::DTYPE.size(), format!("{what}: result bytes")) {
+                        f.result(check_reduced::<T>(got, size, 0, salt, rop, FACTOR), &what);
+                    }
                 }
             }
+            Ok(())
         });
     }
+    failures.finish(&format!("allreduce {} over {net:?}", T::DTYPE));
 }
 
 use ReduceOp::*;
@@ -91,53 +97,70 @@ fn allreduce_bool(net: Net) {
 /// addition; the second assertion proves the data tells the two apart.
 fn allreduce_bf16_sum_rounds_once(net: Net) {
     let (size, n, salt) = (4, 3000, 77);
-    let got = spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+    let mut f = Failures::new();
+    let what = format!("allreduce bf16 Sum size {size} n {n}");
+    let results = try_spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
         let mut data = bf16::to_bytes(&inputs::<bf16>(rank, 0, n, salt, Sum));
-        run(&comm, vec![op_with(OpKind::AllReduce, DType::BFloat16, vec![], vec![buf(&mut data)])]).expect("allreduce");
-        bf16::from_bytes(&data)
+        run(&comm, vec![op_with(OpKind::AllReduce, DType::BFloat16, vec![], vec![buf(&mut data)])]).map(|_| bf16::from_bytes(&data))
     });
-    let mut differs_from_stepwise = 0;
-    for i in 0..n {
+    let got: Vec<Option<Vec<bf16>>> =
+        f.ranks(results, &what).into_iter().enumerate().map(|(rank, r)| f.op(r?, format!("{what} rank {rank}")).ok()).collect();
+    let once_and_stepwise = |i: usize| {
         let vals: Vec<bf16> = (0..size).map(|r| bf16::input(r, i, salt, Sum)).collect();
         let once = bf16::from_f32(vals.iter().map(|v| v.to_f32()).sum::<f32>());
         let stepwise = vals[1..].iter().fold(vals[0], |a, &b| bf16::from_f32(a.to_f32() + b.to_f32()));
-        differs_from_stepwise += usize::from(once != stepwise);
-        for (rank, g) in got.iter().enumerate() {
-            assert_eq!(g[i].to_bits(), once.to_bits(), "rank {rank} [{i}]: {} != {once} (stepwise {stepwise})", g[i]);
-        }
+        (once, stepwise)
+    };
+    let differs_from_stepwise = (0..n).filter(|&i| once_and_stepwise(i).0 != once_and_stepwise(i).1).count();
+    for (rank, g) in got.iter().enumerate() {
+        let Some(g) = g else { continue };
+        f.result(
+            each_element(n, |i| {
+                let (once, stepwise) = once_and_stepwise(i);
+                (g[i].to_bits() != once.to_bits()).then(|| format!("[{i}]: {} != {once} (stepwise {stepwise})", g[i]))
+            }),
+            format!("{what} rank {rank}"),
+        );
     }
-    assert!(differs_from_stepwise > n / 20, "test data too tame: only {differs_from_stepwise} elements distinguish the roundings");
+    f.check(differs_from_stepwise > n / 20, || format!("test data too tame: only {differs_from_stepwise} elements distinguish the roundings"));
+    f.finish(&format!("bf16 sum rounds once over {net:?}"));
 }
 
 /// Float MIN/MAX propagate a NaN from any rank, including the first.
 fn allreduce_min_max_propagate_nan(net: Net) {
     let size = 3;
     let nan_at = |rank: usize, i: usize| (rank, i) == (0, 0) || (rank, i) == (1, 3) || (rank, i) == (2, 7);
+    let mut f = Failures::new();
     for rop in [Min, Max] {
-        let got = spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        let what = format!("allreduce float32 {rop:?} size {size}");
+        let results = try_spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
             let v: Vec<f32> = (0..10).map(|i| if nan_at(rank, i) { f32::NAN } else { f32::input(rank, i, 5, rop) }).collect();
             let mut data = f32::to_bytes(&v);
             let mut o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)]);
             o.reduce_op = rop;
-            run(&comm, vec![o]).expect("allreduce");
-            f32::from_bytes(&data)
+            run(&comm, vec![o]).map(|_| f32::from_bytes(&data))
         });
-        for (rank, g) in got.iter().enumerate() {
-            for i in 0..10 {
+        for (rank, r) in f.ranks(results, &what).into_iter().enumerate() {
+            let Some(Ok(g)) = r.map(|r| f.op(r, format!("{what} rank {rank}"))) else { continue };
+            let bad = each_element(10, |i| {
                 if [0, 3, 7].contains(&i) {
-                    assert!(g[i].is_nan(), "{rop:?} rank {rank} [{i}]: {} should be NaN", g[i]);
+                    (!g[i].is_nan()).then(|| format!("[{i}]: {} should be NaN", g[i]))
                 } else {
                     let want: f32 = expected(size, i, 5, rop, 1.0);
-                    assert_eq!(g[i], want, "{rop:?} rank {rank} [{i}]");
+                    (g[i] != want).then(|| format!("[{i}]: {} != {want}", g[i]))
                 }
-            }
+            });
+            f.result(bad, format!("{what} rank {rank}"));
         }
     }
+    f.finish(&format!("min/max propagate NaN over {net:?}"));
 }
 
 fn reduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
+    let mut failures = Failures::new();
     for size in 1..=5 {
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        let group = format!("reduce {} size {size}", T::DTYPE);
+        sweep_ranks(&mut failures, &group, size, cfg(net), LIMIT, move |rank, comm, _, f| {
             for root in 0..size {
                 for (k, &rop) in ops.iter().enumerate() {
                     for n in segment_counts(T::DTYPE.size()) {
@@ -147,17 +170,21 @@ fn reduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
                         let mut data = Guarded::new(&before, n % 2);
                         let mut o = reduction_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()], rop);
                         o.root = root as i64;
-                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        f.op(run(&comm, vec![o]), &what)?;
                         if rank == root {
-                            check_reduced(&T::from_bytes(data.data()), size, 0, salt, rop, FACTOR, &what);
+                            let bytes = data.data(f, &what);
+                            f.result(check_reduced::<T>(bytes, size, 0, salt, rop, FACTOR), &what);
                         } else {
-                            assert!(data.data() == before, "{what}: a non-root buffer changed");
+                            let bytes = data.data(f, &what);
+                            f.result(same_bytes(bytes, &before), format!("{what}: a non-root buffer changed"));
                         }
                     }
                 }
             }
+            Ok(())
         });
     }
+    failures.finish(&format!("reduce {} over {net:?}", T::DTYPE));
 }
 
 fn reduce_every_root_f32(net: Net) {
@@ -170,8 +197,10 @@ fn reduce_every_root_int_and_bf16(net: Net) {
 }
 
 fn reduce_scatter_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
+    let mut failures = Failures::new();
     for size in 1..=5 {
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        let group = format!("reduce_scatter {} size {size}", T::DTYPE);
+        sweep_ranks(&mut failures, &group, size, cfg(net), LIMIT, move |rank, comm, _, f| {
             for (k, &rop) in ops.iter().enumerate() {
                 for per in segment_counts(T::DTYPE.size()) {
                     for layout in [Layout::Contiguous, Layout::InPlace, Layout::Separate] {
@@ -188,18 +217,20 @@ fn reduce_scatter_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
                         };
                         let output = if layout == Layout::InPlace { blocks[rank] } else { out.raw() };
                         let o = reduction_with(OpKind::ReduceScatter, T::DTYPE, blocks, vec![output], rop);
-                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        f.op(run(&comm, vec![o]), &what)?;
                         let got = match layout {
-                            Layout::InPlace => T::from_bytes(&input.data()[rank * per * esz..(rank + 1) * per * esz]),
-                            _ => T::from_bytes(out.data()),
+                            Layout::InPlace => &input.data(f, &what)[rank * per * esz..(rank + 1) * per * esz],
+                            _ => out.data(f, &what),
                         };
-                        check_reduced(&got, size, rank * per, salt, rop, FACTOR, &what);
-                        let _ = joined(&pieces);
+                        f.result(check_reduced::<T>(got, size, rank * per, salt, rop, FACTOR), &what);
+                        let _ = joined(f, &pieces, &what);
                     }
                 }
             }
+            Ok(())
         });
     }
+    failures.finish(&format!("reduce_scatter {} over {net:?}", T::DTYPE));
 }
 
 fn reduce_scatter_f32_i32_bf16(net: Net) {
@@ -229,8 +260,9 @@ fn salt_of(parts: &[usize]) -> u64 {
 }
 
 fn broadcast_every_root(net: Net) {
+    let mut failures = Failures::new();
     for size in 1..=5 {
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        sweep_ranks(&mut failures, &format!("broadcast size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
             for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
                 for n in MOVE_COUNTS.into_iter().chain([100_003]) {
                     for root in 0..size {
@@ -240,18 +272,22 @@ fn broadcast_every_root(net: Net) {
                         let mut data = Guarded::new(&if rank == root { pattern(root, salt, len) } else { pattern(rank + 100, salt, len) }, n % 4);
                         let mut o = op_with(OpKind::Broadcast, dtype, vec![], vec![data.raw()]);
                         o.root = root as i64;
-                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                        assert!(data.data() == pattern(root, salt, len), "{what}: wrong data");
+                        f.op(run(&comm, vec![o]), &what)?;
+                        let bytes = data.data(f, &what);
+                        f.result(same_bytes(bytes, &pattern(root, salt, len)), format!("{what}: wrong data"));
                     }
                 }
             }
+            Ok(())
         });
     }
+    failures.finish(&format!("broadcast over {net:?}"));
 }
 
 fn allgather_out_of_place_and_in_place(net: Net) {
+    let mut failures = Failures::new();
     for size in 1..=5 {
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        sweep_ranks(&mut failures, &format!("allgather size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
             for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
                 for n in MOVE_COUNTS {
                     for layout in [Layout::Contiguous, Layout::InPlace, Layout::Separate] {
@@ -261,7 +297,7 @@ fn allgather_out_of_place_and_in_place(net: Net) {
                         let mut input = Guarded::new(&pattern(rank, salt, len), 3);
                         let mut init = vec![0x5Au8; size * len];
                         if layout == Layout::InPlace {
-                            init[rank * len..(rank + 1) * len].copy_from_slice(input.data());
+                            init[rank * len..(rank + 1) * len].copy_from_slice(input.bytes());
                         }
                         let mut out = Guarded::new(&init, 0);
                         let mut pieces = separate(&init, size, len);
@@ -270,22 +306,26 @@ fn allgather_out_of_place_and_in_place(net: Net) {
                             _ => (0..size).map(|r| out.raw().sub(r * len, len)).collect::<Vec<_>>(),
                         };
                         let inp = if layout == Layout::InPlace { outs[rank] } else { input.raw() };
-                        run(&comm, vec![op_with(OpKind::AllGather, dtype, vec![inp], outs)]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                        let got = if layout == Layout::Separate { joined(&pieces) } else { out.data().to_vec() };
+                        f.op(run(&comm, vec![op_with(OpKind::AllGather, dtype, vec![inp], outs)]), &what)?;
+                        let got = if layout == Layout::Separate { joined(f, &pieces, &what) } else { out.data(f, &what).to_vec() };
                         for r in 0..size {
-                            assert!(got[r * len..(r + 1) * len] == pattern(r, salt, len)[..], "{what}: wrong block from rank {r}");
+                            f.result(same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)), format!("{what}: wrong block from rank {r}"));
                         }
-                        assert!(input.data() == pattern(rank, salt, len), "{what}: input changed");
+                        let bytes = input.data(f, &what);
+                        f.result(same_bytes(bytes, &pattern(rank, salt, len)), format!("{what}: input changed"));
                     }
                 }
             }
+            Ok(())
         });
     }
+    failures.finish(&format!("allgather over {net:?}"));
 }
 
 fn gather_every_root(net: Net) {
+    let mut failures = Failures::new();
     for size in 1..=5 {
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        sweep_ranks(&mut failures, &format!("gather size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
             for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
                 for n in MOVE_COUNTS {
                     for root in 0..size {
@@ -304,24 +344,28 @@ fn gather_every_root(net: Net) {
                         };
                         let mut o = op_with(OpKind::Gather, dtype, vec![input.raw()], outs);
                         o.root = root as i64;
-                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                        let got = if sep { joined(&pieces) } else { out.data().to_vec() };
+                        f.op(run(&comm, vec![o]), &what)?;
+                        let got = if sep { joined(f, &pieces, &what) } else { out.data(f, &what).to_vec() };
                         if rank == root {
                             for r in 0..size {
-                                assert!(got[r * len..(r + 1) * len] == pattern(r, salt, len)[..], "{what}: wrong block from rank {r}");
+                                f.result(same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)), format!("{what}: wrong block from rank {r}"));
                             }
                         }
-                        assert!(input.data() == pattern(rank, salt, len), "{what}: input changed");
+                        let bytes = input.data(f, &what);
+                        f.result(same_bytes(bytes, &pattern(rank, salt, len)), format!("{what}: input changed"));
                     }
                 }
             }
+            Ok(())
         });
     }
+    failures.finish(&format!("gather over {net:?}"));
 }
 
 fn scatter_every_root(net: Net) {
+    let mut failures = Failures::new();
     for size in 1..=5 {
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        sweep_ranks(&mut failures, &format!("scatter size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
             for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
                 for n in MOVE_COUNTS {
                     for root in 0..size {
@@ -340,17 +384,20 @@ fn scatter_every_root(net: Net) {
                         };
                         let mut o = op_with(OpKind::Scatter, dtype, ins, vec![out.raw()]);
                         o.root = root as i64;
-                        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                        assert!(out.data() == &whole[rank * len..(rank + 1) * len], "{what}: wrong block");
+                        f.op(run(&comm, vec![o]), &what)?;
+                        let bytes = out.data(f, &what);
+                        f.result(same_bytes(bytes, &whole[rank * len..(rank + 1) * len]), format!("{what}: wrong block"));
                         if rank == root {
-                            let after = if sep { joined(&pieces) } else { input.data().to_vec() };
-                            assert!(after == whole, "{what}: root input changed");
+                            let after = if sep { joined(f, &pieces, &what) } else { input.data(f, &what).to_vec() };
+                            f.result(same_bytes(&after, &whole), format!("{what}: root input changed"));
                         }
                     }
                 }
             }
+            Ok(())
         });
     }
+    failures.finish(&format!("scatter over {net:?}"));
 }
 
 /// Elements rank `src` sends rank `dst` in all-to-all case `case`.
@@ -366,9 +413,10 @@ fn a2a_len(case: usize, src: usize, dst: usize) -> usize {
 
 fn alltoall_unequal_and_empty_pairs(net: Net) {
     let zero_pairs_seen = Arc::new(Mutex::new(0usize));
+    let mut failures = Failures::new();
     for size in 1..=5 {
         let zero_pairs_seen = zero_pairs_seen.clone();
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        sweep_ranks(&mut failures, &format!("alltoall size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
             for dtype in [DType::Float32, DType::UInt8, DType::Int64] {
                 for case in 0..5 {
                     let what = format!("alltoall {dtype} size {size} case {case} rank {rank}");
@@ -383,51 +431,58 @@ fn alltoall_unequal_and_empty_pairs(net: Net) {
                         ins.iter_mut().map(|v| buf(v)).collect(),
                         outs.iter_mut().map(|v| buf(v)).collect(),
                     );
-                    run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                    for src in 0..size {
-                        assert!(outs[src] == msg(src, rank), "{what}: wrong message from rank {src}");
-                        if src != rank && outs[src].is_empty() && case > 0 {
+                    f.op(run(&comm, vec![o]), &what)?;
+                    for (src, got) in outs.iter().enumerate() {
+                        f.result(same_bytes(got, &msg(src, rank)), format!("{what}: wrong message from rank {src}"));
+                        if src != rank && got.is_empty() && case > 0 {
                             *zero_pairs_seen.lock().unwrap() += 1;
                         }
                     }
-                    for dst in 0..size {
-                        assert!(ins[dst] == msg(rank, dst), "{what}: input for rank {dst} changed");
+                    for (dst, sent) in ins.iter().enumerate() {
+                        f.result(same_bytes(sent, &msg(rank, dst)), format!("{what}: input for rank {dst} changed"));
                     }
                 }
             }
+            Ok(())
         });
     }
-    assert!(*zero_pairs_seen.lock().unwrap() > 0, "no zero-length pair among mixed lengths");
+    failures.check(*zero_pairs_seen.lock().unwrap() > 0, || "no zero-length pair among mixed lengths".into());
+    failures.finish(&format!("alltoall over {net:?}"));
 }
 
 /// No rank leaves a barrier before the last one has entered it (the last one enters late).
 fn barrier_waits_for_everyone(net: Net) {
+    let mut failures = Failures::new();
     for size in 1..=5 {
         let log = Arc::new(Mutex::new(Vec::new()));
         let log2 = log.clone();
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        sweep_ranks(&mut failures, &format!("barrier size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
             for it in 0..3 {
                 if rank == (size - 1 + it) % size {
                     std::thread::sleep(Duration::from_millis(40));
                 }
                 let enter = Instant::now();
-                run(&comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]).expect("barrier");
+                f.op(run(&comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]), format!("barrier size {size} barrier {it} rank {rank}"))?;
                 log2.lock().unwrap().push((it, enter, Instant::now()));
             }
+            Ok(())
         });
         let log = log.lock().unwrap();
         for it in 0..3 {
-            let last_enter = log.iter().filter(|e| e.0 == it).map(|e| e.1).max().unwrap();
-            let first_exit = log.iter().filter(|e| e.0 == it).map(|e| e.2).min().unwrap();
-            assert!(first_exit >= last_enter, "size {size} barrier {it}: a rank left before the last one entered");
+            // Only the ranks that got through the barrier (the others are failing points already).
+            let last_enter = log.iter().filter(|e| e.0 == it).map(|e| e.1).max();
+            let first_exit = log.iter().filter(|e| e.0 == it).map(|e| e.2).min();
+            failures.check(first_exit >= last_enter, || format!("size {size} barrier {it}: a rank left before the last one entered"));
         }
     }
+    failures.finish(&format!("barrier over {net:?}"));
 }
 
 /// One job with several collectives runs them in order; each takes a sequence number.
 fn coalesced_job_of_collectives(net: Net) {
+    let mut failures = Failures::new();
     for size in 1..=5 {
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        sweep_ranks(&mut failures, &format!("coalesced size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
             let what = format!("coalesced size {size} rank {rank}");
             let n = 1001;
             let mut ar = f32::to_bytes(&inputs::<f32>(rank, 0, n, 21, Sum));
@@ -445,18 +500,20 @@ fn coalesced_job_of_collectives(net: Net) {
             let o_ag = op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut ag_in)], views(&mut ag_out, size, 64));
             let o_b = op_with(OpKind::Barrier, DType::Float32, vec![], vec![]);
             let o_rs = op_with(OpKind::ReduceScatter, DType::Int32, views(&mut rs_in, size, 40), vec![buf(&mut rs_out)]);
-            assert_eq!(comm.next_seq(), 0);
-            run(&comm, vec![o_ar, o_bc, o_ag, o_b, o_rs]).unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_eq!(comm.next_seq(), 5, "{what}: five collectives submitted");
+            f.eq(comm.next_seq(), 0, format!("{what}: sequence number before"));
+            f.op(run(&comm, vec![o_ar, o_bc, o_ag, o_b, o_rs]), &what)?;
+            f.eq(comm.next_seq(), 5, format!("{what}: five collectives submitted"));
 
-            check_reduced(&f32::from_bytes(&ar), size, 0, 21, Sum, 1.0, &what);
-            assert!(bc == pattern(root, 22, 300), "{what}: broadcast");
+            f.result(check_reduced::<f32>(&ar, size, 0, 21, Sum, 1.0), format!("{what}: allreduce"));
+            f.result(same_bytes(&bc, &pattern(root, 22, 300)), format!("{what}: broadcast"));
             for r in 0..size {
-                assert!(ag_out[r * 64..(r + 1) * 64] == pattern(r, 23, 64)[..], "{what}: allgather block {r}");
+                f.result(same_bytes(&ag_out[r * 64..(r + 1) * 64], &pattern(r, 23, 64)), format!("{what}: allgather block {r}"));
             }
-            check_reduced(&i32::from_bytes(&rs_out), size, rank * 10, 24, Sum, 1.0, &what);
+            f.result(check_reduced::<i32>(&rs_out, size, rank * 10, 24, Sum, 1.0), format!("{what}: reduce_scatter"));
+            Ok(())
         });
     }
+    failures.finish(&format!("coalesced job over {net:?}"));
 }
 
 both_nets!(

@@ -2,7 +2,8 @@
 //! threads with jobs interleaved and submitted in opposite orders on alternate threads (one
 //! shared progress queue would deadlock); hundreds of async jobs submitted back-to-back, whose
 //! completions must arrive in submission order; world size 5 in two groups at once, with many
-//! more threads than this machine's cores. Each runs over TCP (`::tcp`) and shared memory (`::shm`).
+//! more threads than this machine's cores. Each runs over TCP (`::tcp`) and shared memory (`::shm`),
+//! and reports every failing check (tests/common/failures.rs), named by thread or rank and iteration.
 
 #[macro_use]
 mod common;
@@ -24,12 +25,11 @@ fn allreduce<T: TestElem>(data: &mut [u8], rop: ReduceOp) -> Op {
     o
 }
 
-fn wait(rx: mpsc::Receiver<Result<Completion, CommError>>, what: &str) {
-    match rx.recv_timeout(Duration::from_secs(30)) {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => panic!("{what}: {e}"),
-        Err(_) => panic!("{what}: no completion (hang)"),
-    }
+/// Waits for a job's completion: an error, or none within 30 s (a hang), stops the sweep.
+fn wait(f: &mut Failures, rx: mpsc::Receiver<Result<Completion, CommError>>, what: &str) -> Result<(), Stop> {
+    let r = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| Err(CommError::io("no completion (hang)")));
+    f.op(r, what)?;
+    Ok(())
 }
 
 /// Group A has thread t as rank t, group B as rank size-1-t. Each iteration submits two jobs
@@ -37,10 +37,11 @@ fn wait(rx: mpsc::Receiver<Result<Completion, CommError>>, what: &str) {
 fn two_groups_from_the_same_threads(net: Net) {
     let size = 4;
     let (store_a, store_b) = (MemoryStore::new(), MemoryStore::new());
-    spawn_threads(size, LIMIT, move |t, _| {
-        let a = Communicator::new(&store_a, t, size, cfg(net)).expect("group A");
+    let mut failures = Failures::new();
+    sweep_threads(&mut failures, "two groups", size, LIMIT, move |t, _, f| {
+        let a = f.op(Communicator::new(&store_a, t, size, cfg(net)), format!("thread {t}: group A"))?;
         let rb = size - 1 - t;
-        let b = Communicator::new(&store_b, rb, size, cfg(net)).expect("group B");
+        let b = f.op(Communicator::new(&store_b, rb, size, cfg(net)), format!("thread {t}: group B"))?;
         for it in 0..12 {
             let what = format!("thread {t} iteration {it}");
             let (n, salt, root) = (20_000 + 37 * it, it as u64, it % size);
@@ -63,19 +64,21 @@ fn two_groups_from_the_same_threads(net: Net) {
                 let rb_ = jobs(&b, &b_ops);
                 (jobs(&a, &a_ops), rb_)
             };
-            wait(ra.0, &format!("{what}: A allreduce"));
-            wait(ra.1, &format!("{what}: A broadcast"));
-            wait(rb_.0, &format!("{what}: B allgather"));
-            wait(rb_.1, &format!("{what}: B allreduce"));
+            wait(f, ra.0, &format!("{what}: A allreduce"))?;
+            wait(f, ra.1, &format!("{what}: A broadcast"))?;
+            wait(f, rb_.0, &format!("{what}: B allgather"))?;
+            wait(f, rb_.1, &format!("{what}: B allreduce"))?;
 
-            check_reduced(&f32::from_bytes(&a_red), size, 0, salt, ReduceOp::Sum, 1.0, &format!("{what}: A allreduce"));
-            assert!(a_bc == pattern(root, salt, 30_000), "{what}: A broadcast");
+            f.result(check_reduced::<f32>(&a_red, size, 0, salt, ReduceOp::Sum, 1.0), format!("{what}: A allreduce"));
+            f.result(same_bytes(&a_bc, &pattern(root, salt, 30_000)), format!("{what}: A broadcast"));
             for r in 0..size {
-                assert!(b_out[r * 5000..(r + 1) * 5000] == pattern(r, salt, 5000)[..], "{what}: B allgather block {r}");
+                f.result(same_bytes(&b_out[r * 5000..(r + 1) * 5000], &pattern(r, salt, 5000)), format!("{what}: B allgather block {r}"));
             }
-            check_reduced(&i32::from_bytes(&b_red), size, 0, salt, ReduceOp::Max, 1.0, &format!("{what}: B allreduce"));
+            f.result(check_reduced::<i32>(&b_red, size, 0, salt, ReduceOp::Max, 1.0), format!("{what}: B allreduce"));
         }
+        Ok(())
     });
+    failures.finish(&format!("two groups from the same threads over {net:?}"));
 }
 
 /// 300 small jobs submitted without waiting: completions arrive in submission order and every
@@ -83,7 +86,8 @@ fn two_groups_from_the_same_threads(net: Net) {
 fn many_async_jobs_complete_in_order(net: Net) {
     const JOBS: usize = 300;
     let size = 3;
-    spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+    let mut failures = Failures::new();
+    sweep_ranks(&mut failures, "async jobs", size, cfg(net), LIMIT, move |rank, comm, _, f| {
         let kind = |j: usize| if j % 10 == 9 { OpKind::Broadcast } else { OpKind::AllReduce };
         let rop = |j: usize| if j % 2 == 1 { ReduceOp::Max } else { ReduceOp::Sum };
         let n = |j: usize| 1 + j % 8;
@@ -106,30 +110,35 @@ fn many_async_jobs_complete_in_order(net: Net) {
                 allreduce::<f32>(b, rop(j))
             };
             let (order, tx) = (order.clone(), tx.clone());
-            comm.submit(
+            let submitted = comm.submit(
                 vec![o],
                 Box::new(move |r| {
                     order.lock().unwrap().push(j);
                     let _ = tx.send((j, r));
                 }),
-            )
-            .expect("submit");
+            );
+            f.op(submitted, format!("rank {rank} job {j}: submit"))?;
         }
-        assert_eq!(comm.next_seq(), JOBS as u64);
-        for _ in 0..JOBS {
-            let (j, r) = rx.recv_timeout(Duration::from_secs(30)).expect("a completion (hang?)");
-            r.unwrap_or_else(|e| panic!("rank {rank} job {j}: {e}"));
+        f.eq(comm.next_seq(), JOBS as u64, format!("rank {rank}: sequence number after submitting"));
+        for k in 0..JOBS {
+            let Ok((j, r)) = rx.recv_timeout(Duration::from_secs(30)) else {
+                f.fail(format!("rank {rank}: completion {k} did not arrive within 30 s (hang)"));
+                return Err(Stop);
+            };
+            f.op(r, format!("rank {rank} job {j}"))?;
         }
-        assert_eq!(*order.lock().unwrap(), (0..JOBS).collect::<Vec<_>>(), "rank {rank}: completion order");
+        f.eq(&*order.lock().unwrap(), &(0..JOBS).collect::<Vec<_>>(), format!("rank {rank}: completion order"));
         for (j, b) in bufs.iter().enumerate() {
             let what = format!("rank {rank} job {j}");
             if kind(j) == OpKind::Broadcast {
-                assert!(*b == pattern(root(j), j as u64, 100), "{what}: broadcast");
+                f.result(same_bytes(b, &pattern(root(j), j as u64, 100)), format!("{what}: broadcast"));
             } else {
-                check_reduced(&f32::from_bytes(b), size, 0, j as u64, rop(j), 1.0, &what);
+                f.result(check_reduced::<f32>(b, size, 0, j as u64, rop(j), 1.0), &what);
             }
         }
+        Ok(())
     });
+    failures.finish(&format!("many async jobs over {net:?}"));
 }
 
 /// Five ranks in two groups at once (10 communicators, 10 progress threads and 5 test threads
@@ -137,10 +146,11 @@ fn many_async_jobs_complete_in_order(net: Net) {
 fn world_size_5_oversubscribed(net: Net) {
     let size = 5;
     let (store_a, store_b) = (MemoryStore::new(), MemoryStore::new());
-    spawn_threads(size, LIMIT, move |t, _| {
-        let a = Communicator::new(&store_a, t, size, cfg(net)).expect("group A");
+    let mut failures = Failures::new();
+    sweep_threads(&mut failures, "world size 5", size, LIMIT, move |t, _, f| {
+        let a = f.op(Communicator::new(&store_a, t, size, cfg(net)), format!("thread {t}: group A"))?;
         let rb = (t + 2) % size;
-        let b = Communicator::new(&store_b, rb, size, cfg(net)).expect("group B");
+        let b = f.op(Communicator::new(&store_b, rb, size, cfg(net)), format!("thread {t}: group B"))?;
         for it in 0..8 {
             let what = format!("thread {t} iteration {it}");
             let salt = 1000 + it as u64;
@@ -157,10 +167,10 @@ fn world_size_5_oversubscribed(net: Net) {
                 rs
             };
             let rbj = submit_async(&b, vec![rs]);
-            wait(ra, &format!("{what}: A allreduce"));
-            wait(rbj, &format!("{what}: B reduce_scatter"));
-            check_reduced(&i64::from_bytes(&a_red), size, 0, salt, ReduceOp::Sum, 1.0, &format!("{what}: A allreduce"));
-            check_reduced(&f32::from_bytes(&b_out), size, rb * per, salt, ReduceOp::Avg, 1.0, &format!("{what}: B reduce_scatter"));
+            wait(f, ra, &format!("{what}: A allreduce"))?;
+            wait(f, rbj, &format!("{what}: B reduce_scatter"))?;
+            f.result(check_reduced::<i64>(&a_red, size, 0, salt, ReduceOp::Sum, 1.0), format!("{what}: A allreduce"));
+            f.result(check_reduced::<f32>(&b_out, size, rb * per, salt, ReduceOp::Avg, 1.0), format!("{what}: B reduce_scatter"));
 
             // All-to-all on B (pair lengths vary with the iteration) while A runs a barrier.
             let len = |src: usize, dst: usize| (src * 3 + dst * 5 + it) % 4 * 500;
@@ -168,13 +178,15 @@ fn world_size_5_oversubscribed(net: Net) {
             let mut outs: Vec<Vec<u8>> = (0..size).map(|s| vec![0u8; len(s, rb)]).collect();
             let a2a = op_with(OpKind::AllToAll, DType::UInt8, ins.iter_mut().map(|v| buf(v)).collect(), outs.iter_mut().map(|v| buf(v)).collect());
             let rbj = submit_async(&b, vec![a2a]);
-            run(&a, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]).unwrap_or_else(|e| panic!("{what}: A barrier: {e}"));
-            wait(rbj, &format!("{what}: B alltoall"));
-            for s in 0..size {
-                assert!(outs[s] == pattern(s * 8 + rb, salt, len(s, rb)), "{what}: B alltoall from rank {s}");
+            f.op(run(&a, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]), format!("{what}: A barrier"))?;
+            wait(f, rbj, &format!("{what}: B alltoall"))?;
+            for (s, got) in outs.iter().enumerate() {
+                f.result(same_bytes(got, &pattern(s * 8 + rb, salt, len(s, rb))), format!("{what}: B alltoall from rank {s}"));
             }
         }
+        Ok(())
     });
+    failures.finish(&format!("world size 5 oversubscribed over {net:?}"));
 }
 
 both_nets!(

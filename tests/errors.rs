@@ -3,7 +3,8 @@
 //! layout validation in `submit`. Each must give an Err on every rank, promptly (elapsed times
 //! are asserted), never a hang or wrong data; and the next job on a failed communicator must
 //! fail at once, naming the first error. Tests of collectives run over TCP (`::tcp`) and
-//! shared memory (`::shm`).
+//! shared memory (`::shm`). Every failing check is reported (tests/common/failures.rs), each
+//! named by its case and rank; a loop over cases reports every failing case.
 
 #[macro_use]
 mod common;
@@ -26,51 +27,72 @@ fn barrier_op() -> Op {
 }
 
 /// The next job after `first` must fail at once and carry `first`'s message.
-fn next_job_fails_at_once(comm: &Communicator, first: &CommError, what: &str) {
+fn next_job_fails_at_once(f: &mut Failures, comm: &Communicator, first: &CommError, what: &str) {
     let (r, took) = timed(comm, vec![barrier_op()]);
-    let e = expect_err(r, &format!("{what}: the job after a failure"));
-    assert!(e.message.contains(&first.message), "{what}: {:?} should quote the first error {:?}", e.message, first.message);
-    assert!(took < Duration::from_millis(500), "{what}: the job after a failure took {took:?}");
+    if let Some(e) = expect_err(f, r, &format!("{what}: the job after a failure")) {
+        f.check(e.message.contains(&first.message), || format!("{what}: {:?} should quote the first error {:?}", e.message, first.message));
+    }
+    f.check(took < Duration::from_millis(500), || format!("{what}: the job after a failure took {took:?}"));
+}
+
+/// Runs the failure case `f` on `size` ranks, adding its failing points to `failures`; `case`
+/// names it (and prefixes a rank that panics or hangs).
+fn case_on_ranks(
+    failures: &mut Failures,
+    case: &str,
+    size: usize,
+    cfg: Config,
+    f: impl Fn(usize, Communicator, &RankBarrier, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
+) {
+    sweep_ranks(failures, case, size, cfg, LIMIT, f)
 }
 
 fn allreduce_size_mismatch(net: Net) {
+    let mut failures = Failures::new();
     for size in [2, 3] {
-        spawn_ranks(size, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+        case_on_ranks(&mut failures, &format!("size {size}"), size, cfg(net, 3), move |rank, comm, barrier, f| {
             let what = format!("size {size} rank {rank}");
             let n = if rank == 1 { 5001 } else { 5000 };
             let mut data = f32::to_bytes(&vec![1.0; n]);
             let (r, took) = timed(&comm, vec![allreduce(DType::Float32, &mut data)]);
-            let e = expect_err(r, &what);
-            assert!(e.message.contains("size mismatch") || e.message.contains("elements"), "{what}: {}", e.message);
-            assert!(took < Duration::from_secs(1), "{what}: took {took:?}");
-            next_job_fails_at_once(&comm, &e, &what);
+            if let Some(e) = expect_err(f, r, &what) {
+                f.check(e.message.contains("size mismatch") || e.message.contains("elements"), || format!("{what}: {}", e.message));
+                next_job_fails_at_once(f, &comm, &e, &what);
+            }
+            f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
             barrier.wait();
+            Ok(())
         });
     }
+    failures.finish(&format!("allreduce size mismatch over {net:?}"));
 }
 
 fn allreduce_dtype_mismatch(net: Net) {
+    let mut failures = Failures::new();
     for size in [2, 3] {
-        spawn_ranks(size, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+        case_on_ranks(&mut failures, &format!("size {size}"), size, cfg(net, 3), move |rank, comm, barrier, f| {
             let what = format!("size {size} rank {rank}");
             // The same 4000 bytes: 1000 float32, or 500 float64 on rank 1.
             let mut data = f32::to_bytes(&vec![1.0; 1000]);
             let dtype = if rank == 1 { DType::Float64 } else { DType::Float32 };
             let (r, took) = timed(&comm, vec![allreduce(dtype, &mut data)]);
-            let e = expect_err(r, &what);
-            assert_mentions(&e, &["dtype"], &what);
-            assert!(took < Duration::from_secs(1), "{what}: took {took:?}");
-            next_job_fails_at_once(&comm, &e, &what);
+            if let Some(e) = expect_err_mentioning(f, r, &["dtype"], &what) {
+                next_job_fails_at_once(f, &comm, &e, &what);
+            }
+            f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
             barrier.wait();
+            Ok(())
         });
     }
+    failures.finish(&format!("allreduce dtype mismatch over {net:?}"));
 }
 
 /// Rank 1 reduces with MAX where the others use SUM (all-reduce, reduce, reduce-scatter):
 /// every rank fails naming the reduce op, instead of each computing its own thing.
 fn reduce_op_mismatch(net: Net) {
+    let mut failures = Failures::new();
     for (kind, size) in [(OpKind::AllReduce, 2), (OpKind::AllReduce, 3), (OpKind::Reduce, 3), (OpKind::ReduceScatter, 3)] {
-        spawn_ranks(size, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+        case_on_ranks(&mut failures, &format!("{kind:?} size {size}"), size, cfg(net, 3), move |rank, comm, barrier, f| {
             let what = format!("{kind:?} size {size} rank {rank}");
             let mut data = f32::to_bytes(&vec![1.0; 3000]);
             let mut out = f32::to_bytes(&vec![0.0; 1000]);
@@ -80,18 +102,20 @@ fn reduce_op_mismatch(net: Net) {
             };
             o.reduce_op = if rank == 1 { ReduceOp::Max } else { ReduceOp::Sum };
             let (r, took) = timed(&comm, vec![o]);
-            let e = expect_err(r, &what);
-            assert_mentions(&e, &["reduce op"], &what);
-            assert!(took < Duration::from_secs(2), "{what}: took {took:?}");
+            expect_err_mentioning(f, r, &["reduce op"], &what);
+            f.check(took < Duration::from_secs(2), || format!("{what}: took {took:?}"));
             barrier.wait();
+            Ok(())
         });
     }
+    failures.finish(&format!("reduce op mismatch over {net:?}"));
 }
 
 /// Rank 0 in a broadcast it receives in (root 1), rank 1 in an all-gather: both fail, naming
 /// both collectives.
 fn different_collectives_on_different_ranks(net: Net) {
-    spawn_ranks(2, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "broadcast vs allgather", 2, cfg(net, 3), move |rank, comm, barrier, f| {
         let mut a = vec![0u8; 64];
         let mut b = vec![0u8; 128];
         let o = if rank == 0 {
@@ -102,19 +126,23 @@ fn different_collectives_on_different_ranks(net: Net) {
             op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 2, 64))
         };
         let (r, took) = timed(&comm, vec![o]);
-        let e = expect_err(r, &format!("rank {rank}"));
-        assert_mentions(&e, &["broadcast", "allgather"], &format!("rank {rank}"));
-        assert!(took < Duration::from_secs(1), "rank {rank}: took {took:?}");
-        next_job_fails_at_once(&comm, &e, &format!("rank {rank}"));
+        let what = format!("rank {rank}");
+        if let Some(e) = expect_err_mentioning(f, r, &["broadcast", "allgather"], &what) {
+            next_job_fails_at_once(f, &comm, &e, &what);
+        }
+        f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
         barrier.wait();
+        Ok(())
     });
+    failures.finish(&format!("different collectives on different ranks over {net:?}"));
 }
 
 /// Rank 0 is the broadcast root (it only sends), ranks 1 and 2 are in an all-gather. The root's
 /// small sends may complete before anyone looks at them, so its broadcast may return Ok; it must
 /// learn of the failure no later than its next job. Ranks 1 and 2 fail at once.
 fn different_collectives_sending_root(net: Net) {
-    spawn_ranks(3, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "sending root vs allgather", 3, cfg(net, 3), move |rank, comm, barrier, f| {
         let mut a = vec![0u8; 64];
         let mut b = vec![0u8; 192];
         let o = if rank == 0 {
@@ -123,91 +151,105 @@ fn different_collectives_sending_root(net: Net) {
             op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 3, 64))
         };
         let (r, took) = timed(&comm, vec![o]);
-        assert!(took < Duration::from_secs(1), "rank {rank}: took {took:?}");
+        f.check(took < Duration::from_secs(1), || format!("rank {rank}: took {took:?}"));
         if rank != 0 {
-            assert_mentions(&expect_err(r, &format!("rank {rank}")), &["broadcast", "allgather"], &format!("rank {rank}"));
+            expect_err_mentioning(f, r, &["broadcast", "allgather"], &format!("rank {rank}"));
         }
         let (r, took) = timed(&comm, vec![barrier_op()]);
-        expect_err(r, &format!("rank {rank}: barrier after mismatched collectives"));
-        assert!(took < Duration::from_secs(1), "rank {rank}: took {took:?}");
+        expect_err(f, r, &format!("rank {rank}: barrier after mismatched collectives"));
+        f.check(took < Duration::from_secs(1), || format!("rank {rank}: the barrier took {took:?}"));
         barrier.wait();
+        Ok(())
     });
+    failures.finish(&format!("different collectives, sending root, over {net:?}"));
 }
 
 /// A broadcast root still sending a large tensor learns of a receiver's size mismatch at once.
 fn large_broadcast_root_learns_of_receiver_failure(net: Net) {
-    spawn_ranks(2, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "large broadcast", 2, cfg(net, 3), move |rank, comm, barrier, f| {
         let n = if rank == 0 { 8 << 20 } else { (8 << 20) + 1 };
         let mut a = vec![7u8; n];
         let (r, took) = timed(&comm, vec![op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)])]);
-        let e = expect_err(r, &format!("rank {rank}"));
-        assert_mentions(&e, &["size mismatch"], &format!("rank {rank}"));
-        assert!(took < Duration::from_secs(1), "rank {rank}: took {took:?}");
+        expect_err_mentioning(f, r, &["size mismatch"], &format!("rank {rank}"));
+        f.check(took < Duration::from_secs(1), || format!("rank {rank}: took {took:?}"));
         barrier.wait();
+        Ok(())
     });
+    failures.finish(&format!("large broadcast root learns of receiver failure over {net:?}"));
 }
 
 /// Rank 2 never calls the all-reduce: the others time out naming it, and their next job fails
 /// at once. (Ranks 0, 1, 3 may report their own timeout or a peer's abort quoting it.)
 fn absent_rank_times_out_naming_it(net: Net) {
     let timeout = Duration::from_secs(2);
-    spawn_ranks(4, net_config(net, timeout, 4096), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "rank 2 absent", 4, net_config(net, timeout, 4096), move |rank, comm, barrier, f| {
         if rank != 2 {
             let what = format!("rank {rank}");
             let mut data = f32::to_bytes(&[1.0; 100]);
             let (r, took) = timed(&comm, vec![allreduce(DType::Float32, &mut data)]);
-            let e = expect_err(r, &what);
-            assert_mentions(&e, &["timed out", "not heard from: [2]"], &what);
-            assert!(took >= timeout - Duration::from_millis(100), "{what}: gave up after {took:?}, before the timeout");
-            assert!(took < timeout + Duration::from_millis(1500), "{what}: took {took:?}");
-            next_job_fails_at_once(&comm, &e, &what);
+            if let Some(e) = expect_err_mentioning(f, r, &["timed out", "not heard from: [2]"], &what) {
+                next_job_fails_at_once(f, &comm, &e, &what);
+            }
+            f.check(took >= timeout - Duration::from_millis(100), || format!("{what}: gave up after {took:?}, before the timeout"));
+            f.check(took < timeout + Duration::from_millis(1500), || format!("{what}: took {took:?}"));
         }
         barrier.wait();
+        Ok(())
     });
+    failures.finish(&format!("absent rank times out naming it over {net:?}"));
 }
 
 /// `set_timeout` applies to the next operations.
 fn set_timeout_shortens_the_wait(net: Net) {
-    spawn_ranks(2, cfg(net, 20), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "set_timeout", 2, cfg(net, 20), move |rank, comm, barrier, f| {
         if rank == 0 {
             comm.set_timeout(Duration::from_millis(700));
             let (r, took) = timed(&comm, vec![barrier_op()]);
-            assert_mentions(&expect_err(r, "barrier alone"), &["timed out", "700 ms", "not heard from: [1]"], "set_timeout");
-            assert!(took >= Duration::from_millis(650) && took < Duration::from_millis(2500), "took {took:?}");
+            expect_err_mentioning(f, r, &["timed out", "700 ms", "not heard from: [1]"], "rank 0: set_timeout, barrier alone");
+            f.check(took >= Duration::from_millis(650) && took < Duration::from_millis(2500), || format!("rank 0: set_timeout: took {took:?}"));
         }
         barrier.wait();
+        Ok(())
     });
+    failures.finish(&format!("set_timeout shortens the wait over {net:?}"));
 }
 
 /// Rank 2 dies (drops its communicator) while ranks 0 and 1 are in an all-reduce: they fail
 /// with "closed" long before the timeout, and so does their next job.
 fn dead_rank_during_allreduce(net: Net) {
-    spawn_ranks(3, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "rank 2 dies", 3, cfg(net, 3), move |rank, comm, barrier, f| {
         if rank == 2 {
             std::thread::sleep(Duration::from_millis(150));
             drop(comm);
             barrier.wait();
-            return;
+            return Ok(());
         }
         let what = format!("rank {rank}");
         let mut data = f32::to_bytes(&vec![1.0; 100_000]);
         let (r, took) = timed(&comm, vec![allreduce(DType::Float32, &mut data)]);
-        let e = expect_err(r, &what);
-        assert_mentions(&e, &["closed"], &what);
-        assert!(took < Duration::from_millis(1500), "{what}: took {took:?}");
-        next_job_fails_at_once(&comm, &e, &what);
+        if let Some(e) = expect_err_mentioning(f, r, &["closed"], &what) {
+            next_job_fails_at_once(f, &comm, &e, &what);
+        }
+        f.check(took < Duration::from_millis(1500), || format!("{what}: took {took:?}"));
         barrier.wait();
+        Ok(())
     });
+    failures.finish(&format!("dead rank during allreduce over {net:?}"));
 }
 
 /// Rank 2 died before the all-reduce was even submitted (ranks 0 and 1 first exchange a
 /// message, during which rank 2 is only watched): the first job that needs it fails at once.
 fn dead_rank_before_allreduce(net: Net) {
-    spawn_ranks(3, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "rank 2 dead", 3, cfg(net, 3), move |rank, comm, barrier, f| {
         if rank == 2 {
             drop(comm);
             barrier.wait();
-            return;
+            return Ok(());
         }
         barrier.wait();
         std::thread::sleep(Duration::from_millis(50));
@@ -219,37 +261,42 @@ fn dead_rank_before_allreduce(net: Net) {
             op_with(OpKind::Recv, DType::UInt8, vec![], vec![buf(&mut m)])
         };
         o.root = 1 - rank as i64;
-        run(&comm, vec![o]).unwrap_or_else(|e| panic!("{what}: a message between live ranks: {e}"));
-        assert_eq!(m, vec![0u8; 1000], "{what}: message");
+        f.op(run(&comm, vec![o]), format!("{what}: a message between live ranks"))?;
+        f.result(same_bytes(&m, &[0u8; 1000]), format!("{what}: message"));
         let mut data = f32::to_bytes(&[1.0; 10]);
         let (r, took) = timed(&comm, vec![allreduce(DType::Float32, &mut data)]);
-        assert_mentions(&expect_err(r, &what), &["closed"], &what);
-        assert!(took < Duration::from_millis(1000), "{what}: took {took:?}");
+        expect_err_mentioning(f, r, &["closed"], &what);
+        f.check(took < Duration::from_millis(1000), || format!("{what}: took {took:?}"));
+        Ok(())
     });
+    failures.finish(&format!("dead rank before allreduce over {net:?}"));
 }
 
 /// `abort` on rank 1 while ranks 0 and 2 are in an all-gather: they fail with its message well
 /// before the timeout; rank 1's own next job fails with it too.
 fn abort_reaches_peers_quickly(net: Net) {
-    spawn_ranks(3, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "rank 1 aborts", 3, cfg(net, 3), move |rank, comm, barrier, f| {
         let what = format!("rank {rank}");
         if rank == 1 {
             std::thread::sleep(Duration::from_millis(100));
             comm.abort(OpKind::AllGather, "local problem xyz");
             let (r, took) = timed(&comm, vec![barrier_op()]);
-            assert_mentions(&expect_err(r, &what), &["xyz"], &what);
-            assert!(took < Duration::from_millis(500), "{what}: took {took:?}");
+            expect_err_mentioning(f, r, &["xyz"], &what);
+            f.check(took < Duration::from_millis(500), || format!("{what}: took {took:?}"));
         } else {
             let mut a = pattern(rank, 1, 256);
             let mut b = vec![0u8; 3 * 256];
             let (r, took) = timed(&comm, vec![op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 3, 256))]);
-            let e = expect_err(r, &what);
-            assert_mentions(&e, &["xyz"], &what);
-            assert!(took < Duration::from_secs(1), "{what}: took {took:?}");
-            next_job_fails_at_once(&comm, &e, &what);
+            if let Some(e) = expect_err_mentioning(f, r, &["xyz"], &what) {
+                next_job_fails_at_once(f, &comm, &e, &what);
+            }
+            f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
         }
         barrier.wait();
+        Ok(())
     });
+    failures.finish(&format!("abort reaches peers quickly over {net:?}"));
 }
 
 /// A rank that never creates its communicator: the others' `Communicator::new` fails within the
@@ -268,19 +315,26 @@ fn rank_that_never_joins() {
             })
         })
         .collect();
+    let mut failures = Failures::new();
     for (rank, h) in handles.into_iter().enumerate() {
         let (e, took) = h.join().unwrap();
-        let e = e.unwrap_or_else(|| panic!("rank {rank}: joined a group whose rank 2 never came"));
-        assert!(e.contains('2') && e.contains("timed out"), "rank {rank}: {e}");
-        assert!(took < timeout + Duration::from_millis(1500), "rank {rank}: took {took:?}");
+        match e {
+            None => failures.fail(format!("rank {rank}: joined a group whose rank 2 never came")),
+            Some(e) => {
+                failures.check(e.contains('2') && e.contains("timed out"), || format!("rank {rank}: {e}"));
+            }
+        }
+        failures.check(took < timeout + Duration::from_millis(1500), || format!("rank {rank}: took {took:?}"));
     }
+    failures.finish("a rank that never joins");
 }
 
 /// Layout errors come back from `submit` itself, as InvalidArgument with a message naming the
 /// rank, the op and the problem; nothing is queued and the communicator stays usable.
 #[test]
 fn submit_validates_layout() {
-    spawn_ranks(2, config(Duration::from_secs(5), 4096), LIMIT, move |rank, comm, _| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "layout errors", 2, config(Duration::from_secs(5), 4096), move |rank, comm, _, f| {
         let mut x = vec![0u8; 16];
         let mut y = vec![0u8; 16];
         let mut z = vec![0u8; 12];
@@ -327,25 +381,28 @@ fn submit_validates_layout() {
             (red(DType::Int32, ReduceOp::PreMulSum), &["PREMUL_SUM", "int32"]),
             (f32op(OpKind::AllReduce, vec![], vec![buf(&mut [0u8; 6])]), &["allreduce", "6 bytes", "not a whole number"]),
         ];
-        for (o, needles) in cases {
-            let desc = format!("rank {rank}: {:?} {} {:?} root {}", o.kind, o.dtype, o.reduce_op, o.root);
-            let e = expect_err(run(&comm, vec![o]), &desc);
-            assert_eq!(e.kind, ErrorKind::InvalidArgument, "{desc}: {}", e.message);
-            assert!(e.message.starts_with(&format!("xccl_rs: rank {rank}: ")), "{desc}: {}", e.message);
-            assert_mentions(&e, needles, &desc);
+        for (i, (o, needles)) in cases.into_iter().enumerate() {
+            let desc = format!("case {i} ({:?} {} {:?} root {}, expecting {needles:?}) rank {rank}", o.kind, o.dtype, o.reduce_op, o.root);
+            let Some(e) = expect_err(f, run(&comm, vec![o]), &desc) else { continue };
+            f.check(e.kind == ErrorKind::InvalidArgument, || format!("{desc}: kind {:?}, expected InvalidArgument: {}", e.kind, e.message));
+            f.check(e.message.starts_with(&format!("xccl_rs: rank {rank}: ")), || format!("{desc}: the message should start by naming the rank: {}", e.message));
+            mentions(f, &e, needles, &desc);
         }
         // A job with one bad op is refused whole.
         let good = f32op(OpKind::Barrier, vec![], vec![]);
         let bad = f32op(OpKind::AllReduce, vec![], vec![]);
-        expect_err(run(&comm, vec![good, bad]), "job with a bad op");
-        assert_eq!(comm.next_seq(), 0, "rejected jobs must not take sequence numbers");
+        expect_err(f, run(&comm, vec![good, bad]), &format!("job with a bad op, rank {rank}"));
+        f.eq(comm.next_seq(), 0, format!("rank {rank}: rejected jobs must not take sequence numbers"));
 
         // Nothing was queued: a real collective still works and sees sequence number 0 on both.
         let mut v = f32::to_bytes(&[rank as f32 + 1.0; 4]);
-        run(&comm, vec![allreduce(DType::Float32, &mut v)]).expect("allreduce after layout errors");
-        assert_eq!(f32::from_bytes(&v), vec![3.0; 4]);
-        assert_eq!(comm.next_seq(), 1);
+        let what = format!("allreduce after layout errors, rank {rank}");
+        f.op(run(&comm, vec![allreduce(DType::Float32, &mut v)]), &what)?;
+        f.eq(f32::from_bytes(&v), vec![3.0; 4], &what);
+        f.eq(comm.next_seq(), 1, format!("{what}: sequence number after"));
+        Ok(())
     });
+    failures.finish("submit validates layout");
 }
 
 both_nets!(
@@ -366,7 +423,8 @@ both_nets!(
 /// must still see an error in that operation when a receiver rejects its data, as
 /// docs/usage.md promises for point-to-point ("or both fail") and as every other rank does.
 fn sender_fails_with_its_receiver(net: Net, what: Which) {
-    spawn_ranks(2, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, &format!("{what:?}"), 2, cfg(net, 3), move |rank, comm, barrier, f| {
         let mut a = vec![0u8; 64];
         let mut b = vec![0u8; 128];
         let o = match (what, rank) {
@@ -375,9 +433,11 @@ fn sender_fails_with_its_receiver(net: Net, what: Which) {
         };
         let (r, took) = timed(&comm, vec![o]);
         barrier.wait();
-        expect_err(r, &format!("{what:?}: rank {rank}"));
-        assert!(took < Duration::from_secs(1), "{what:?}: rank {rank} took {took:?}");
+        expect_err(f, r, &format!("{what:?}: rank {rank}"));
+        f.check(took < Duration::from_secs(1), || format!("{what:?}: rank {rank} took {took:?}"));
+        Ok(())
     });
+    failures.finish(&format!("sender fails with its receiver ({what:?}) over {net:?}"));
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -391,7 +451,8 @@ enum Which {
 /// the receiver's error.
 #[test]
 fn sender_of_mismatched_p2p_message_fails_at_its_next_op() {
-    spawn_ranks(2, cfg(Net::Tcp, 3), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "tag mismatch", 2, cfg(Net::Tcp, 3), move |rank, comm, barrier, f| {
         let mut a = vec![0u8; 64];
         let mut o = if rank == 0 {
             op_with(OpKind::Send, DType::UInt8, vec![buf(&mut a)], vec![])
@@ -402,16 +463,20 @@ fn sender_of_mismatched_p2p_message_fails_at_its_next_op() {
         o.tag = 5 + rank as i64;
         let (r, _) = timed(&comm, vec![o]);
         if rank == 1 {
-            assert_mentions(&expect_err(r, "receiver"), &["tag"], "tag mismatch");
+            expect_err_mentioning(f, r, &["tag"], "rank 1: the receiver of a tag mismatch");
         }
         barrier.wait();
         let (next, took) = timed(&comm, vec![op_with(OpKind::Barrier, DType::UInt8, vec![], vec![])]);
-        let e = expect_err(next, &format!("rank {rank}: the operation after a rejected message"));
-        if rank == 0 {
-            assert_mentions(&e, &["tag"], "the receiver's error");
+        let what = format!("rank {rank}: the operation after a rejected message");
+        if let Some(e) = expect_err(f, next, &what)
+            && rank == 0
+        {
+            mentions(f, &e, &["tag"], &format!("{what}: the receiver's error"));
         }
-        assert!(took < Duration::from_secs(1), "rank {rank} took {took:?}");
+        f.check(took < Duration::from_secs(1), || format!("rank {rank} took {took:?}"));
+        Ok(())
     });
+    failures.finish("sender of a mismatched p2p message fails at its next op");
 }
 
 #[test]
@@ -427,15 +492,18 @@ fn broadcast_root_fails_when_peer_is_in_another_collective_shm() {
 /// Ranks disagree about a broadcast's root (each names itself): every rank must fail. Over TCP
 /// each rank only sends, so no rank notices; the data silently stays unbroadcast.
 fn broadcast_root_mismatch(net: Net) {
-    spawn_ranks(2, cfg(net, 3), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "root mismatch", 2, cfg(net, 3), move |rank, comm, barrier, f| {
         let mut a = vec![rank as u8; 64];
         let mut o = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)]);
         o.root = rank as i64;
         let (r, took) = timed(&comm, vec![o]);
         barrier.wait();
-        assert_mentions(&expect_err(r, &format!("rank {rank}: broadcast naming itself root")), &["root"], "root mismatch");
-        assert!(took < Duration::from_secs(1), "rank {rank} took {took:?}");
+        expect_err_mentioning(f, r, &["root"], &format!("rank {rank}: broadcast naming itself root"));
+        f.check(took < Duration::from_secs(1), || format!("rank {rank} took {took:?}"));
+        Ok(())
     });
+    failures.finish(&format!("broadcast root mismatch over {net:?}"));
 }
 
 #[test]
@@ -453,21 +521,29 @@ fn broadcast_root_mismatch_shm() {
 #[test]
 fn bad_rank_or_size_in_new() {
     let store = MemoryStore::new();
+    let mut failures = Failures::new();
     for (rank, size) in [(3, 3), (0, 0), (7, 2)] {
-        let e = Communicator::new(&store, rank, size, config(Duration::from_secs(1), 4096)).err().expect("an error");
-        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{}", e.message);
-        assert!(e.message.contains(&format!("rank {rank}")), "{}", e.message);
+        let what = format!("rank {rank} of a group of {size}");
+        let Some(e) = Communicator::new(&store, rank, size, config(Duration::from_secs(1), 4096)).err() else {
+            failures.fail(format!("{what}: expected an error, got a communicator"));
+            continue;
+        };
+        failures.check(e.kind == ErrorKind::InvalidArgument, || format!("{what}: kind {:?}, expected InvalidArgument: {}", e.kind, e.message));
+        failures.check(e.message.contains(&format!("rank {rank}")), || format!("{what}: the error should name the rank: {}", e.message));
     }
+    failures.finish("bad rank or size in Communicator::new");
 }
 
 /// After `shutdown`, `submit` fails instead of queueing work nobody will run.
 #[test]
 fn submit_after_shutdown_fails() {
-    spawn_ranks(2, config(Duration::from_secs(3), 4096), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "shutdown", 2, config(Duration::from_secs(3), 4096), move |rank, comm, barrier, f| {
         barrier.wait();
         comm.shutdown();
         comm.shutdown();
-        let e = expect_err(run(&comm, vec![barrier_op()]), &format!("rank {rank}: submit after shutdown"));
-        assert_mentions(&e, &["shut down"], "submit after shutdown");
+        expect_err_mentioning(f, run(&comm, vec![barrier_op()]), &["shut down"], &format!("rank {rank}: submit after shutdown"));
+        Ok(())
     });
+    failures.finish("submit after shutdown fails");
 }

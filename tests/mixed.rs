@@ -5,7 +5,8 @@
 //! shared-memory slots (4 KiB, one-shot up to 1 KiB) and TCP segments (4 KiB) so that
 //! multi-block paths run, and every result is compared with a reference computed here from the
 //! per-rank inputs. Also: mismatches on a non-leader of another host, dead ranks on either
-//! side of a host boundary, and proof that shared memory was really used within hosts.
+//! side of a host boundary, and proof that shared memory was really used within hosts. Each
+//! test reports every failing point (tests/common/failures.rs), named by its parameters and rank.
 
 #[macro_use]
 mod common;
@@ -35,9 +36,39 @@ fn cfgs(layout: &[&str], timeout: Duration) -> Vec<Config> {
         .collect()
 }
 
-/// Runs `f` on every rank of `layout` (a fresh group per layout).
-fn on_layout<T: Send + 'static>(layout: &'static [&'static str], f: impl Fn(usize, &Communicator) -> T + Send + Sync + 'static) -> Vec<T> {
-    spawn_ranks_with(MemoryStore::new(), cfgs(layout, Duration::from_secs(20)), LIMIT, move |rank, comm, _| f(rank, &comm))
+/// Runs the sweep `f` on every rank of `layout` (a fresh group per layout), adding its failing
+/// points to `failures` (see `sweep_ranks`).
+fn on_layout(
+    failures: &mut Failures,
+    what: &str,
+    layout: &'static [&'static str],
+    f: impl Fn(usize, &Communicator, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
+) {
+    let what = format!("{what} {layout:?}");
+    sweep_ranks_with(failures, &what, MemoryStore::new(), cfgs(layout, Duration::from_secs(20)), LIMIT, move |rank, comm, _, fl| f(rank, &comm, fl))
+}
+
+/// Runs `job` on every rank of `layout` and returns each rank's value; a rank without one (it
+/// panicked, hung, or its job returned an error) is a failing point named by `what`.
+fn ranks_on_layout<T: Send + 'static>(
+    failures: &mut Failures,
+    what: &str,
+    layout: &'static [&'static str],
+    job: impl Fn(usize, &Communicator) -> Result<T, Failures> + Send + Sync + 'static,
+) -> Vec<Option<T>> {
+    let what = format!("{what} {layout:?}");
+    let results = try_spawn_ranks_with(MemoryStore::new(), cfgs(layout, Duration::from_secs(20)), LIMIT, move |rank, comm, _| job(rank, &comm));
+    failures
+        .ranks(results, &what)
+        .into_iter()
+        .map(|r| match r? {
+            Ok(v) => Some(v),
+            Err(rank_failures) => {
+                failures.merge(rank_failures);
+                None
+            }
+        })
+        .collect()
 }
 
 /// The ranks of each host of `layout`, hosts in order of their lowest rank (written here from
@@ -86,42 +117,65 @@ fn bf16_two_level(layout: &[&str], i: usize, salt: u64, op: ReduceOp) -> bf16 {
     bf16::from_f32(combined)
 }
 
-fn check<T: TestElem>(layout: &[&str], got: &[T], salt: u64, op: ReduceOp, start: usize, what: &str) {
+/// Compares the elements of `got` (bytes of T, from index `start`) with the reference of
+/// `layout`; Err says how many are wrong, and the first and the last of them.
+fn check<T: TestElem>(layout: &[&str], got: &[u8], salt: u64, op: ReduceOp, start: usize) -> Result<(), String> {
     let size = layout.len();
-    for (k, &g) in got.iter().enumerate() {
-        let i = start + k;
+    T::check_bytes(got)?;
+    let got = T::from_bytes(got);
+    each_element(got.len(), |k| {
+        let (i, g) = (start + k, got[k]);
         let want: T = if T::DTYPE == DType::BFloat16 {
             // T is bf16 here: convert through bytes.
             T::from_bytes(&bf16::to_bytes(&[bf16_two_level(layout, i, salt, op)]))[0]
         } else {
             expected(size, i, salt, op, FACTOR)
         };
-        assert!(T::same(g, want), "{what}: element {i} is {g:?}, expected {want:?}");
-    }
+        (!T::same(g, want)).then(|| format!("element {i} is {g:?}, expected {want:?}"))
+    })
 }
 
 fn allreduce_layouts<T: TestElem>(ops: &'static [ReduceOp]) {
+    let mut failures = Failures::new();
     for layout in LAYOUTS {
-        let results = on_layout(layout, move |rank, comm| {
+        // Each rank's failing points, and its results (all of them, for the comparison of bits).
+        let results = ranks_on_layout(&mut failures, &format!("allreduce {}", T::DTYPE), layout, move |rank, comm| {
             let size = layout.len();
             let mut all = Vec::new();
+            let mut f = Failures::new();
             for (k, &rop) in ops.iter().enumerate() {
                 for n in counts(T::DTYPE.size(), size) {
                     let what = format!("allreduce {} {rop:?} {layout:?} n {n} rank {rank}", T::DTYPE);
                     let salt = (k * 100_000 + n) as u64;
                     let mut data = Guarded::new(&T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop)), n % 3);
                     let o = reduction_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()], rop);
-                    run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                    check(layout, &T::from_bytes(data.data()), salt, rop, 0, &what);
-                    all.push(data.data().to_vec());
+                    if f.op(run(comm, vec![o]), &what).is_err() {
+                        return Err(f);
+                    }
+                    let bytes = data.data(&mut f, &what);
+                    f.result(check::<T>(layout, bytes, salt, rop, 0), &what);
+                    all.push(bytes.to_vec());
                 }
             }
-            all
+            Ok((f, all))
         });
-        for (rank, r) in results.iter().enumerate() {
-            assert!(*r == results[0], "{layout:?}: rank {rank}'s all-reduce results differ from rank 0's bits");
+        let results: Vec<Option<Vec<Vec<u8>>>> = results
+            .into_iter()
+            .map(|r| {
+                let (rank_failures, all) = r?;
+                failures.merge(rank_failures);
+                Some(all)
+            })
+            .collect();
+        if let Some(Some(first)) = results.first() {
+            for (rank, r) in results.iter().enumerate() {
+                if let Some(r) = r {
+                    failures.check(r == first, || format!("{layout:?}: rank {rank}'s all-reduce results differ from rank 0's bits"));
+                }
+            }
         }
     }
+    failures.finish(&format!("allreduce {} over host layouts", T::DTYPE));
 }
 
 #[test]
@@ -152,21 +206,24 @@ fn bf16_data_tell_roundings_apart() {
 
 #[test]
 fn reduce_every_root() {
+    let mut failures = Failures::new();
     for layout in LAYOUTS {
-        on_layout(layout, move |rank, comm| {
+        on_layout(&mut failures, "reduce", layout, move |rank, comm, f| {
             let size = layout.len();
             for root in 0..size {
                 for (k, &rop) in [Sum, Avg, Max, PreMulSum].iter().enumerate() {
-                    reduce_case::<f32>(layout, comm, rank, root, rop, k);
+                    reduce_case::<f32>(f, layout, comm, rank, root, rop, k)?;
                 }
-                reduce_case::<bf16>(layout, comm, rank, root, Sum, 9);
-                reduce_case::<bf16>(layout, comm, rank, root, Avg, 10);
+                reduce_case::<bf16>(f, layout, comm, rank, root, Sum, 9)?;
+                reduce_case::<bf16>(f, layout, comm, rank, root, Avg, 10)?;
             }
+            Ok(())
         });
     }
+    failures.finish("reduce over host layouts");
 }
 
-fn reduce_case<T: TestElem>(layout: &[&str], comm: &Communicator, rank: usize, root: usize, rop: ReduceOp, k: usize) {
+fn reduce_case<T: TestElem>(f: &mut Failures, layout: &[&str], comm: &Communicator, rank: usize, root: usize, rop: ReduceOp, k: usize) -> Result<(), Stop> {
     for n in [0, 1, 1001, SEGMENT / T::DTYPE.size() + 1, 3 * SEGMENT / T::DTYPE.size() + 7] {
         let what = format!("reduce {} {rop:?} {layout:?} root {root} n {n} rank {rank}", T::DTYPE);
         let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
@@ -174,19 +231,22 @@ fn reduce_case<T: TestElem>(layout: &[&str], comm: &Communicator, rank: usize, r
         let mut data = Guarded::new(&before, n % 2);
         let mut o = reduction_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()], rop);
         o.root = root as i64;
-        run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+        f.op(run(comm, vec![o]), &what)?;
+        let bytes = data.data(f, &what);
         if rank == root {
-            check(layout, &T::from_bytes(data.data()), salt, rop, 0, &what);
+            f.result(check::<T>(layout, bytes, salt, rop, 0), &what);
         } else {
-            assert!(data.data() == before, "{what}: a non-root buffer changed");
+            f.result(same_bytes(bytes, &before), format!("{what}: a non-root buffer changed"));
         }
     }
+    Ok(())
 }
 
 #[test]
 fn broadcast_every_root() {
+    let mut failures = Failures::new();
     for layout in LAYOUTS {
-        on_layout(layout, move |rank, comm| {
+        on_layout(&mut failures, "broadcast", layout, move |rank, comm, f| {
             for dtype in [DType::Float32, DType::BFloat16, DType::UInt8] {
                 for n in [0, 1, 1001, 5000, 100_003] {
                     for root in 0..layout.len() {
@@ -196,19 +256,23 @@ fn broadcast_every_root() {
                         let mut data = Guarded::new(&pattern(if rank == root { root } else { rank + 100 }, salt, len), n % 4);
                         let mut o = op_with(OpKind::Broadcast, dtype, vec![], vec![data.raw()]);
                         o.root = root as i64;
-                        run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                        assert!(data.data() == pattern(root, salt, len), "{what}: wrong data");
+                        f.op(run(comm, vec![o]), &what)?;
+                        let bytes = data.data(f, &what);
+                        f.result(same_bytes(bytes, &pattern(root, salt, len)), format!("{what}: wrong data"));
                     }
                 }
             }
+            Ok(())
         });
     }
+    failures.finish("broadcast over host layouts");
 }
 
 #[test]
 fn allgather_contiguous_in_place_and_separate() {
+    let mut failures = Failures::new();
     for layout in LAYOUTS {
-        on_layout(layout, move |rank, comm| {
+        on_layout(&mut failures, "allgather", layout, move |rank, comm, f| {
             let size = layout.len();
             for dtype in [DType::Float32, DType::UInt8] {
                 for n in [0, 1, 1001, 5000] {
@@ -219,29 +283,32 @@ fn allgather_contiguous_in_place_and_separate() {
                         let mut input = Guarded::new(&pattern(rank, salt, len), 3);
                         let mut init = vec![0x5Au8; size * len];
                         if mode == 1 {
-                            init[rank * len..(rank + 1) * len].copy_from_slice(input.data());
+                            init[rank * len..(rank + 1) * len].copy_from_slice(input.bytes());
                         }
                         let mut out = Guarded::new(&init, 0);
                         let mut pieces = separate(&init, size, len);
                         let outs = if mode == 2 { raws(&mut pieces) } else { (0..size).map(|r| out.raw().sub(r * len, len)).collect() };
                         let inp = if mode == 1 { outs[rank] } else { input.raw() };
-                        run(comm, vec![op_with(OpKind::AllGather, dtype, vec![inp], outs)]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                        let got = if mode == 2 { joined(&pieces) } else { out.data().to_vec() };
+                        f.op(run(comm, vec![op_with(OpKind::AllGather, dtype, vec![inp], outs)]), &what)?;
+                        let got = if mode == 2 { joined(f, &pieces, &what) } else { out.data(f, &what).to_vec() };
                         for r in 0..size {
-                            assert!(got[r * len..(r + 1) * len] == pattern(r, salt, len)[..], "{what}: wrong block from rank {r}");
+                            f.result(same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)), format!("{what}: wrong block from rank {r}"));
                         }
                     }
                 }
             }
+            Ok(())
         });
     }
+    failures.finish("allgather over host layouts");
 }
 
 /// Gather, scatter, reduce-scatter and all-to-all run direct over TCP in a mixed group.
 #[test]
 fn direct_collectives() {
+    let mut failures = Failures::new();
     for layout in LAYOUTS {
-        on_layout(layout, move |rank, comm| {
+        on_layout(&mut failures, "direct collectives", layout, move |rank, comm, f| {
             let size = layout.len();
             for n in [0usize, 1, 1001, 5000] {
                 for root in [0, size - 1] {
@@ -252,10 +319,10 @@ fn direct_collectives() {
                     let outs = if rank == root { views(&mut out, size, n) } else { vec![] };
                     let mut o = op_with(OpKind::Gather, DType::UInt8, vec![buf(&mut input)], outs);
                     o.root = root as i64;
-                    run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    f.op(run(comm, vec![o]), &what)?;
                     if rank == root {
                         for r in 0..size {
-                            assert!(out[r * n..(r + 1) * n] == pattern(r, salt, n)[..], "{what}: block {r}");
+                            f.result(same_bytes(&out[r * n..(r + 1) * n], &pattern(r, salt, n)), format!("{what}: block {r}"));
                         }
                     }
 
@@ -266,8 +333,8 @@ fn direct_collectives() {
                     let mut out = vec![0u8; n];
                     let mut o = op_with(OpKind::Scatter, DType::UInt8, ins, vec![buf(&mut out)]);
                     o.root = root as i64;
-                    run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                    assert!(out == whole[rank * n..(rank + 1) * n], "{what}");
+                    f.op(run(comm, vec![o]), &what)?;
+                    f.result(same_bytes(&out, &whole[rank * n..(rank + 1) * n]), &what);
                 }
 
                 for (k, rop) in [Sum, Avg, PreMulSum, Max].into_iter().enumerate() {
@@ -276,8 +343,8 @@ fn direct_collectives() {
                     let mut input = f32::to_bytes(&inputs::<f32>(rank, 0, n * size, salt, rop));
                     let mut out = vec![0u8; n * 4];
                     let o = reduction_with(OpKind::ReduceScatter, DType::Float32, views(&mut input, size, n * 4), vec![buf(&mut out)], rop);
-                    run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
-                    check_reduced(&f32::from_bytes(&out), size, rank * n, salt, rop, FACTOR, &what);
+                    f.op(run(comm, vec![o]), &what)?;
+                    f.result(check_reduced::<f32>(&out, size, rank * n, salt, rop, FACTOR), &what);
                 }
 
                 let what = format!("alltoall {layout:?} n {n} rank {rank}");
@@ -286,20 +353,23 @@ fn direct_collectives() {
                 let mut ins: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
                 let mut outs: Vec<Vec<u8>> = (0..size).map(|src| vec![0u8; len(src, rank)]).collect();
                 let o = op_with(OpKind::AllToAll, DType::UInt8, ins.iter_mut().map(|v| buf(v)).collect(), outs.iter_mut().map(|v| buf(v)).collect());
-                run(comm, vec![o]).unwrap_or_else(|e| panic!("{what}: {e}"));
+                f.op(run(comm, vec![o]), &what)?;
                 for (src, got) in outs.iter().enumerate() {
-                    assert!(*got == msg(src, rank), "{what}: from rank {src}");
+                    f.result(same_bytes(got, &msg(src, rank)), format!("{what}: from rank {src}"));
                 }
             }
+            Ok(())
         });
     }
+    failures.finish("direct collectives over host layouts");
 }
 
 /// Send/recv between every ordered pair (within and across hosts), as one batch per rank.
 #[test]
 fn send_recv_every_pair() {
+    let mut failures = Failures::new();
     for layout in LAYOUTS {
-        on_layout(layout, move |rank, comm| {
+        on_layout(&mut failures, "send/recv", layout, move |rank, comm, f| {
             let size = layout.len();
             for n in [0usize, 1, 5000] {
                 let msg = |src: usize, dst: usize| pattern(src * 16 + dst, 99 + n as u64, n);
@@ -314,40 +384,46 @@ fn send_recv_every_pair() {
                     ops.push(s);
                     ops.push(r);
                 }
-                run(comm, ops).unwrap_or_else(|e| panic!("send/recv {layout:?} n {n} rank {rank}: {e}"));
+                f.op(run(comm, ops), format!("send/recv {layout:?} n {n} rank {rank}"))?;
                 for peer in (0..size).filter(|&p| p != rank) {
-                    assert!(incoming[peer] == msg(peer, rank), "send/recv {layout:?} n {n}: rank {rank} from {peer}");
+                    f.result(same_bytes(&incoming[peer], &msg(peer, rank)), format!("send/recv {layout:?} n {n}: rank {rank} from {peer}"));
                 }
             }
+            Ok(())
         });
     }
+    failures.finish("send/recv over host layouts");
 }
 
 /// No rank leaves a barrier before the last one has entered (the late one varies: a leader, a
 /// non-leader, a lone rank).
 #[test]
 fn barrier_waits_for_everyone() {
+    let mut failures = Failures::new();
     for layout in LAYOUTS {
         let size = layout.len();
         let log = Arc::new(Mutex::new(Vec::new()));
         let log2 = log.clone();
-        on_layout(layout, move |rank, comm| {
+        on_layout(&mut failures, "barrier", layout, move |rank, comm, f| {
             for it in 0..size {
                 if rank == it {
                     std::thread::sleep(Duration::from_millis(40));
                 }
                 let enter = Instant::now();
-                run(comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]).expect("barrier");
+                f.op(run(comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]), format!("{layout:?} barrier {it} rank {rank}"))?;
                 log2.lock().unwrap().push((it, enter, Instant::now()));
             }
+            Ok(())
         });
         let log = log.lock().unwrap();
         for it in 0..size {
-            let last_enter = log.iter().filter(|e| e.0 == it).map(|e| e.1).max().unwrap();
-            let first_exit = log.iter().filter(|e| e.0 == it).map(|e| e.2).min().unwrap();
-            assert!(first_exit >= last_enter, "{layout:?} barrier {it}: a rank left before the last one entered");
+            // Only the ranks that got through the barrier (the others are failing points already).
+            let last_enter = log.iter().filter(|e| e.0 == it).map(|e| e.1).max();
+            let first_exit = log.iter().filter(|e| e.0 == it).map(|e| e.2).min();
+            failures.check(first_exit >= last_enter, || format!("{layout:?} barrier {it}: a rank left before the last one entered"));
         }
     }
+    failures.finish("barrier over host layouts");
 }
 
 /// The mixed path moves data through shared memory within hosts — and only within hosts: a
@@ -355,26 +431,39 @@ fn barrier_waits_for_everyone() {
 #[test]
 fn shared_memory_is_used_within_hosts() {
     let layout = LAYOUTS[4]; // {0, 3}, {1, 4}, {2}
-    let used = on_layout(layout, |rank, comm| {
+    let mut failures = Failures::new();
+    let used = ranks_on_layout(&mut failures, "shared memory", layout, move |rank, comm| {
+        let what = format!("allreduce {layout:?} rank {rank}");
+        let mut f = Failures::new();
         let mut data = f32::to_bytes(&inputs::<f32>(rank, 0, 5000, 3, Sum));
-        run(comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)])]).expect("allreduce");
-        check_reduced(&f32::from_bytes(&data), 5, 0, 3, Sum, 1.0, "allreduce");
-        comm.shm_blocks_used()
+        if f.op(run(comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)])]), &what).is_err() {
+            return Err(f);
+        }
+        f.result(check_reduced::<f32>(&data, 5, 0, 3, Sum, 1.0), &what);
+        Ok((f, comm.shm_blocks_used()))
     });
-    for (rank, &blocks) in used.iter().enumerate() {
+    for (rank, r) in used.into_iter().enumerate() {
+        let Some((rank_failures, blocks)) = r else { continue };
+        failures.merge(rank_failures);
         if rank == 2 {
-            assert_eq!(blocks, 0, "rank 2 is alone on its host: no shared memory");
+            failures.eq(blocks, 0, "rank 2 is alone on its host: no shared memory");
         } else {
-            assert!(blocks >= 10, "rank {rank} shares a host: its all-reduce of 20000 bytes should move 4 KiB blocks through shared memory, used {blocks}");
+            failures.check(blocks >= 10, || format!("rank {rank} shares a host: its all-reduce of 20000 bytes should move 4 KiB blocks through shared memory, used {blocks}"));
         }
     }
     let tcp: Vec<Config> = cfgs(layout, Duration::from_secs(20)).into_iter().map(|c| Config { transport: xccl_rs::config::TransportChoice::Tcp, ..c }).collect();
-    let used = spawn_ranks_with(MemoryStore::new(), tcp, LIMIT, |rank, comm, _| {
+    let used = try_spawn_ranks_with(MemoryStore::new(), tcp, LIMIT, |rank, comm, _| {
         let mut data = f32::to_bytes(&inputs::<f32>(rank, 0, 5000, 3, Sum));
-        run(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)])]).expect("allreduce");
-        comm.shm_blocks_used()
+        run(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)])]).map(|_| comm.shm_blocks_used())
     });
-    assert_eq!(used, vec![0; 5], "XCCL_RS_TRANSPORT=tcp uses no shared memory");
+    let what = format!("allreduce over forced TCP {layout:?}");
+    for (rank, r) in failures.ranks(used, &what).into_iter().enumerate() {
+        let Some(r) = r else { continue };
+        if let Ok(blocks) = failures.op(r, format!("{what} rank {rank}")) {
+            failures.eq(blocks, 0, format!("rank {rank}: XCCL_RS_TRANSPORT=tcp uses no shared memory"));
+        }
+    }
+    failures.finish("shared memory within hosts");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -385,84 +474,106 @@ fn err_cfgs(layout: &[&str]) -> Vec<Config> {
 }
 
 /// The job after a failure fails at once, quoting the first error.
-fn next_job_fails(comm: &Communicator, first: &CommError, what: &str) {
+fn next_job_fails(f: &mut Failures, comm: &Communicator, first: &CommError, what: &str) {
     let (r, took) = timed(comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]);
-    let e = expect_err(r, &format!("{what}: the job after a failure"));
-    assert!(e.message.contains(&first.message), "{what}: {:?} should quote {:?}", e.message, first.message);
-    assert!(took < Duration::from_millis(500), "{what}: took {took:?}");
+    if let Some(e) = expect_err(f, r, &format!("{what}: the job after a failure")) {
+        f.check(e.message.contains(&first.message), || format!("{what}: {:?} should quote {:?}", e.message, first.message));
+    }
+    f.check(took < Duration::from_millis(500), || format!("{what}: the job after a failure took {took:?}"));
+}
+
+/// Runs the failure case `f` on every rank of `layout` (short timeouts), adding its failing
+/// points to `failures`.
+fn failing_on_layout(
+    failures: &mut Failures,
+    what: &str,
+    layout: &'static [&'static str],
+    f: impl Fn(usize, Communicator, &RankBarrier, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
+) {
+    sweep_ranks_with(failures, &format!("{what} {layout:?}"), MemoryStore::new(), err_cfgs(layout), LIMIT, f)
 }
 
 /// Rank 3, a non-leader on the second host, disagrees about an all-reduce's size (or dtype):
 /// every rank fails promptly and names the mismatch.
-fn mismatch_on_remote_non_leader(layout: &'static [&'static str], dtype_mismatch: bool) {
-    spawn_ranks_with(MemoryStore::new(), err_cfgs(layout), LIMIT, move |rank, comm, barrier| {
+fn mismatch_on_remote_non_leader(failures: &mut Failures, layout: &'static [&'static str], dtype_mismatch: bool) {
+    failing_on_layout(failures, "mismatch", layout, move |rank, comm, barrier, f| {
         let what = format!("{layout:?} rank {rank}");
         let n = if rank == 3 && !dtype_mismatch { 5001 } else { 5000 };
         let dtype = if rank == 3 && dtype_mismatch { DType::Int32 } else { DType::Float32 };
         let mut data = f32::to_bytes(&vec![1.0; n]);
         let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, dtype, vec![], vec![buf(&mut data)])]);
-        let e = expect_err(r, &what);
         let needle = if dtype_mismatch { "dtype mismatch" } else { "size mismatch" };
-        assert_mentions(&e, &[needle], &what);
-        assert!(took < Duration::from_secs(1), "{what}: took {took:?}");
-        next_job_fails(&comm, &e, &what);
+        if let Some(e) = expect_err_mentioning(f, r, &[needle], &what) {
+            next_job_fails(f, &comm, &e, &what);
+        }
+        f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
         barrier.wait();
+        Ok(())
     });
 }
 
 #[test]
 fn size_mismatch_on_a_remote_non_leader() {
-    mismatch_on_remote_non_leader(LAYOUTS[0], false);
-    mismatch_on_remote_non_leader(LAYOUTS[3], false);
+    let mut failures = Failures::new();
+    mismatch_on_remote_non_leader(&mut failures, LAYOUTS[0], false);
+    mismatch_on_remote_non_leader(&mut failures, LAYOUTS[3], false);
+    failures.finish("size mismatch on a remote non-leader");
 }
 
 #[test]
 fn dtype_mismatch_on_a_remote_non_leader() {
-    mismatch_on_remote_non_leader(LAYOUTS[0], true);
-    mismatch_on_remote_non_leader(LAYOUTS[2], true);
+    let mut failures = Failures::new();
+    mismatch_on_remote_non_leader(&mut failures, LAYOUTS[0], true);
+    mismatch_on_remote_non_leader(&mut failures, LAYOUTS[2], true);
+    failures.finish("dtype mismatch on a remote non-leader");
 }
 
 /// The two hosts disagree about the reduce op (every rank of the second host uses MAX): the
 /// leaders' TCP step carries the op in its frames, so every rank fails naming it.
 #[test]
 fn reduce_op_mismatch_between_hosts() {
+    let mut failures = Failures::new();
     for layout in [LAYOUTS[0], LAYOUTS[3]] {
-        spawn_ranks_with(MemoryStore::new(), err_cfgs(layout), LIMIT, move |rank, comm, barrier| {
+        failing_on_layout(&mut failures, "reduce op mismatch", layout, move |rank, comm, barrier, f| {
             let what = format!("{layout:?} rank {rank}");
             let mut data = f32::to_bytes(&vec![1.0; 5000]);
             let mut o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)]);
             o.reduce_op = if layout[rank] == layout[0] { Sum } else { Max };
             let (r, took) = timed(&comm, vec![o]);
-            let e = expect_err(r, &what);
-            assert_mentions(&e, &["reduce op mismatch"], &what);
-            assert!(took < Duration::from_secs(1), "{what}: took {took:?}");
+            expect_err_mentioning(f, r, &["reduce op mismatch"], &what);
+            f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
             barrier.wait();
+            Ok(())
         });
     }
+    failures.finish("reduce op mismatch between hosts");
 }
 
 /// A rank dies (drops its communicator) during an all-reduce — a non-leader, then a leader, of
 /// the second host of 2 × 2: every other rank, on both hosts, fails well before the timeout.
 #[test]
 fn dead_rank_fails_every_host_promptly() {
+    let mut failures = Failures::new();
     for dead in [3, 2] {
-        spawn_ranks_with(MemoryStore::new(), err_cfgs(LAYOUTS[0]), LIMIT, move |rank, comm, barrier| {
+        failing_on_layout(&mut failures, &format!("rank {dead} dies"), LAYOUTS[0], move |rank, comm, barrier, f| {
             if rank == dead {
                 std::thread::sleep(Duration::from_millis(150));
                 drop(comm);
                 barrier.wait();
-                return;
+                return Ok(());
             }
             let what = format!("rank {rank} (rank {dead} dies)");
             let mut data = f32::to_bytes(&vec![1.0; 100_000]);
             let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)])]);
-            let e = expect_err(r, &what);
-            assert_mentions(&e, &[&format!("rank {dead}")], &what);
-            assert!(took < Duration::from_millis(1500), "{what}: took {took:?}");
-            next_job_fails(&comm, &e, &what);
+            if let Some(e) = expect_err_mentioning(f, r, &[&format!("rank {dead}")], &what) {
+                next_job_fails(f, &comm, &e, &what);
+            }
+            f.check(took < Duration::from_millis(1500), || format!("{what}: took {took:?}"));
             barrier.wait();
+            Ok(())
         });
     }
+    failures.finish("dead rank fails every host promptly");
 }
 
 /// A broadcast whose receiver on another host (rank 3, a non-leader) disagrees about the size:
@@ -472,25 +583,33 @@ fn dead_rank_fails_every_host_promptly() {
 /// fails at its next operation, naming the mismatch. Nobody hangs, nobody continues silently.
 #[test]
 fn broadcast_mismatch_on_a_remote_non_leader() {
-    spawn_ranks_with(MemoryStore::new(), err_cfgs(LAYOUTS[0]), LIMIT, move |rank, comm, barrier| {
+    let mut failures = Failures::new();
+    failing_on_layout(&mut failures, "broadcast size mismatch", LAYOUTS[0], move |rank, comm, barrier, f| {
         let what = format!("rank {rank}");
         let n = if rank == 3 { 5001 } else { 5000 };
         let mut data = vec![rank as u8; n];
         let mut o = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut data)]);
         o.root = 0;
         let (r, took) = timed(&comm, vec![o]);
-        assert!(took < Duration::from_secs(1), "{what}: broadcast took {took:?}");
+        f.check(took < Duration::from_secs(1), || format!("{what}: broadcast took {took:?}"));
         let e = match r {
-            Err(e) => e,
+            Err(e) => Some(e),
             Ok(_) => {
-                assert!(rank == 1, "{what}: the root and the mismatching host must fail in the broadcast");
-                let mut x = f32::to_bytes(&[1.0; 10]);
-                let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut x)])]);
-                assert!(took < Duration::from_secs(1), "{what}: the next op took {took:?}");
-                expect_err(r, &format!("{what}: the op after the mismatched broadcast"))
+                if f.check(rank == 1, || format!("{what}: the root and the mismatching host must fail in the broadcast")) {
+                    let mut x = f32::to_bytes(&[1.0; 10]);
+                    let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut x)])]);
+                    f.check(took < Duration::from_secs(1), || format!("{what}: the next op took {took:?}"));
+                    expect_err(f, r, &format!("{what}: the op after the mismatched broadcast"))
+                } else {
+                    None
+                }
             }
         };
-        assert_mentions(&e, &["size mismatch"], &what);
+        if let Some(e) = e {
+            mentions(f, &e, &["size mismatch"], &what);
+        }
         barrier.wait();
+        Ok(())
     });
+    failures.finish("broadcast mismatch on a remote non-leader");
 }

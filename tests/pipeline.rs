@@ -4,7 +4,8 @@
 //! final (`outputs_done`). A core that read a chunk before asking, or reported it before it was
 //! final, would compute on (or return) the poison the host buffers start with. As the bridge
 //! does, the fake can also describe the op's buffers by placeholder addresses and hand out the
-//! host memory behind them only in `host_buffers` (on the thread that runs the job).
+//! host memory behind them only in `host_buffers` (on the thread that runs the job). Each test
+//! reports every failing point (tests/common/failures.rs), named by its parameters and rank.
 
 #[macro_use]
 mod common;
@@ -57,7 +58,7 @@ impl FakeDevice {
 /// Submits `ops` staged through `fake` and waits for the job's result.
 fn run_staged(comm: &xccl_rs::Communicator, ops: Vec<xccl_rs::Op>, fake: FakeDevice) -> Result<xccl_rs::Completion, CommError> {
     let (tx, rx) = std::sync::mpsc::channel();
-    comm.submit_with(ops, Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false).expect("submit");
+    comm.submit_with(ops, Some(Box::new(fake)), Box::new(move |r| drop(tx.send(r))), false)?;
     rx.recv().unwrap()
 }
 
@@ -204,11 +205,12 @@ fn staged_job_with(net: Net, mode: Mode) {
         Net::Tcp => 32 << 10,
         Net::Shm => 8192,
     };
+    let mut failures = Failures::new();
     for size in [1usize, 2, 3] {
         let chunk = c;
-        spawn_ranks(size, cfg(net), LIMIT, move |rank, comm, _| {
+        sweep_ranks(&mut failures, &format!("staged job size {size} ({mode:?})"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
             let what = format!("size {size} rank {rank} ({mode:?})");
-            assert_eq!(comm.pipeline_chunk_bytes(), chunk);
+            f.eq(comm.pipeline_chunk_bytes(), chunk, format!("{what}: chunk bytes"));
             let n = 3 * chunk / 4 + 5; // f32 elements: 3 chunks and 20 bytes: 4 chunks
             let ar_in: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
             let ag_len = 2 * chunk + 100; // bytes per rank: 3 chunks
@@ -263,19 +265,20 @@ fn staged_job_with(net: Net, mode: Mode) {
                 bindings: Some(if mode == Mode::Deferred { addresses.table } else { Vec::new() }),
                 window: (mode == Mode::Windowed).then(|| Window::new(size + 1, chunk)),
             };
-            run_staged(&comm, vec![ar, ag, bc], fake).unwrap_or_else(|e| panic!("{what}: {e}"));
+            f.op(run_staged(&comm, vec![ar, ag, bc], fake), &what)?;
 
             let got = bytes_f32(&ar_dev.lock().unwrap());
-            for (i, g) in got.iter().enumerate() {
+            let bad = each_element(got.len(), |i| {
                 let want: f32 = (0..size).map(|r| value(r, i)).sum();
-                assert_eq!(*g, want, "{what}: all-reduce element {i}");
-            }
+                (got[i] != want).then(|| format!("[{i}]: {} != {want}", got[i]))
+            });
+            f.result(bad, format!("{what}: all-reduce"));
             for (r, d) in ag_dev_out.iter().enumerate() {
-                assert!(*d.lock().unwrap() == pattern(r, 7, ag_len), "{what}: all-gather block of rank {r}");
+                f.result(same_bytes(&d.lock().unwrap(), &pattern(r, 7, ag_len)), format!("{what}: all-gather block of rank {r}"));
             }
-            assert!(*bc_dev.lock().unwrap() == pattern(size - 1, 8, 300), "{what}: broadcast");
+            f.result(same_bytes(&bc_dev.lock().unwrap(), &pattern(size - 1, 8, 300)), format!("{what}: broadcast"));
             if mode == Mode::Windowed {
-                assert!(ar_host.iter().chain(&ag_host_in).chain(&ag_host_out).all(|&b| b == POISON), "{what}: whole buffers untouched");
+                f.check(ar_host.iter().chain(&ag_host_in).chain(&ag_host_out).all(|&b| b == POISON), || format!("{what}: whole buffers untouched"));
             }
             let want_log: Vec<(usize, usize, char)> = std::iter::once((0, 0, 'h'))
                 .chain(
@@ -284,9 +287,11 @@ fn staged_job_with(net: Net, mode: Mode) {
                         .flat_map(|&(op, chunks)| (0..chunks).flat_map(move |k| [(op, k, 'i'), (op, k, 'o')])),
                 )
                 .collect();
-            assert_eq!(*log.lock().unwrap(), want_log, "{what}: hook order");
+            f.eq(&*log.lock().unwrap(), &want_log, format!("{what}: hook order"));
+            Ok(())
         });
     }
+    failures.finish(&format!("staged job ({mode:?}) over {net:?}"));
 }
 
 fn staged_job(net: Net) {
@@ -309,15 +314,17 @@ fn staged_job_in_a_window(net: Net) {
 /// The staging cannot allocate its host buffers on one rank (pinned memory exhausted): every
 /// rank's job fails with that message, none hangs.
 fn host_buffer_failure_fails_every_rank(net: Net) {
-    spawn_ranks(3, cfg(net), LIMIT, move |rank, comm, _| {
+    let mut failures = Failures::new();
+    sweep_ranks(&mut failures, "host buffer failure", 3, cfg(net), LIMIT, move |rank, comm, _, f| {
         let mut host = vec![0u8; 4096];
         let mut addresses = Addresses::new(true);
         let o = op_with(OpKind::AllReduce, DType::Float32, vec![], addresses.of(buf(&mut host), 1));
         let mut fake = FakeDevice::new(vec![StagedOp { chunk: usize::MAX, inputs: vec![], outputs: vec![] }]);
         fake.bindings = (rank != 2).then_some(addresses.table);
-        let e = expect_err(run_staged(&comm, vec![o], fake), "a rank could not allocate its staging");
-        assert_mentions(&e, &["out of pinned memory"], &format!("rank {rank}"));
+        expect_err_mentioning(f, run_staged(&comm, vec![o], fake), &["out of pinned memory"], &format!("rank {rank}: rank 2 could not allocate its staging"));
+        Ok(())
     });
+    failures.finish(&format!("host buffer failure over {net:?}"));
 }
 
 /// A staging failure on one rank (a device error) fails the job on every rank, with its message.
@@ -326,21 +333,24 @@ fn staging_failure_fails_every_rank(net: Net) {
         Net::Tcp => 32 << 10,
         Net::Shm => 8192,
     };
-    spawn_ranks(3, cfg(net), LIMIT, move |rank, comm, _| {
+    let mut failures = Failures::new();
+    sweep_ranks(&mut failures, "staging failure", 3, cfg(net), LIMIT, move |rank, comm, _, f| {
         let n = 3 * c / 4;
         let mut host = vec![0u8; n * 4];
         let o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut host)]);
         let mut fake = FakeDevice::new(vec![StagedOp { chunk: c, inputs: vec![], outputs: vec![] }]);
         fake.fail_at = (rank == 1).then_some((0, 1));
-        let e = expect_err(run_staged(&comm, vec![o], fake), "a rank's staging failed");
-        assert_mentions(&e, &["device lost"], &format!("rank {rank}"));
+        expect_err_mentioning(f, run_staged(&comm, vec![o], fake), &["device lost"], &format!("rank {rank}: rank 1's staging failed"));
+        Ok(())
     });
+    failures.finish(&format!("staging failure over {net:?}"));
 }
 
 /// A staging that describes a chunk's window wrongly on one rank (one byte short): the core
 /// refuses to run the chunk there, and every rank fails, that one naming the op and itself.
 fn window_mismatch_fails_every_rank(net: Net) {
-    spawn_ranks(3, cfg(net), LIMIT, move |rank, comm, _| {
+    let mut failures = Failures::new();
+    sweep_ranks(&mut failures, "window mismatch", 3, cfg(net), LIMIT, move |rank, comm, _, f| {
         let n = 1000;
         let mut host = vec![POISON; n * 4];
         let mut addresses = Addresses::new(true);
@@ -355,11 +365,15 @@ fn window_mismatch_fails_every_rank(net: Net) {
         let mut window = Window::new(1, n * 4);
         window.short = rank == 1;
         fake.window = Some(window);
-        let e = expect_err(run_staged(&comm, vec![o], fake), "a rank's window was described wrongly");
-        if rank == 1 {
-            assert_mentions(&e, &["internal error", "allreduce #0 on rank 1"], "rank 1");
+        let what = format!("rank {rank}: rank 1's window was described wrongly");
+        if let Some(e) = expect_err(f, run_staged(&comm, vec![o], fake), &what)
+            && rank == 1
+        {
+            mentions(f, &e, &["internal error", "allreduce #0 on rank 1"], &what);
         }
+        Ok(())
     });
+    failures.finish(&format!("window mismatch over {net:?}"));
 }
 
 /// Ranks configured with different chunk sizes fail with a message that names the setting
@@ -379,15 +393,16 @@ fn chunk_size_mismatch(net: Net) {
             })
         })
         .collect();
+    let mut failures = Failures::new();
     for (rank, h) in handles.into_iter().enumerate() {
-        let e = expect_err(h.join().unwrap(), "chunk sizes differ");
         // Over TCP the chunks' frames differ in length: the receiver names the sizes.
         let needle = match net {
             Net::Shm => "XCCL_RS_PIPELINE_CHUNK_BYTES",
             Net::Tcp => "size mismatch",
         };
-        assert_mentions(&e, &[needle], &format!("rank {rank}"));
+        expect_err_mentioning(&mut failures, h.join().unwrap(), &[needle], &format!("rank {rank}: chunk sizes differ"));
     }
+    failures.finish(&format!("chunk size mismatch over {net:?}"));
 }
 
 both_nets!(

@@ -240,19 +240,22 @@ fn run_direct(step: &mut Step<'_>, op: &Op) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::split_range;
+    use crate::failures::Failures;
 
     #[test]
     fn split_covers_everything() {
+        let mut failures = Failures::new();
         for n in [0usize, 1, 5, 7, 100, 1001] {
             for parts in 1..6 {
                 let mut next = 0;
                 for i in 0..parts {
                     let (s, l) = split_range(n, parts, i);
-                    assert_eq!(s, next);
+                    failures.eq(s, next, format_args!("n {n} parts {parts}: start of part {i}"));
                     next = s + l;
                 }
-                assert_eq!(next, n);
+                failures.eq(next, n, format_args!("n {n} parts {parts}: end of the last part"));
             }
         }
+        failures.finish("split_range");
     }
 }

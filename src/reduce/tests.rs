@@ -7,11 +7,14 @@
 //! f64, rounded to the accumulation type after each step (for +, *, / that equals computing in
 //! the accumulation type, since f64 has more than twice f32's precision); integers in i128,
 //! truncated to the element type (wrapping arithmetic is the same modulo 2^n).
+//!
+//! Every sweep reports all its failing points (crate::failures), each named by its parameters.
 
 use half::{bf16, f16};
 
 use super::kernels::{Level, MAX_LEVEL};
 use super::{Reduction, reduce_raw, reduce_slices};
+use crate::failures::{Failures, each_element};
 use crate::types::{DType, ReduceOp};
 
 const OPS: [ReduceOp; 9] = [
@@ -215,20 +218,22 @@ fn random_buffer(d: DType, count: usize, rng: &mut Rng) -> Vec<u8> {
     out
 }
 
-fn same(d: DType, got: &[u8], want: &[u8]) -> bool {
-    if !d.is_floating() {
-        return got == want;
-    }
+/// Ok if every element of `got` equals `want`'s; else how many differ, the first and the last.
+fn same(d: DType, got: &[u8], want: &[u8]) -> Result<(), String> {
     let size = d.size();
-    got.chunks_exact(size)
-        .zip(want.chunks_exact(size))
-        .all(|(g, w)| {
-            match (decode(d, g), decode(d, w)) {
-                // == rather than bits: the sign of a zero MIN/MAX result is unspecified.
-                (Val::F(g), Val::F(w)) => g == w || (g.is_nan() && w.is_nan()),
-                _ => unreachable!(),
-            }
-        })
+    let (got, want): (Vec<&[u8]>, Vec<&[u8]>) = (
+        got.chunks_exact(size).collect(),
+        want.chunks_exact(size).collect(),
+    );
+    each_element(got.len(), |k| {
+        let (g, w) = (decode(d, got[k]), decode(d, want[k]));
+        let ok = match (g, w) {
+            // == rather than bits: the sign of a zero MIN/MAX result is unspecified.
+            (Val::F(g), Val::F(w)) => g == w || (g.is_nan() && w.is_nan()),
+            _ => got[k] == want[k],
+        };
+        (!ok).then(|| format!("element {k} is {g:?}, expected {w:?}"))
+    })
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -266,9 +271,10 @@ fn run_case(r: &Reduction, srcs: &[Vec<u8>], placement: Placement, apply_finish:
     }
 }
 
-fn full_matrix() {
+fn full_matrix(level: &str) {
     let mut rng = Rng(0x5EED);
     let mut cases = 0;
+    let mut failures = Failures::new();
     for dtype in reducible() {
         for op in OPS {
             for nsrc in 1..=5 {
@@ -293,10 +299,12 @@ fn full_matrix() {
                             Placement::InPlaceLast,
                         ] {
                             let got = run_case(&r, &srcs, placement, apply_finish);
-                            assert!(
+                            failures.result(
                                 same(dtype, &got, &want),
-                                "{dtype} {op} count={count} nsrc={nsrc} {placement:?} \
-                                 finish={apply_finish}"
+                                format!(
+                                    "{dtype} {op} count={count} nsrc={nsrc} {placement:?} \
+                                     finish={apply_finish}"
+                                ),
                             );
                             cases += 1;
                         }
@@ -305,18 +313,19 @@ fn full_matrix() {
             }
         }
     }
-    assert!(cases > 4000, "only {cases} cases ran");
+    failures.check(cases > 4000, || format!("only {cases} cases ran"));
+    failures.finish(&format!("reduce_raw ({level}) vs the reference"));
 }
 
 #[test]
 fn matches_reference_dispatched() {
-    full_matrix();
+    full_matrix("dispatched");
 }
 
 #[test]
 fn matches_reference_portable() {
     MAX_LEVEL.with(|l| l.set(Level::Portable));
-    full_matrix();
+    full_matrix("portable");
     MAX_LEVEL.with(|l| l.set(Level::Avx512));
 }
 
@@ -324,7 +333,7 @@ fn matches_reference_portable() {
 #[test]
 fn matches_reference_avx2() {
     MAX_LEVEL.with(|l| l.set(Level::Avx2));
-    full_matrix();
+    full_matrix("avx2");
     MAX_LEVEL.with(|l| l.set(Level::Avx512));
 }
 
@@ -376,6 +385,7 @@ fn reduce_vec(r: &Reduction, srcs: &[Vec<u8>], apply_finish: bool) -> Vec<u8> {
 #[test]
 fn min_max_propagate_nan_from_any_position() {
     let nan = f32::NAN;
+    let mut failures = Failures::new();
     for d in [
         DType::Float64,
         DType::Float32,
@@ -389,11 +399,14 @@ fn min_max_propagate_nan_from_any_position() {
                 f32s(d, &[1.0, 1.0, nan, 1.0, 0.5]),
             ];
             let got = to_f64s(d, &reduce_vec(&red(d, op, 3), &srcs, true));
-            assert!(got[..4].iter().all(|x| x.is_nan()), "{d} {op}: {got:?}");
+            failures.check(got[..4].iter().all(|x| x.is_nan()), || {
+                format!("{d} {op}: {got:?} should start with 4 NaN")
+            });
             let want = if op == ReduceOp::Min { -2.0 } else { 2.0 };
-            assert_eq!(got[4], want, "{d} {op}");
+            failures.eq(got[4], want, format!("{d} {op}: element 4"));
         }
     }
+    failures.finish("MIN/MAX propagate NaN");
 }
 
 #[test]
@@ -525,18 +538,21 @@ fn bool_is_logical_and_normalized() {
         // Logical, not bitwise: 2 ^ 1 would be 3, true ^ true is false.
         (ReduceOp::BXor, [0, 0, 0, 1, 1]),
     ];
+    let mut failures = Failures::new();
     for (op, want) in cases {
-        assert_eq!(
+        failures.eq(
             reduce_vec(&red(d, op, 2), &[a.clone(), b.clone()], true),
-            want,
-            "{op}"
+            want.to_vec(),
+            format!("bool {op}"),
         );
     }
     // A single source is normalized too.
-    assert_eq!(
+    failures.eq(
         reduce_vec(&red(d, ReduceOp::Sum, 1), &[a], true),
-        [1, 1, 0, 0, 1]
+        vec![1, 1, 0, 0, 1],
+        "bool SUM of one source",
     );
+    failures.finish("bool reductions");
 }
 
 #[test]
@@ -553,24 +569,27 @@ fn dst_may_equal_several_sources() {
 
 #[test]
 fn validate_rejects_every_unsupported_combination() {
+    let mut failures = Failures::new();
+    // One point: `r` must be rejected with exactly `want`.
+    let mut rejects = |r: Reduction, want: &str| {
+        let what = format!("{} {} world_size {}", r.dtype, r.op, r.world_size);
+        match r.validate() {
+            Ok(()) => failures.fail(format!("{what}: accepted, expected {want:?}")),
+            Err(e) => {
+                failures.eq(e.as_str(), want, &what);
+            }
+        }
+    };
     for d in FLOAT8 {
         for op in OPS {
-            let e = red(d, op, 2).validate().unwrap_err();
-            assert_eq!(
-                e,
-                format!(
+            rejects(
+                red(d, op, 2),
+                &format!(
                     "reductions on {d} are not supported (float8 tensors can be moved by broadcast, \
                      all_gather, all_to_all, scatter, gather, send and recv, but not reduced)"
-                )
+                ),
             );
         }
-    }
-    for op in OPS {
-        let e = red(DType::Bytes, op, 2).validate().unwrap_err();
-        assert!(
-            e.starts_with("reductions on bytes tensors are not supported"),
-            "{e}"
-        );
     }
     for d in [
         DType::Float64,
@@ -579,45 +598,62 @@ fn validate_rejects_every_unsupported_combination() {
         DType::BFloat16,
     ] {
         for op in [ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor] {
-            assert_eq!(
-                red(d, op, 2).validate().unwrap_err(),
-                format!(
+            rejects(
+                red(d, op, 2),
+                &format!(
                     "ReduceOp.{op} is not defined for {d} tensors (bitwise ops need integer or bool tensors)"
-                )
+                ),
             );
         }
     }
-    assert_eq!(
-        red(DType::Float32, ReduceOp::BAnd, 2)
-            .validate()
-            .unwrap_err(),
-        "ReduceOp.BAND is not defined for float32 tensors (bitwise ops need integer or bool tensors)"
+    rejects(
+        red(DType::Float32, ReduceOp::BAnd, 2),
+        "ReduceOp.BAND is not defined for float32 tensors (bitwise ops need integer or bool tensors)",
     );
-    assert_eq!(
-        red(DType::Bool, ReduceOp::Avg, 2).validate().unwrap_err(),
-        "ReduceOp.AVG is not defined for bool tensors"
+    rejects(
+        red(DType::Bool, ReduceOp::Avg, 2),
+        "ReduceOp.AVG is not defined for bool tensors",
     );
     for d in reducible().filter(|d| !d.is_floating()) {
-        assert_eq!(
-            red(d, ReduceOp::PreMulSum, 2).validate().unwrap_err(),
-            format!("ReduceOp.PREMUL_SUM needs a floating-point tensor, got {d}")
+        rejects(
+            red(d, ReduceOp::PreMulSum, 2),
+            &format!("ReduceOp.PREMUL_SUM needs a floating-point tensor, got {d}"),
         );
     }
-    assert_eq!(
-        red(DType::Int32, ReduceOp::PreMulSum, 2)
-            .validate()
-            .unwrap_err(),
-        "ReduceOp.PREMUL_SUM needs a floating-point tensor, got int32"
+    rejects(
+        red(DType::Int32, ReduceOp::PreMulSum, 2),
+        "ReduceOp.PREMUL_SUM needs a floating-point tensor, got int32",
     );
     for d in reducible().filter(|d| *d != DType::Bool) {
-        assert_eq!(
-            red(d, ReduceOp::Avg, 0).validate().unwrap_err(),
-            "ReduceOp.AVG needs world_size >= 1, got 0"
+        rejects(
+            red(d, ReduceOp::Avg, 0),
+            "ReduceOp.AVG needs world_size >= 1, got 0",
         );
     }
+    for op in OPS {
+        let what = format!("bytes {op}");
+        match red(DType::Bytes, op, 2).validate() {
+            Ok(()) => failures.fail(format!("{what}: accepted")),
+            Err(e) => {
+                failures.check(
+                    e.starts_with("reductions on bytes tensors are not supported"),
+                    || format!("{what}: {e}"),
+                );
+            }
+        }
+    }
     // Everything else is accepted, including ints' bitwise ops and world_size 0 for non-AVG.
-    assert!(red(DType::Int64, ReduceOp::BXor, 0).validate().is_ok());
-    assert!(red(DType::UInt8, ReduceOp::Avg, 1).validate().is_ok());
+    failures.eq(
+        red(DType::Int64, ReduceOp::BXor, 0).validate(),
+        Ok(()),
+        "int64 BXOR world_size 0",
+    );
+    failures.eq(
+        red(DType::UInt8, ReduceOp::Avg, 1).validate(),
+        Ok(()),
+        "uint8 AVG world_size 1",
+    );
+    failures.finish("validate()");
 }
 
 #[test]
@@ -659,37 +695,39 @@ fn reduce_slices_rejects_invalid_reduction() {
 #[test]
 fn bf16_conversions_match_half() {
     use super::convert::{bf16_to_f32, f32_to_bf16};
+    let mut failures = Failures::new();
     for hi in 0..=u16::MAX {
         let (got, want) = (bf16_to_f32(hi), bf16::from_bits(hi).to_f32());
         let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
-        assert!(same, "widening {hi:#06x}");
+        failures.check(same, || format!("widening {hi:#06x}: {got} vs {want}"));
         // Each rounding regime: exact, below/at/above the tie, and the largest dropped half.
         for lo in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF] {
             let x = f32::from_bits((u32::from(hi) << 16) | lo);
-            assert_eq!(
+            failures.eq(
                 f32_to_bf16(x),
                 bf16::from_f32(x).to_bits(),
-                "narrowing {:#010x}",
-                x.to_bits()
+                format_args!("narrowing {:#010x}", x.to_bits()),
             );
         }
     }
+    failures.finish("bf16 conversions");
 }
 
 #[test]
 fn f16_conversions_match_half() {
     use super::convert::{f16_to_f32, f32_to_f16};
+    let mut failures = Failures::new();
     for h in 0..=u16::MAX {
         let (got, want) = (f16_to_f32(h), f16::from_bits(h).to_f32());
         let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
-        assert!(same, "widening {h:#06x}: {got} vs {want}");
+        failures.check(same, || format!("widening {h:#06x}: {got} vs {want}"));
     }
-    let check = |bits: u32| {
+    let mut check = |bits: u32| {
         let x = f32::from_bits(bits);
-        assert_eq!(
+        failures.eq(
             f32_to_f16(x),
             f16::from_f32(x).to_bits(),
-            "narrowing {bits:#010x}"
+            format_args!("narrowing {bits:#010x}"),
         );
     };
     // Every sign/exponent/kept-mantissa pattern, with the dropped 13 bits exact, just below,
@@ -707,4 +745,5 @@ fn f16_conversions_match_half() {
         check(bits & 0x387F_FFFF); // exponents below float16's normal range
         check((bits & 0x3880_0000) | (bits & 0x8000_0000) | (1 << (bits % 23))); // exact ties
     }
+    failures.finish("f16 conversions");
 }

@@ -1,5 +1,9 @@
 //! Test harness: N ranks as threads, connected through one in-memory store, each with its own
 //! communicator over real loopback TCP.
+//!
+//! Sweeps report every failing point, not only the first: checks record into a [`Failures`]
+//! (failures.rs), ranks run through [`sweep_ranks`] (each rank's points gathered in rank order;
+//! a rank that panics or hangs is a point too), and the test ends with `failures.finish(..)`.
 
 #![allow(dead_code)]
 
@@ -7,31 +11,14 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
+mod failures;
+pub use failures::*;
+
 use xccl_rs::{CommError, Communicator, Completion, Config, DType, MemoryStore, Op, OpKind, RawBuf, ReduceOp};
 use xccl_rs::config::TransportChoice;
 
 pub fn config(timeout: Duration, segment_bytes: usize) -> Config {
     Config { segment_bytes, socket_host: Some("127.0.0.1".into()), ..Config::with_timeout(timeout) }
-}
-
-/// Runs `f(rank, comm)` on `size` threads and returns each rank's result, in rank order.
-pub fn run_ranks<T: Send + 'static>(
-    size: usize,
-    cfg: Config,
-    f: impl Fn(usize, &Communicator) -> T + Send + Sync + 'static,
-) -> Vec<T> {
-    let store = MemoryStore::new();
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..size)
-        .map(|rank| {
-            let (store, f, cfg) = (store.clone(), f.clone(), cfg.clone());
-            std::thread::spawn(move || {
-                let comm = Communicator::new(&store, rank, size, cfg).expect("communicator");
-                f(rank, &comm)
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
 }
 
 /// Submits one job and waits for it.
@@ -73,18 +60,67 @@ pub fn reduce_op(kind: OpKind, r: ReduceOp) -> Op {
 // ---------------------------------------------------------------------------------------------
 // Harness with a hang guard, a shared barrier and an owned communicator.
 
-use std::sync::Barrier;
+use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::Instant;
 
+/// A plain thread barrier of all ranks that fails instead of hanging: once a rank has finished
+/// (returned or panicked), every rank waiting at a barrier, or arriving at one, panics naming
+/// it, since that barrier can never complete.
+pub struct RankBarrier {
+    size: usize,
+    state: Mutex<BarrierState>,
+    cv: Condvar,
+}
+
+struct BarrierState {
+    arrived: usize,
+    generation: u64,
+    finished: Vec<usize>,
+}
+
+impl RankBarrier {
+    pub fn new(size: usize) -> RankBarrier {
+        RankBarrier { size, state: Mutex::new(BarrierState { arrived: 0, generation: 0, finished: Vec::new() }), cv: Condvar::new() }
+    }
+
+    /// Blocks until every rank has called `wait` as often as this one.
+    pub fn wait(&self) {
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let generation = s.generation;
+        s.arrived += 1;
+        if s.arrived == self.size {
+            s.arrived = 0;
+            s.generation += 1;
+            self.cv.notify_all();
+            return;
+        }
+        // The generation first: a rank that passed this barrier and then finished does not fail it.
+        while s.generation == generation {
+            if !s.finished.is_empty() {
+                let finished = s.finished.clone();
+                drop(s);
+                panic!("thread barrier: rank(s) {finished:?} finished without reaching it (see their failures)");
+            }
+            s = self.cv.wait(s).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Rank `rank`'s thread is done: it will never wait again.
+    fn finished(&self, rank: usize) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).finished.push(rank);
+        self.cv.notify_all();
+    }
+}
+
 /// Runs `f(rank, comm, barrier)` on `size` threads, each with its own communicator (owned, so a
-/// rank can drop it to simulate its death); `barrier` is a plain thread barrier of all ranks.
+/// rank can drop it to simulate its death); `barrier` is a thread barrier of all ranks.
 /// Panics (naming the ranks) if any rank is still running after `limit`: a hang is a failure,
-/// never a stuck test. A rank's panic is re-raised here with its message.
+/// never a stuck test. Every rank's panic is re-raised here, with its message.
 pub fn spawn_ranks<T: Send + 'static>(
     size: usize,
     cfg: Config,
     limit: Duration,
-    f: impl Fn(usize, Communicator, &Barrier) -> T + Send + Sync + 'static,
+    f: impl Fn(usize, Communicator, &RankBarrier) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
     spawn_ranks_in(MemoryStore::new(), size, cfg, limit, f)
 }
@@ -95,7 +131,7 @@ pub fn spawn_ranks_in<T: Send + 'static>(
     size: usize,
     cfg: Config,
     limit: Duration,
-    f: impl Fn(usize, Communicator, &Barrier) -> T + Send + Sync + 'static,
+    f: impl Fn(usize, Communicator, &RankBarrier) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
     spawn_ranks_with(store, vec![cfg; size], limit, f)
 }
@@ -105,11 +141,78 @@ pub fn spawn_ranks_with<T: Send + 'static>(
     store: Arc<MemoryStore>,
     cfgs: Vec<Config>,
     limit: Duration,
-    f: impl Fn(usize, Communicator, &Barrier) -> T + Send + Sync + 'static,
+    f: impl Fn(usize, Communicator, &RankBarrier) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
     let size = cfgs.len();
+    collect_ranks(launch_ranks(store, cfgs, f), size, limit)
+}
+
+/// [`spawn_ranks`] that never panics: each rank's result, or why it has none (it panicked, or
+/// did not finish within `limit`).
+pub fn try_spawn_ranks<T: Send + 'static>(
+    size: usize,
+    cfg: Config,
+    limit: Duration,
+    f: impl Fn(usize, Communicator, &RankBarrier) -> T + Send + Sync + 'static,
+) -> Vec<Result<T, String>> {
+    try_spawn_ranks_with(MemoryStore::new(), vec![cfg; size], limit, f)
+}
+
+/// [`try_spawn_ranks`] over a given store, with one config per rank.
+pub fn try_spawn_ranks_with<T: Send + 'static>(
+    store: Arc<MemoryStore>,
+    cfgs: Vec<Config>,
+    limit: Duration,
+    f: impl Fn(usize, Communicator, &RankBarrier) -> T + Send + Sync + 'static,
+) -> Vec<Result<T, String>> {
+    let size = cfgs.len();
+    gather_ranks(launch_ranks(store, cfgs, f), size, limit)
+}
+
+/// Runs a sweep on `size` ranks: `f(rank, comm, barrier, failures)` records that rank's failing
+/// points (a [`Stop`] ends its sweep early, which drops its communicator, so that the other
+/// ranks' operations fail instead of waiting for it). Every rank's points are added to
+/// `failures` in rank order; a rank that panics or does not finish within `limit` is a failing
+/// point too, named by `what` and its rank.
+pub fn sweep_ranks(
+    failures: &mut Failures,
+    what: &str,
+    size: usize,
+    cfg: Config,
+    limit: Duration,
+    f: impl Fn(usize, Communicator, &RankBarrier, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
+) {
+    sweep_ranks_with(failures, what, MemoryStore::new(), vec![cfg; size], limit, f)
+}
+
+/// [`sweep_ranks`] over a given store, with one config per rank.
+pub fn sweep_ranks_with(
+    failures: &mut Failures,
+    what: &str,
+    store: Arc<MemoryStore>,
+    cfgs: Vec<Config>,
+    limit: Duration,
+    f: impl Fn(usize, Communicator, &RankBarrier, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
+) {
+    let results = {
+        let what = what.to_string();
+        try_spawn_ranks_with(store, cfgs, limit, move |rank, comm, barrier| sweep(format!("{what} rank {rank}"), |fl| f(rank, comm, barrier, fl)))
+    };
+    for rank_failures in failures.ranks(results, what).into_iter().flatten() {
+        failures.merge(rank_failures);
+    }
+}
+
+/// Starts one thread per config; each sends `(rank, f's result or its panic message)`, and
+/// marks itself finished on the barrier first.
+fn launch_ranks<T: Send + 'static>(
+    store: Arc<MemoryStore>,
+    cfgs: Vec<Config>,
+    f: impl Fn(usize, Communicator, &RankBarrier) -> T + Send + Sync + 'static,
+) -> mpsc::Receiver<(usize, Result<T, String>)> {
+    let size = cfgs.len();
     let f = Arc::new(f);
-    let barrier = Arc::new(Barrier::new(size));
+    let barrier = Arc::new(RankBarrier::new(size));
     let (tx, rx) = mpsc::channel();
     for (rank, cfg) in cfgs.into_iter().enumerate() {
         let (store, f, barrier, tx) = (store.clone(), f.clone(), barrier.clone(), tx.clone());
@@ -120,37 +223,34 @@ pub fn spawn_ranks_with<T: Send + 'static>(
                     let comm = Communicator::new(&store, rank, size, cfg).expect("communicator");
                     f(rank, comm, &barrier)
                 }));
-                let _ = tx.send((rank, r.map_err(panic_text)));
+                barrier.finished(rank);
+                let _ = tx.send((rank, r.map_err(|p| format!("panicked: {}", panic_text(p)))));
             })
             .expect("spawn rank thread");
     }
-    drop(tx);
-    collect_ranks(rx, size, limit)
+    rx
 }
 
-/// Receives `(rank, result)` from `size` threads within `limit`; see [`spawn_ranks`].
-pub fn collect_ranks<T>(rx: mpsc::Receiver<(usize, Result<T, String>)>, size: usize, limit: Duration) -> Vec<T> {
+/// Receives `(rank, result)` from `size` threads within `limit`, in rank order; a rank that did
+/// not report by then has `Err` saying so (a hang). Never panics.
+pub fn gather_ranks<T>(rx: mpsc::Receiver<(usize, Result<T, String>)>, size: usize, limit: Duration) -> Vec<Result<T, String>> {
     let deadline = Instant::now() + limit;
-    let mut out: Vec<Option<T>> = (0..size).map(|_| None).collect();
+    let mut out: Vec<Option<Result<T, String>>> = (0..size).map(|_| None).collect();
     for _ in 0..size {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok((rank, Ok(v))) => out[rank] = Some(v),
-            Ok((rank, Err(msg))) => panic!("rank {rank} panicked: {msg}"),
-            Err(_) => {
-                let missing: Vec<usize> = (0..size).filter(|&r| out[r].is_none()).collect();
-                panic!("ranks {missing:?} did not finish within {limit:?} (hang)");
-            }
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((rank, r)) => out[rank] = Some(r),
+            Err(_) => break,
         }
     }
-    out.into_iter().map(|v| v.unwrap()).collect()
+    out.into_iter().map(|r| r.unwrap_or_else(|| Err(format!("did not finish within {limit:?} (hang)")))).collect()
 }
 
-pub fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
+/// [`gather_ranks`], then a panic listing every rank that panicked or hung, if any did.
+pub fn collect_ranks<T>(rx: mpsc::Receiver<(usize, Result<T, String>)>, size: usize, limit: Duration) -> Vec<T> {
+    let results = gather_ranks(rx, size, limit);
+    let failed: Vec<String> = results.iter().enumerate().filter_map(|(r, x)| x.as_ref().err().map(|e| format!("rank {r} {e}"))).collect();
+    assert!(failed.is_empty(), "{} of {size} ranks failed:\n  {}", failed.len(), failed.join("\n  "));
+    results.into_iter().map(|r| r.ok().unwrap()).collect()
 }
 
 /// Submits one job without waiting; the receiver yields its result.
@@ -170,18 +270,28 @@ pub fn timed(comm: &Communicator, ops: Vec<Op>) -> (Result<Completion, CommError
     (r, t.elapsed())
 }
 
-/// The error of a job that must fail, with context in the panic otherwise.
-pub fn expect_err(r: Result<Completion, CommError>, what: &str) -> CommError {
+/// The error of a job that must fail; an Ok is a failing point (named by `what`), and None.
+pub fn expect_err(f: &mut Failures, r: Result<Completion, CommError>, what: &str) -> Option<CommError> {
     match r {
-        Ok(c) => panic!("{what}: expected an error, got Ok({c:?})"),
-        Err(e) => e,
+        Ok(c) => {
+            f.fail(format!("{what}: expected an error, got Ok({c:?})"));
+            None
+        }
+        Err(e) => Some(e),
     }
 }
 
-pub fn assert_mentions(e: &CommError, needles: &[&str], what: &str) {
-    for n in needles {
-        assert!(e.message.contains(n), "{what}: error message should mention {n:?}: {}", e.message);
-    }
+/// Checks that `e`'s message mentions every needle (one failing point listing the missing ones).
+pub fn mentions(f: &mut Failures, e: &CommError, needles: &[&str], what: &str) -> bool {
+    let missing: Vec<&&str> = needles.iter().filter(|n| !e.message.contains(**n)).collect();
+    f.check(missing.is_empty(), || format!("{what}: the error should mention {missing:?}: {}", e.message))
+}
+
+/// [`expect_err`], then [`mentions`]: whether `r` failed with a message mentioning every needle.
+pub fn expect_err_mentioning(f: &mut Failures, r: Result<Completion, CommError>, needles: &[&str], what: &str) -> Option<CommError> {
+    let e = expect_err(f, r, what)?;
+    mentions(f, &e, needles, what);
+    Some(e)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -243,7 +353,12 @@ pub trait TestElem: Copy + PartialEq + std::fmt::Debug + Send + Sync + 'static {
     /// is exact whatever the order of combination (few significant bits, narrow exponent range).
     fn input(rank: usize, i: usize, salt: u64, op: ReduceOp) -> Self;
     fn to_bytes(v: &[Self]) -> Vec<u8>;
+    /// The values of `b` (whole elements; [`TestElem::check_bytes`] says whether they are valid).
     fn from_bytes(b: &[u8]) -> Vec<Self>;
+    /// Ok if every element of `b` is a valid encoding (only bool has invalid ones).
+    fn check_bytes(_b: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
     /// The reduction of `vals` (one per rank, in rank order) under `op`; `factor` is PREMUL_SUM's.
     fn reference(op: ReduceOp, vals: &[Self], factor: f64) -> Self;
     /// Equality of results: bitwise for floats.
@@ -371,12 +486,10 @@ impl TestElem for bool {
         v.iter().map(|&x| x as u8).collect()
     }
     fn from_bytes(b: &[u8]) -> Vec<bool> {
-        b.iter()
-            .map(|&x| {
-                assert!(x <= 1, "a bool result byte is {x}, not 0 or 1");
-                x == 1
-            })
-            .collect()
+        b.iter().map(|&x| x != 0).collect()
+    }
+    fn check_bytes(b: &[u8]) -> Result<(), String> {
+        each_of(b.len(), "bool result bytes", |k| (b[k] > 1).then(|| format!("byte {k} is {}, not 0 or 1", b[k])))
     }
     fn reference(op: ReduceOp, vals: &[bool], _factor: f64) -> bool {
         match op {
@@ -402,12 +515,15 @@ pub fn expected<T: TestElem>(size: usize, i: usize, salt: u64, op: ReduceOp, fac
     T::reference(op, &vals, factor)
 }
 
-/// Asserts `got[k] == expected(index start + k)` for every k.
-pub fn check_reduced<T: TestElem>(got: &[T], size: usize, start: usize, salt: u64, op: ReduceOp, factor: f64, what: &str) {
-    for (k, &g) in got.iter().enumerate() {
+/// Compares the elements of `got` (bytes of T) with `expected(index start + k)` for every k;
+/// Err says how many are wrong, and the first and the last of them.
+pub fn check_reduced<T: TestElem>(got: &[u8], size: usize, start: usize, salt: u64, op: ReduceOp, factor: f64) -> Result<(), String> {
+    T::check_bytes(got)?;
+    let got = T::from_bytes(got);
+    each_element(got.len(), |k| {
         let want: T = expected(size, start + k, salt, op, factor);
-        assert!(T::same(g, want), "{what}: element {k} is {g:?}, expected {want:?}");
-    }
+        (!T::same(got[k], want)).then(|| format!("element {} is {:?}, expected {want:?}", start + k, got[k]))
+    })
 }
 
 /// Runs `f(thread, barrier)` on `size` plain threads (they create their own communicators),
@@ -415,10 +531,33 @@ pub fn check_reduced<T: TestElem>(got: &[T], size: usize, start: usize, salt: u6
 pub fn spawn_threads<T: Send + 'static>(
     size: usize,
     limit: Duration,
-    f: impl Fn(usize, &Barrier) -> T + Send + Sync + 'static,
+    f: impl Fn(usize, &RankBarrier) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
+    collect_ranks(launch_threads(size, f), size, limit)
+}
+
+/// [`sweep_ranks`] on plain threads: `f(thread, barrier, failures)` creates its own
+/// communicators; a thread that panics or does not finish is a failing point named by `what`.
+pub fn sweep_threads(
+    failures: &mut Failures,
+    what: &str,
+    size: usize,
+    limit: Duration,
+    f: impl Fn(usize, &RankBarrier, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
+) {
+    let name = what.to_string();
+    let results = gather_ranks(launch_threads(size, move |t, barrier| sweep(format!("{name} thread {t}"), |fl| f(t, barrier, fl))), size, limit);
+    for thread_failures in failures.ranks(results, what).into_iter().flatten() {
+        failures.merge(thread_failures);
+    }
+}
+
+fn launch_threads<T: Send + 'static>(
+    size: usize,
+    f: impl Fn(usize, &RankBarrier) -> T + Send + Sync + 'static,
+) -> mpsc::Receiver<(usize, Result<T, String>)> {
     let f = Arc::new(f);
-    let barrier = Arc::new(Barrier::new(size));
+    let barrier = Arc::new(RankBarrier::new(size));
     let (tx, rx) = mpsc::channel();
     for t in 0..size {
         let (f, barrier, tx) = (f.clone(), barrier.clone(), tx.clone());
@@ -426,12 +565,12 @@ pub fn spawn_threads<T: Send + 'static>(
             .name(format!("test-thread-{t}"))
             .spawn(move || {
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(t, &barrier)));
-                let _ = tx.send((t, r.map_err(panic_text)));
+                barrier.finished(t);
+                let _ = tx.send((t, r.map_err(|p| format!("panicked: {}", panic_text(p)))));
             })
             .expect("spawn thread");
     }
-    drop(tx);
-    collect_ranks(rx, size, limit)
+    rx
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -510,16 +649,23 @@ impl Guarded {
         buf(&mut self.v[self.off..self.off + self.len])
     }
 
-    /// The contents; panics if a guard byte changed.
-    pub fn data(&self) -> &[u8] {
+    /// The contents, unchecked.
+    pub fn bytes(&self) -> &[u8] {
+        &self.v[self.off..self.off + self.len]
+    }
+
+    /// Ok if no guard byte changed.
+    pub fn intact(&self) -> Result<(), String> {
         let (before, rest) = self.v.split_at(self.off);
-        let (data, after) = rest.split_at(self.len);
-        assert!(
-            before[before.len() - GUARD_LEN..].iter().chain(after).all(|&b| b == GUARD),
-            "a write outside a buffer of {} bytes (guard bytes changed)",
-            self.len
-        );
-        data
+        let after = &rest[self.len..];
+        let ok = before[before.len() - GUARD_LEN..].iter().chain(after).all(|&b| b == GUARD);
+        if ok { Ok(()) } else { Err(format!("a write outside a buffer of {} bytes (guard bytes changed)", self.len)) }
+    }
+
+    /// The contents, with the guards checked: a changed guard is a failing point named by `what`.
+    pub fn data(&self, f: &mut Failures, what: &str) -> &[u8] {
+        f.result(self.intact(), what);
+        self.bytes()
     }
 }
 
@@ -534,7 +680,7 @@ pub fn raws(g: &mut [Guarded]) -> Vec<RawBuf> {
     g.iter_mut().map(|g| g.raw()).collect()
 }
 
-/// The pieces joined back together (guards checked).
-pub fn joined(g: &[Guarded]) -> Vec<u8> {
-    g.iter().flat_map(|g| g.data().to_vec()).collect()
+/// The pieces joined back together, with each piece's guards checked (see [`Guarded::data`]).
+pub fn joined(f: &mut Failures, g: &[Guarded], what: &str) -> Vec<u8> {
+    g.iter().enumerate().flat_map(|(p, g)| g.data(f, &format!("{what}: piece {p}")).to_vec()).collect()
 }
