@@ -156,6 +156,10 @@ def test_wheel_metadata(tmp_path):
     release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist: torch")]
     assert requires == [f"Requires-Dist: torch=={release}.*"], requires
-    for stub in ["py.typed", "__init__.pyi", "_C.pyi", "weight_sync.pyi", "verl_engine.pyi", "_build_info.py"]:
+    stubs = ["py.typed", "__init__.pyi", "_C.pyi", "weight_sync/__init__.pyi", "verl_engine.pyi", "_build_info.py"]
+    modules = [f"weight_sync/{m}.py" for m in ("__init__", "_common", "format", "plan", "window", "sender", "receiver")]
+    for stub in stubs + modules:
         assert f"xccl_rs/{stub}" in names, f"the wheel lacks xccl_rs/{stub}"
+    for gone in ["weight_sync.py", "weight_sync.pyi", "shared_window.py"]:  # now the weight_sync package
+        assert f"xccl_rs/{gone}" not in names, f"the wheel still has xccl_rs/{gone} (a stale build/?)"
     assert any(re.fullmatch(r"xccl_rs/_C\..*\.so", n) for n in names), "the wheel lacks the extension"

@@ -16,7 +16,9 @@ The packing plan is also checked in-process on the meta device with sizes above 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 
 import pytest
@@ -117,7 +119,7 @@ def _expect_mode(stats, what) -> list[str]:
     """The mode the stats report is the one this test expects (shared only on xccl_rs)."""
     import torch.distributed as dist
 
-    from xccl_rs.shared_window import uses_shared_memory
+    from xccl_rs.weight_sync.window import uses_shared_memory
 
     want = os.environ.get(SHARED_ENV, "1") == "1" and os.environ.get("WS_TEST_FALLBACK") != "1"
     want = want and uses_shared_memory(dist.group.WORLD)
@@ -327,8 +329,7 @@ def w_window_reuse(rank, world_size):
     import torch.distributed as dist
 
     import xccl_rs
-    from xccl_rs import shared_window
-    from xccl_rs.weight_sync import WeightReceiver, WeightSender
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender, window
 
     c = ctx()
     out = {}
@@ -345,7 +346,7 @@ def w_window_reuse(rank, world_size):
             r = WeightReceiver(pg, src=0)
             probs = compare(list(r.receive()), expected)
             stats = r.last_stats
-        out[i] = (probs, stats.shared_window, len(shared_window._mapped))
+        out[i] = (probs, stats.shared_window, len(window._mapped))
         xccl_rs.destroy_group(pg)
     return out
 
@@ -369,10 +370,10 @@ def w_unmappable(rank, world_size):
     after bucket 0 fails and the buckets are broadcast."""
     import torch.distributed as dist
 
-    from xccl_rs import shared_window
+    from xccl_rs.weight_sync import window
 
     if rank == 2:
-        shared_window.SHM_DIR = "/nonexistent-shm"
+        window.SHM_DIR = "/nonexistent-shm"
     probs, stats = _sync(dist.group.WORLD, 0, "unmappable", BUCKET)
     if stats.shared_window:
         probs.append("the buckets went through a window rank 2 cannot map")
@@ -451,6 +452,193 @@ def test_constructor_checks():
         WeightReceiver(pg, src=0)
     with pytest.raises(ValueError, match="bucket_bytes"):
         _sender(pg, src=0, bucket_bytes=16)
+
+
+# --------------------------------------------------------------------------------------
+# the wire format (format.py): round trips, and the decoder on bad input from the peer
+# --------------------------------------------------------------------------------------
+
+_BUCKET = 4096
+_A = ["a", "float32", [2, 3], 0, 24, 0, 24]
+_B = ["b", "bfloat16", [100], 256, 200, 0, 200]
+_USED = 456  # where _B ends
+_WINDOW = {"name": "xccl_rs-ws-" + "0" * 32, "host": "h", "bytes": 2 * _BUCKET, "reused": False}
+
+
+def _entry_b(**changes):
+    fields = ["name", "dtype", "shape", "offset", "nbytes", "chunk_offset", "total"]
+    b = list(_B)
+    for k, v in changes.items():
+        b[fields.index(k)] = v
+    return b
+
+
+def _meta_obj(b=None, **changes):
+    obj = {"i": 0, "total": -1, "e": [_A, _B if b is None else b]}
+    obj.update(changes)
+    return obj
+
+
+def test_format_round_trips():
+    """What the sender encodes, the receiver decodes to the same values; so do the plan's entries."""
+    import torch
+
+    from xccl_rs.weight_sync.format import Announcement, BucketMeta, Entry, Header, decode_offer, encode_offer
+    from xccl_rs.weight_sync import plan_buckets
+
+    for h in (Header(3, 77, 100, 1 << 33, last=True), Header(0, 2, 0, 256), Header(5, 30, 0, 4096, aborted=True)):
+        assert Header.decode(h.encode(), "test", h.index) == h
+    ann = Announcement("xccl_rs-ws-" + "ab" * 16, "host|1|2", 2 * _BUCKET, True)
+    entries = [Entry("a", torch.float32, (2, 3), 0, 24, 0, 24), Entry("b", torch.bfloat16, (100,), 256, 200, 0, 200)]
+    meta = BucketMeta(0, entries, 1234, ann)
+    raw = meta.encode()
+    h = Header(0, len(raw), _USED, _BUCKET)
+    assert BucketMeta.decode(raw, h, "test") == meta
+    abort = BucketMeta(4, abort="x" * 5000)
+    got = BucketMeta.decode(abort.encode(), Header(4, 1, 0, _BUCKET, aborted=True), "test")
+    assert got.abort == "x" * 2000 and got.entries == []
+    assert decode_offer(encode_offer(ann), "test", 2 * _BUCKET) == ann and decode_offer(encode_offer(None), "t", 1) is None
+    for bucket in plan_buckets(make_tensors("format"), BUCKET):
+        used = max((e[3] + e[4] for e in bucket), default=0)
+        for e in bucket:
+            assert Entry.decode(e, "test", used).encode() == e
+
+
+# (case id, the field the error must name, header values or None for the good one)
+_HEADER_CASES = [
+    ("truncated", "header", lambda g: g[:7]),
+    ("too long", "header", lambda g: g + [0]),
+    ("not a list", "header", lambda g: "header"),
+    ("wrong magic", "magic", lambda g: [0x1234] + g[1:]),
+    ("magic as float", "magic", lambda g: [float(g[0])] + g[1:]),
+    ("wrong version", "version", lambda g: g[:1] + [g[1] - 1] + g[2:]),
+    ("future version", "version", lambda g: g[:1] + [g[1] + 1] + g[2:]),
+    ("negative meta_nbytes", "meta_nbytes", lambda g: g[:2] + [-1] + g[3:]),
+    ("oversized meta_nbytes", "meta_nbytes", lambda g: g[:2] + [1 << 40] + g[3:]),
+    ("negative used_bytes", "used_bytes", lambda g: g[:3] + [-4] + g[4:]),
+    ("used_bytes past the bucket", "used_bytes", lambda g: g[:3] + [_BUCKET + 1] + g[4:]),
+    ("used_bytes on an abort", "used_bytes", lambda g: g[:3] + [8, -1] + g[5:]),
+    ("last out of range", "last", lambda g: g[:4] + [2] + g[5:]),
+    ("last as bool", "last", lambda g: g[:4] + [True] + g[5:]),
+    ("bucket_bytes too small", "bucket_bytes", lambda g: g[:3] + [0, 0, 16] + g[6:]),
+    ("bucket_bytes too large", "bucket_bytes", lambda g: g[:5] + [1 << 50] + g[6:]),
+    ("negative bucket_bytes", "bucket_bytes", lambda g: g[:5] + [-_BUCKET] + g[6:]),
+    ("wrong index", "index", lambda g: g[:6] + [7, 0]),
+    ("reserved not zero", "reserved", lambda g: g[:7] + [1]),
+]
+
+
+@pytest.mark.parametrize("field,mutate", [c[1:] for c in _HEADER_CASES], ids=[c[0] for c in _HEADER_CASES])
+def test_header_decoder_rejects(field, mutate):
+    from xccl_rs.weight_sync import WeightSyncError
+    from xccl_rs.weight_sync.format import Header
+
+    good = Header(0, 40, 100, _BUCKET).encode()
+    Header.decode(good, "bucket 0 from rank 1", 0)
+    with pytest.raises(WeightSyncError, match=f"bucket 0 from rank 1: .*field '{field}'"):
+        Header.decode(mutate(list(good)), "bucket 0 from rank 1", 0)
+
+
+def test_header_decoder_checks_bucket_bytes_against_bucket_0():
+    from xccl_rs.weight_sync import WeightSyncError
+    from xccl_rs.weight_sync.format import Header
+
+    h = Header(2, 40, 100, 2 * _BUCKET).encode()
+    with pytest.raises(WeightSyncError, match="field 'bucket_bytes' is 8192, expected 4096, as in bucket 0"):
+        Header.decode(h, "bucket 2", 2, bucket_bytes=_BUCKET)
+
+
+# (case id, the field the error must name, the metadata (a JSON value, or raw bytes), header kwargs)
+_META_CASES = [
+    ("not utf-8", "metadata", b"\xff\xfe{}", {}),
+    ("not json", "metadata", b'{"i": 0,', {}),
+    ("truncated json", "metadata", None, {"truncate": 10}),
+    ("a list", "metadata", [], {}),
+    ("index missing", "i", {"total": -1, "e": []}, {"used": 0}),
+    ("wrong index", "i", _meta_obj(i=3), {}),
+    ("index as string", "i", _meta_obj(i="0"), {}),
+    ("total as string", "total", _meta_obj(total="5"), {}),
+    ("total below -1", "total", _meta_obj(total=-2), {}),
+    ("entries missing", "e", {"i": 0, "total": -1}, {"used": 0}),
+    ("entries a dict", "e", _meta_obj(e={"a": _A}), {}),
+    ("entry a dict", "entry", _meta_obj(b={"name": "b"}), {}),
+    ("entry truncated", "entry", _meta_obj(b=_B[:6]), {}),
+    ("entry too long", "entry", _meta_obj(b=_B + [0]), {}),
+    ("name not a string", "name", _meta_obj(b=_entry_b(name=5)), {}),
+    ("unknown dtype", "dtype", _meta_obj(b=_entry_b(dtype="float33")), {}),
+    ("dtype not a dtype", "dtype", _meta_obj(b=_entry_b(dtype="nn")), {}),
+    ("dtype dunder", "dtype", _meta_obj(b=_entry_b(dtype="__class__")), {}),
+    ("dtype not a string", "dtype", _meta_obj(b=_entry_b(dtype=7)), {}),
+    ("shape a string", "shape", _meta_obj(b=_entry_b(shape="100")), {}),
+    ("negative dimension", "shape", _meta_obj(b=_entry_b(shape=[-100])), {}),
+    ("float dimension", "shape", _meta_obj(b=_entry_b(shape=[100.0])), {}),
+    ("bool dimension", "shape", _meta_obj(b=_entry_b(shape=[True])), {}),
+    ("too many dimensions", "shape", _meta_obj(b=_entry_b(shape=[1] * 65)), {}),
+    ("total_nbytes disagrees with shape", "total_nbytes", _meta_obj(b=_entry_b(total=100)), {}),
+    ("total_nbytes as string", "total_nbytes", _meta_obj(b=_entry_b(total="200")), {}),
+    ("negative offset", "offset", _meta_obj(b=_entry_b(offset=-256)), {}),
+    ("offset past used bytes", "offset", _meta_obj(b=_entry_b(offset=1000)), {}),
+    ("offset as float", "offset", _meta_obj(b=_entry_b(offset=256.0)), {}),
+    ("misaligned offset", "offset", _meta_obj(b=_entry_b(offset=255)), {}),
+    ("negative nbytes", "nbytes", _meta_obj(b=_entry_b(nbytes=-200)), {}),
+    ("nbytes past the used bytes", "nbytes", _meta_obj(b=_entry_b(offset=400, chunk_offset=0)), {}),
+    ("nbytes past the tensor", "nbytes", _meta_obj(b=_entry_b(nbytes=202)), {}),
+    ("oversized nbytes", "nbytes", _meta_obj(b=_entry_b(nbytes=1 << 70)), {}),
+    ("zero nbytes of a non-empty tensor", "nbytes", _meta_obj(b=_entry_b(nbytes=0)), {}),
+    ("nbytes as string", "nbytes", _meta_obj(b=_entry_b(nbytes="200")), {}),
+    ("negative chunk_offset", "chunk_offset", _meta_obj(b=_entry_b(chunk_offset=-2)), {}),
+    ("chunk_offset past the tensor", "chunk_offset", _meta_obj(b=_entry_b(chunk_offset=400)), {}),
+    ("misaligned chunk_offset", "chunk_offset", _meta_obj(b=_entry_b(chunk_offset=1, nbytes=198)), {}),
+    ("used_bytes not where the entries end", "used_bytes", _meta_obj(), {"used": 1000}),
+    ("window after bucket 0", "w", _meta_obj(i=1, w=_WINDOW), {"index": 1}),
+    ("window not an object", "w", _meta_obj(w=[1]), {}),
+    ("window name not a string", "w.name", _meta_obj(w={**_WINDOW, "name": 3}), {}),
+    ("window name too long", "w.name", _meta_obj(w={**_WINDOW, "name": "x" * 300}), {}),
+    ("window host missing", "w.host", _meta_obj(w={k: v for k, v in _WINDOW.items() if k != "host"}), {}),
+    ("window of another size", "w.bytes", _meta_obj(w={**_WINDOW, "bytes": _BUCKET}), {}),
+    ("window size negative", "w.bytes", _meta_obj(w={**_WINDOW, "bytes": -1}), {}),
+    ("window reused not a bool", "w.reused", _meta_obj(w={**_WINDOW, "reused": 1}), {}),
+    ("abort reason not a string", "abort", {"i": 0, "abort": ["x"]}, {"aborted": True}),
+    ("abort reason too long", "abort", {"i": 0, "abort": "x" * 3000}, {"aborted": True}),
+]
+
+
+@pytest.mark.parametrize("field,meta,hkw", [c[1:] for c in _META_CASES], ids=[c[0] for c in _META_CASES])
+def test_metadata_decoder_rejects(field, meta, hkw):
+    import json
+
+    from xccl_rs.weight_sync import WeightSyncError
+    from xccl_rs.weight_sync.format import BucketMeta, Header
+
+    good = json.dumps(_meta_obj()).encode()
+    BucketMeta.decode(good, Header(0, len(good), _USED, _BUCKET), "t")
+    if meta is None:
+        raw = good[: hkw.pop("truncate")]
+    else:
+        raw = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
+    aborted = hkw.get("aborted", False)
+    h = Header(hkw.get("index", 0), len(raw), 0 if aborted else hkw.get("used", _USED), _BUCKET, aborted=aborted)
+    with pytest.raises(WeightSyncError, match=f"bucket 0 from rank 1.*: field '{field}'"):
+        BucketMeta.decode(raw, h, "bucket 0 from rank 1")
+
+
+@pytest.mark.parametrize(
+    "what,call,field",
+    [
+        ("negative offer length", lambda f: f.check_length(-1, "the window offer", "length", f.MAX_OFFER_BYTES), "length"),
+        ("oversized offer length", lambda f: f.check_length(1 << 20, "the window offer", "length", f.MAX_OFFER_BYTES), "length"),
+        ("offer not json", lambda f: f.decode_offer(b"{", "the window offer", 2 * _BUCKET), "offer"),
+        ("offer a list", lambda f: f.decode_offer(b"[]", "the window offer", 2 * _BUCKET), "offer"),
+        ("offer of another size", lambda f: f.decode_offer(
+            json.dumps({**_WINDOW, "bytes": 7}).encode(), "the window offer", 2 * _BUCKET), "offer.bytes"),
+    ],
+    ids=lambda x: x if isinstance(x, str) and " " in x else "",
+)
+def test_offer_decoder_rejects(what, call, field):
+    from xccl_rs.weight_sync import WeightSyncError, format
+
+    with pytest.raises(WeightSyncError, match=f"the window offer: field '{re.escape(field)}'"):
+        call(format)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-# Type stubs of the weight-sync engine's public API (python/xccl_rs/weight_sync.py).
+# Type stubs of the weight-sync engine's public API (python/xccl_rs/weight_sync/__init__.py).
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Union
 

@@ -1,0 +1,87 @@
+"""What the weight-sync modules share: the error, the statistics, and small group/device helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed; the message names the bucket and the tensors in flight."""
+
+
+@dataclass
+class SyncStats:
+    """What one ``send``/``receive`` moved. ``bytes`` counts tensor payload (no padding)."""
+
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    #: The buckets went through the shared window (read in place), not broadcast.
+    shared_window: bool = False
+
+    @property
+    def gbps(self) -> float:
+        """Payload throughput in GB/s (10^9 bytes per second)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.tensors} tensors, {self.bytes / 1e6:.1f} MB in {self.buckets} buckets, "
+            f"{self.seconds:.3f} s, {self.gbps:.2f} GB/s"
+        )
+
+
+def broadcast(group, tensor: torch.Tensor, src: int):
+    """``group``'s broadcast of one tensor from group rank ``src`` (async: returns the Work)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return group.broadcast([tensor], opts)
+
+
+def group_rank_size(group) -> tuple[int, int]:
+    if group is None:
+        raise ValueError("weight sync: a process group is required (e.g. xccl_rs.new_group(...))")
+    return group.rank(), group.size()
+
+
+def resolve_device(device) -> torch.device:
+    """``device`` with its index: ``"cuda"`` means the current CUDA device, so that buffers
+    allocated there compare equal to it (``torch.device("cuda") != torch.device("cuda", 0)``)."""
+    if device is None:
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        mod = getattr(torch, device.type, None)
+        if mod is not None and hasattr(mod, "current_device"):
+            device = torch.device(device.type, mod.current_device())
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    mod = getattr(torch, device.type, None)
+    if mod is not None and hasattr(mod, "synchronize"):
+        mod.synchronize(device)
+
+
+def progress_bar(enabled: bool, total: Optional[int], desc: str):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+
+def describe(index: int, names: list[str]) -> str:
+    """``bucket 3 (12 tensors: 'a', 'b', 'c', ... (+9))``, for error messages."""
+    if not names:
+        return f"bucket {index} (empty)"
+    shown = ", ".join(repr(n) for n in names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
+    return f"bucket {index} ({len(names)} tensors: {shown})"

@@ -1,0 +1,294 @@
+"""The weight-sync wire format: each message as a value that encodes itself, and a decoder that
+checks every field it reads from the peer (type, range, length) and raises
+:class:`WeightSyncError` naming the field.
+
+The messages (the package docstring gives their order):
+
+* **header** (:class:`Header`) -- ``int64[8]``, broadcast before every bucket:
+  ``[MAGIC, VERSION, meta_nbytes, used_bytes, last, bucket_bytes, index, 0]``. ``last`` is 1
+  on the sync's last bucket, 0 before it, and ``ABORTED`` (-1) on an abort notice;
+  ``bucket_bytes`` is the sender's bucket size, the same in every header of a sync.
+* **metadata** (:class:`BucketMeta`) -- ``meta_nbytes`` bytes of UTF-8 JSON after the header:
+  ``{"i": index, "total": payload bytes of the sync or -1, "e": [entry, ...]}``, with
+  ``"w": announcement`` in bucket 0 when the sender offers a shared window; after an abort
+  header, ``{"i": index, "abort": reason}``.
+* **entry** (:class:`Entry`) -- one tensor, or one chunk of a tensor, in a bucket:
+  ``[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes]``. ``offset`` is where its
+  bytes start in the bucket, ``chunk_offset`` where they start in the tensor's flat bytes,
+  ``total_nbytes`` the whole tensor's size; a tensor that is not split has ``chunk_offset`` 0
+  and ``nbytes == total_nbytes``.
+* **announcement** (:class:`Announcement`) -- a shared window:
+  ``{"name": file in /dev/shm, "host": host identity, "bytes": 2 * bucket_bytes, "reused": bool}``.
+  Its second offer (window.py) travels as its length (``int64[1]``, 0 for no offer), then
+  its JSON.
+* The host hash (``int64[1]``) and the votes (``int32[1]``, MIN all-reduce) of window.py carry
+  no structure.
+
+All sizes are Python ints or int64: buckets and tensors of 2 GiB and more work. Both sides are
+always the same version of xccl_rs (``VERSION`` changes whenever any of this does).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ._common import WeightSyncError
+
+MAGIC = 0x58434C5753594E43  # "XCLWSYNC"
+#: 2: the second window offer is not voted on when the sender offered nothing.
+VERSION = 2
+HEADER_LEN = 8
+ABORTED = -1  # a header's `last` field on an abort notice
+MIN_BUCKET_BYTES = 256
+DEFAULT_BUCKET_BYTES = 512 << 20
+MAX_BUCKET_BYTES = 1 << 40
+MAX_META_BYTES = 1 << 30
+MAX_OFFER_BYTES = 1 << 16
+MAX_ABORT_CHARS = 2000
+_MAX_INT64 = (1 << 63) - 1
+
+
+# --------------------------------------------------------------------------------------
+# field checks (every value read from the peer goes through one of these)
+# --------------------------------------------------------------------------------------
+
+
+def _bad(where: str, name: str, value: Any, expected: str) -> WeightSyncError:
+    shown = f"{value:#x}" if name == "magic" and type(value) is int else repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return WeightSyncError(f"weight sync: {where}: field {name!r} is {shown}, expected {expected}")
+
+
+def _int(where: str, name: str, value: Any, lo: int, hi: int, expected: Optional[str] = None) -> int:
+    """``value`` as an int in [lo, hi] (JSON's true/false and floats are not ints here)."""
+    if type(value) is not int:
+        raise _bad(where, name, value, "an integer")
+    if not lo <= value <= hi:
+        raise _bad(where, name, value, expected or (f"{lo}" if lo == hi else f"in [{lo}, {hi}]"))
+    return value
+
+
+def _str(where: str, name: str, value: Any, max_len: int = _MAX_INT64) -> str:
+    if not isinstance(value, str):
+        raise _bad(where, name, value, "a string")
+    if len(value) > max_len:
+        raise _bad(where, name, value, f"at most {max_len} characters")
+    return value
+
+
+def _json(raw: bytes, where: str, name: str) -> dict:
+    try:
+        obj = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WeightSyncError(f"weight sync: {where}: field {name!r} is not UTF-8 JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise _bad(where, name, obj, "a JSON object")
+    return obj
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: Any, where: str = "metadata") -> torch.dtype:
+    """The dtype a name in the metadata stands for (``"bfloat16"`` -> ``torch.bfloat16``)."""
+    dt = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
+    if not isinstance(dt, torch.dtype):
+        raise _bad(where, "dtype", name, "the name of a torch dtype")
+    return dt
+
+
+def check_length(n: Any, where: str, name: str, limit: int) -> int:
+    """A byte count read from the peer (a tensor length to allocate): an int in [0, limit]."""
+    return _int(where, name, n, 0, limit)
+
+
+# --------------------------------------------------------------------------------------
+# the messages
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Header:
+    """The ``int64[8]`` before every bucket (module docstring)."""
+
+    index: int
+    meta_nbytes: int
+    used_bytes: int
+    bucket_bytes: int
+    last: bool = False
+    aborted: bool = False
+
+    def encode(self) -> list[int]:
+        last = ABORTED if self.aborted else int(self.last)
+        return [MAGIC, VERSION, self.meta_nbytes, self.used_bytes, last, self.bucket_bytes, self.index, 0]
+
+    @classmethod
+    def decode(cls, values: Any, where: str, index: int, bucket_bytes: Optional[int] = None) -> "Header":
+        """The header of bucket ``index``; ``bucket_bytes`` is bucket 0's (every header must agree)."""
+        if not isinstance(values, (list, tuple)) or len(values) != HEADER_LEN:
+            raise _bad(where, "header", values, f"{HEADER_LEN} integers")
+        magic, version, meta_nbytes, used, last, bucket, got_index, reserved = values
+        if magic != MAGIC or type(magic) is not int:
+            raise _bad(
+                where, "magic", magic,
+                f"{MAGIC:#x} (not a weight-sync header: every rank of the group must call send/receive "
+                "in the same order)",
+            )
+        _int(where, "version", version, VERSION, VERSION, f"{VERSION} (every rank must run the same xccl_rs)")
+        if bucket_bytes is None:
+            _int(where, "bucket_bytes", bucket, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES)
+        else:
+            _int(where, "bucket_bytes", bucket, bucket_bytes, bucket_bytes, f"{bucket_bytes}, as in bucket 0")
+        _int(where, "index", got_index, index, index, f"{index} (the next bucket)")
+        _int(where, "last", last, ABORTED, 1, f"0, 1 or {ABORTED} (aborted)")
+        aborted = last == ABORTED
+        _int(where, "used_bytes", used, 0, 0 if aborted else bucket)
+        _int(where, "meta_nbytes", meta_nbytes, 2, MAX_META_BYTES)  # "{}" at least
+        _int(where, "reserved", reserved, 0, 0)
+        return cls(got_index, meta_nbytes, used, bucket, last=last == 1, aborted=aborted)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor, or one chunk of a tensor, in a bucket (module docstring)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    chunk_offset: int
+    total: int
+
+    @property
+    def end(self) -> int:
+        """Where its bytes end in the bucket."""
+        return self.offset + self.nbytes
+
+    @property
+    def whole(self) -> bool:
+        """The whole tensor (not a chunk of one)."""
+        return self.chunk_offset == 0 and self.nbytes == self.total
+
+    def encode(self) -> list:
+        return [self.name, dtype_name(self.dtype), list(self.shape), self.offset, self.nbytes, self.chunk_offset, self.total]
+
+    @classmethod
+    def decode(cls, raw: Any, where: str, used_bytes: int) -> "Entry":
+        """An entry of a bucket whose first ``used_bytes`` bytes are sent."""
+        if not isinstance(raw, list) or len(raw) != 7:
+            raise _bad(where, "entry", raw, "[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes]")
+        name, dname, shape, offset, nbytes, chunk_offset, total = raw
+        where = f"{where} ({_str(where, 'name', name)[:100]!r})"
+        dtype = dtype_of(dname, where)
+        if not isinstance(shape, list) or len(shape) > 64:
+            raise _bad(where, "shape", shape, "a list of at most 64 dimensions")
+        numel = 1
+        for s in shape:
+            numel *= _int(where, "shape", s, 0, _MAX_INT64)
+        elsize = dtype.itemsize
+        _int(where, "total_nbytes", total, numel * elsize, numel * elsize, f"{numel * elsize} ({shape} of {dname})")
+        _int(where, "offset", offset, 0, used_bytes, f"in [0, {used_bytes}] (the bucket's used bytes)")
+        _int(where, "chunk_offset", chunk_offset, 0, total)
+        _int(where, "nbytes", nbytes, 1 if total else 0, min(total - chunk_offset, used_bytes - offset),
+             f"in [{1 if total else 0}, {min(total - chunk_offset, used_bytes - offset)}] (within the tensor "
+             f"from chunk_offset {chunk_offset}, and within the bucket's {used_bytes} used bytes from offset {offset})")
+        for what, v in (("offset", offset), ("nbytes", nbytes), ("chunk_offset", chunk_offset)):
+            if v % elsize:
+                raise _bad(where, what, v, f"a multiple of {dname}'s {elsize} bytes")
+        return cls(name, dtype, tuple(shape), offset, nbytes, chunk_offset, total)
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A shared window, as receivers need it to map it (module docstring)."""
+
+    name: str
+    host: str
+    nbytes: int
+    reused: bool = False
+
+    def encode(self) -> dict:
+        return {"name": self.name, "host": self.host, "bytes": self.nbytes, "reused": self.reused}
+
+    @classmethod
+    def decode(cls, obj: Any, where: str, nbytes: int, prefix: str = "w") -> "Announcement":
+        """A window of two buckets, ``nbytes`` in all (the header's bucket size says how many)."""
+        if not isinstance(obj, dict):
+            raise _bad(where, prefix, obj, "a JSON object")
+        name = _str(where, f"{prefix}.name", obj.get("name"), 255)
+        host = _str(where, f"{prefix}.host", obj.get("host"), 4096)
+        _int(where, f"{prefix}.bytes", obj.get("bytes"), nbytes, nbytes, f"{nbytes} (two buckets)")
+        reused = obj.get("reused")
+        if not isinstance(reused, bool):
+            raise _bad(where, f"{prefix}.reused", reused, "true or false")
+        return cls(name, host, nbytes, reused)
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    """A bucket's metadata (module docstring); ``abort`` is set on an abort notice."""
+
+    index: int
+    entries: list[Entry] = field(default_factory=list)
+    total: int = -1
+    window: Optional[Announcement] = None
+    abort: Optional[str] = None
+
+    def encode(self) -> bytes:
+        if self.abort is not None:
+            obj: dict = {"i": self.index, "abort": self.abort[:MAX_ABORT_CHARS]}
+        else:
+            obj = {"i": self.index, "total": self.total, "e": [e.encode() for e in self.entries]}
+            if self.window is not None:
+                obj["w"] = self.window.encode()
+        raw = _dumps(obj)
+        if len(raw) > MAX_META_BYTES:
+            raise WeightSyncError(
+                f"weight sync: bucket {self.index}: metadata of {len(raw)} bytes for {len(self.entries)} "
+                f"entries, above the limit of {MAX_META_BYTES}"
+            )
+        return raw
+
+    @classmethod
+    def decode(cls, raw: bytes, header: Header, where: str) -> "BucketMeta":
+        """The metadata that followed ``header``."""
+        obj = _json(raw, where, "metadata")
+        _int(where, "i", obj.get("i"), header.index, header.index)
+        if header.aborted:
+            return cls(header.index, abort=_str(where, "abort", obj.get("abort"), MAX_ABORT_CHARS))
+        total = _int(where, "total", obj.get("total"), -1, _MAX_INT64)
+        raw_entries = obj.get("e")
+        if not isinstance(raw_entries, list):
+            raise _bad(where, "e", raw_entries, "a list of entries")
+        entries = [Entry.decode(e, f"{where}, entry {k}", header.used_bytes) for k, e in enumerate(raw_entries)]
+        used = max((e.end for e in entries), default=0)
+        if used != header.used_bytes:
+            raise _bad(where, "used_bytes", header.used_bytes, f"{used} (where the entries end)")
+        window = None
+        if "w" in obj:
+            if header.index != 0:
+                raise _bad(where, "w", obj["w"], "only in bucket 0")
+            window = Announcement.decode(obj["w"], where, 2 * header.bucket_bytes)
+        return cls(header.index, entries, total, window)
+
+
+def encode_offer(offer: Optional[Announcement]) -> bytes:
+    """The second offer of a window (window.py): its JSON, empty for no offer."""
+    return b"" if offer is None else _dumps(offer.encode())
+
+
+def decode_offer(raw: bytes, where: str, nbytes: int) -> Optional[Announcement]:
+    if not raw:
+        return None
+    return Announcement.decode(_json(raw, where, "offer"), where, nbytes, prefix="offer")

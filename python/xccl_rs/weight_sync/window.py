@@ -1,0 +1,264 @@
+"""The shared window: the sender's two buckets in one file of /dev/shm that every receiver on the
+host maps, so that a bucket's bytes are packed once and read in place instead of being broadcast;
+and the protocol by which a group agrees to use one (both roles call the same functions).
+
+The file is created with ``O_EXCL`` and mode 0600 under an unguessable name, and unlinked as soon
+as every rank of the group has mapped it (or failed to): from then on nothing of it is visible in
+/dev/shm, and the memory goes when the last mapping does, even if a process is killed. Only a
+sender killed between creating it and the group's agreement leaves the file behind.
+
+A window is kept mapped for the next sync (the same sender process and bucket size, the same
+receiver processes), so that steady-state syncs create, zero and fault in nothing: its two
+buckets stay allocated, shared by every process that maps them, until the roles' ``release()``.
+
+The protocol, on every rank of the group, in this order:
+
+1. :func:`co_located`, once per sync, before anything else: the sender broadcasts a hash of its
+   host identity (-1 when it will not share), every rank votes whether it can share the
+   sender's memory. The sender makes a window only when the vote passes, so a group that spans
+   hosts never pays for one.
+2. :func:`agree`, right after bucket 0's metadata announced a window: every rank votes whether
+   it mapped it. When the vote fails on a *reused* window (kept from an earlier sync, whose file
+   is gone, so a rank new to it cannot map it), the sender offers a fresh window that already
+   holds bucket 0 and a second vote decides; when it could make none it offers nothing, and
+   every rank knows the buckets are broadcast.
+3. :func:`bucket_done` (``C_k``), once per bucket read in place: a barrier that tells the sender
+   every receiver is done with bucket ``k``, so its buffer can be packed again.
+
+Every vote is :func:`vote`: a MIN all-reduce of 0/1, true only when every rank says yes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import zlib
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from ._common import broadcast
+from .format import MAX_OFFER_BYTES, Announcement, check_length, decode_offer, encode_offer
+
+# The naming rule of the Rust core's shared-memory segments, which it must agree with:
+# src/transport/shm/segment.rs (SHM_DIR; Segment::create names files "xccl_rs-..."; Segment::open
+# maps only a name with that prefix, no "/" and at most 128 bytes). Windows are segments of that
+# family, "xccl_rs-ws-<32 hex digits>".
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "xccl_rs-"
+MAX_SEGMENT_NAME = 128
+PREFIX = SEGMENT_PREFIX + "ws-"
+
+
+def is_window_name(name: str) -> bool:
+    """Whether a peer's ``name`` may be opened in SHM_DIR (segment.rs's ``Segment::open`` check)."""
+    return name.startswith(PREFIX) and "/" not in name and len(name.encode()) <= MAX_SEGMENT_NAME
+
+
+def host_identity() -> str:
+    """Which ranks can share memory, as the core decides it (empty when there is no /dev/shm)."""
+    return _C.host_identity()
+
+
+def host_hash() -> int:
+    identity = host_identity()
+    return zlib.crc32(identity.encode()) if identity else -1
+
+
+def uses_shared_memory(group) -> bool:
+    """Whether ``group`` is an xccl_rs group (the engine's default for windows: groups of other
+    backends keep broadcasting their buckets, as the comparison in the demo needs)."""
+    try:
+        return group._get_backend(torch.device("cpu")).name() == "xccl_rs"
+    except Exception:  # noqa: BLE001 (no CPU backend, or an older torch)
+        return False
+
+
+# --------------------------------------------------------------------------------------
+# the protocol (module docstring)
+# --------------------------------------------------------------------------------------
+
+
+def vote(group, yes: bool) -> bool:
+    """Whether every rank of ``group`` says yes (a MIN all-reduce of a 0/1 flag)."""
+    flag = torch.tensor([1 if yes else 0], dtype=torch.int32)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], opts).wait()
+    return bool(flag.item())
+
+
+def co_located(group, src: int, offer: bool, can_map: bool) -> bool:
+    """Step 1: whether every rank can share the sender's memory. ``offer``: the sender will make a
+    window (ignored elsewhere); ``can_map``: a receiver would map one (its buckets are on the CPU)."""
+    rank = group.rank()
+    mine = host_hash()
+    ident = torch.tensor([mine if rank == src and offer else -1], dtype=torch.int64)
+    broadcast(group, ident, src).wait()
+    theirs = int(ident.item())
+    return vote(group, theirs >= 0 and (rank == src or (can_map and theirs == mine)))
+
+
+def agree(
+    group,
+    src: int,
+    announced: Announcement,
+    join: Callable[[Announcement], bool],
+    offer: Optional[Callable[[], Optional[Announcement]]] = None,
+) -> Optional[Announcement]:
+    """Step 2: the window every rank mapped, or None (the buckets are broadcast).
+
+    ``join(a)`` maps window ``a`` on this rank and says whether it could (the sender's is
+    mapped already). ``offer()``, called on the sender only, makes the fresh window offered
+    when the vote fails on a reused one (None when it cannot).
+    """
+    if vote(group, join(announced)):
+        return announced
+    if not announced.reused:
+        return None
+    fresh = offer() if group.rank() == src and offer is not None else None
+    fresh = _exchange_offer(group, src, fresh, announced.nbytes)
+    if fresh is None:
+        return None  # nothing offered: every rank knows it without a vote
+    return fresh if vote(group, join(fresh)) else None
+
+
+def _exchange_offer(group, src: int, offer: Optional[Announcement], nbytes: int) -> Optional[Announcement]:
+    """The sender broadcasts ``offer`` (its length, then its JSON); every rank returns it."""
+    where = f"the window offer from rank {src}"
+    sender = group.rank() == src
+    raw = encode_offer(offer) if sender else b""
+    length = torch.tensor([len(raw)], dtype=torch.int64)
+    broadcast(group, length, src).wait()
+    n = check_length(int(length.item()), where, "length", MAX_OFFER_BYTES)
+    if n == 0:
+        return None
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if sender else torch.empty(n, dtype=torch.uint8)
+    broadcast(group, buf, src).wait()
+    return offer if sender else decode_offer(bytes(buf.numpy()), where, nbytes)
+
+
+def bucket_done(group):
+    """Step 3, ``C_k``: every receiver is done with a bucket of the window (async: the Work)."""
+    return group.barrier()
+
+
+# --------------------------------------------------------------------------------------
+# the windows
+# --------------------------------------------------------------------------------------
+
+# Windows are kept for the next sync (creating, zeroing and faulting in a window of two buckets
+# costs as much as copying them): the sender's by bucket size, the receivers' mappings by name.
+# A window whose sync fell back to broadcasts is not kept: the next sync makes a fresh one.
+_kept: dict[int, "Window"] = {}
+_mapped: dict[str, torch.Tensor] = {}
+_MAPPED_KEPT = 2
+
+
+def _map(fd: int, nbytes: int) -> torch.Tensor:
+    """The file as a shared uint8 tensor (unmapped when the tensor goes)."""
+    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive; unmapped with the tensor
+
+
+class Window:
+    """The sender's side: creates and maps the file; ``slot(i)`` is bucket buffer ``i``. Raises
+    OSError when /dev/shm cannot hold it."""
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        self.nbytes = 2 * bucket_bytes
+        self.name = PREFIX + secrets.token_hex(16)
+        self.path: Optional[str] = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            # Reserved, not sparse: a /dev/shm too small for it (64 MB in a default container)
+            # fails here with ENOSPC, where a sparse file would kill the process with SIGBUS on
+            # the first write past the limit.
+            os.posix_fallocate(fd, 0, self.nbytes)
+            self.memory = _map(fd, self.nbytes)
+        except BaseException:
+            self.unlink()
+            raise
+        finally:
+            os.close(fd)
+        self.reused = False  # kept from an earlier sync: its file is gone, newcomers cannot map it
+
+    def slot(self, i: int) -> torch.Tensor:
+        return self.memory[i * self.bucket_bytes : (i + 1) * self.bucket_bytes]
+
+    def announcement(self) -> Announcement:
+        """What receivers need to map it (travels in bucket 0's metadata)."""
+        return Announcement(self.name, host_identity(), self.nbytes, self.reused)
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+    def __del__(self):
+        self.unlink()
+
+
+def take_window(bucket_bytes: int) -> Window:
+    """A window for a sender's sync: the one kept from its last shared sync, else a new one."""
+    window = _kept.pop(bucket_bytes, None)
+    if window is None:
+        return Window(bucket_bytes)
+    window.reused = True
+    return window
+
+
+def keep_window(window: Window) -> None:
+    """After a sync in which every receiver mapped ``window``: keep it for the next one."""
+    _kept[window.bucket_bytes] = window
+
+
+def drop_kept(bucket_bytes: int) -> None:
+    """A sender's kept window of that bucket size goes."""
+    window = _kept.pop(bucket_bytes, None)
+    if window is not None:
+        window.unlink()
+
+
+def drop_mapped() -> None:
+    """A receiver's kept mappings go."""
+    _mapped.clear()
+
+
+def open_window(announced: Announcement) -> Optional[torch.Tensor]:
+    """The receiver's side: the announced window, mapped (or kept from an earlier sync), or None
+    when this rank cannot map it (another host, or a kept window this rank never mapped)."""
+    name = announced.name
+    if announced.host != host_identity() or not is_window_name(name):
+        return None
+    kept = _mapped.get(name)
+    if kept is not None:
+        return kept if kept.numel() == announced.nbytes else None
+    memory = _open(name, announced.nbytes)
+    if memory is not None:
+        while len(_mapped) >= _MAPPED_KEPT:
+            _mapped.pop(next(iter(_mapped)))
+        _mapped[name] = memory
+    return memory
+
+
+def _open(name: str, nbytes: int) -> Optional[torch.Tensor]:
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            return None
+        return _map(fd, nbytes)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    finally:
+        os.close(fd)
