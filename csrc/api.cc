@@ -7,14 +7,12 @@
 #include <torch/version.h>
 
 #include "xccl_rs/communicator.h"
+#include "xccl_rs/process_group.h"
 
 namespace xccl_rs {
 
 namespace {
 
-// A ProcessGroup that answers "xccl_rs" where torch asks a group for its backend's name (DDP's
-// logging data, ProcessGroup.name()): torch's own answers "custom" for every backend
-// registered from outside it.
 class XcclRsProcessGroup final : public c10d::ProcessGroup {
  public:
   using c10d::ProcessGroup::ProcessGroup;
@@ -24,6 +22,13 @@ class XcclRsProcessGroup final : public c10d::ProcessGroup {
 };
 
 } // namespace
+
+c10::intrusive_ptr<c10d::ProcessGroup> new_named_process_group(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size) {
+  return c10::make_intrusive<XcclRsProcessGroup>(store, rank, size);
+}
 
 c10::intrusive_ptr<c10d::Backend> create_backend(
     const c10::intrusive_ptr<c10d::Store>& store,
@@ -55,7 +60,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> new_process_group(
     int size,
     const Options& options) {
   auto backend = create_backend(store, rank, size, options);
-  c10::intrusive_ptr<c10d::ProcessGroup> pg = c10::make_intrusive<XcclRsProcessGroup>(store, rank, size);
+  auto pg = new_named_process_group(store, rank, size);
   for (auto device : {c10::DeviceType::CPU, c10::DeviceType::CUDA, c10::DeviceType::XPU}) {
     pg->setBackend(device, c10d::ProcessGroup::BackendType::CUSTOM, backend);
   }

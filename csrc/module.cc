@@ -12,6 +12,7 @@
 
 #include "xccl_rs/communicator.h"
 #include "xccl_rs/errors.h"
+#include "xccl_rs/process_group.h"
 #include "xccl_rs/src/ffi.rs.h"
 #include "xccl_rs/xccl_rs.h"
 
@@ -69,6 +70,13 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
       pybind11::arg("device") = std::nullopt,
       no_gil(),
       "Create a private ProcessGroup served by xccl_rs over `store` (see xccl_rs.new_group).");
+  m.def(
+      "named_process_group",
+      &xccl_rs::new_named_process_group,
+      pybind11::arg("store"),
+      pybind11::arg("rank"),
+      pybind11::arg("size"),
+      "An empty ProcessGroup whose name() is 'xccl_rs' (the caller registers its backends).");
   m.def(
       "host_identity",
       [] {

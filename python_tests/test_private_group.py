@@ -204,7 +204,8 @@ def test_device_argument():
 
 def w_names(rank, world_size):
     """Where torch asks for the backend's name, the answer is xccl_rs: the backend, a private
-    group (ProcessGroup.name(), DDP's logging data), and dist.get_backend of the default world."""
+    group (ProcessGroup.name(), DDP's logging data), and the default world and a dist.new_group
+    (ProcessGroup.name(), DDP's logging data, dist.get_backend)."""
     import torch
     import torch.distributed as dist
 
@@ -217,12 +218,21 @@ def w_names(rank, world_size):
     pg = xccl_rs.new_group(dist.PrefixStore("private/", c.connect_store()), rank, world_size, timeout=c.timeout())
     names = {
         "dist.get_backend()": dist.get_backend(),
+        "the world": dist.group.WORLD.name(),
         "the world's CPU backend": dist.group.WORLD._get_backend(torch.device("cpu")).name(),
+        "a dist.new_group": dist.new_group([0, 1]).name(),
         "the private group": pg.name(),
         "the private group's CPU backend": pg._get_backend(torch.device("cpu")).name(),
     }
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), process_group=pg)
     names["DDP's logging data on the private group"] = model._get_ddp_logging_data().get("backend_name")
+    world_model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    names["DDP's logging data on the world"] = world_model._get_ddp_logging_data().get("backend_name")
+    # The world still runs (the group torch uses is ours, with our backend on every device).
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    if t.tolist() != [1.5] * 3:
+        problems.append(f"AVG all_reduce on the world gave {t.tolist()}")
     problems += [f"{what} says {name!r}" for what, name in names.items() if name != "xccl_rs"]
     xccl_rs.destroy_group(pg)
     return problems
@@ -233,3 +243,24 @@ def test_torch_sees_our_name():
     res = run_ranks(2, w_names, init="none", timeout_s=90)
     problems = [f"rank {r}: {p}" for r in range(2) for p in res.value(r)]
     assert not problems, "\n".join(problems)
+
+
+def w_detail_wrapper(rank, world_size):
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL the world (our ProcessGroup, see _whole_group) still
+    has torch's checking wrapper: a shape mismatch is reported by torch's wrapper itself."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(4 if rank == 0 else 5)
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.skipif(not IS_XCCL, reason="concerns the group xccl_rs returns to torch")
+def test_detail_debug_wraps_the_world():
+    res = run_ranks(2, w_detail_wrapper, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout_s=90)
+    for r in range(2):
+        assert "Detected mismatch between collectives" in res.value(r), f"rank {r}: {res.value(r)}"

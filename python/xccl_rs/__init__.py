@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -87,11 +88,58 @@ def _timeout_of(opts) -> timedelta:
 
 
 def _create_backend(dist_backend_opts, backend_options=None):
-    """The creator torch calls for every group (extended API)."""
+    """The creator torch calls for every group (extended API): a Backend, or, for a group that
+    init_process_group/new_group make for xccl_rs alone, a whole ProcessGroup (see _whole_group)."""
     o = dist_backend_opts
-    return _C.create_backend(
+    backend = _C.create_backend(
         o.store, o.group_rank, o.group_size, _timeout_of(o), str(getattr(o, "group_id", ""))
     )
+    helper = _group_served_by_us_alone(sys._getframe(1))
+    return backend if helper is None else _whole_group(backend, o, helper)
+
+
+def _group_served_by_us_alone(frame):
+    """The frame of torch's ``_new_process_group_helper`` when it is making a group whose every
+    device is xccl_rs's (``"xccl_rs"``, not ``"cpu:gloo,xpu:xccl_rs"``), else None."""
+    if frame is None or frame.f_code.co_name != "_new_process_group_helper":
+        return None
+    config, pg = frame.f_locals.get("backend_config"), frame.f_locals.get("pg")
+    if config is None or not isinstance(pg, dist.ProcessGroup):
+        return None
+    if set(config.get_device_backend_map().values()) != {BACKEND_NAME}:
+        return None
+    return frame
+
+
+def _whole_group(backend, opts, helper):
+    """torch names a group by its backend type, and every backend registered from outside torch
+    is of type CUSTOM: DDP's logging data and ProcessGroup.name() would say "custom". torch lets
+    a creator return a whole ProcessGroup instead (``_new_process_group_helper`` then uses it as
+    the group); ours answers "xccl_rs". It gets what torch gives the group it made for a backend
+    in that function: the backend on every device of the group, the default backend type, the
+    bound device, and TORCH_DISTRIBUTED_DEBUG=DETAIL's checking wrapper."""
+    from torch.distributed import distributed_c10d as c10d
+
+    f = helper.f_locals
+    torch_pg = f["pg"]
+    store = f.get("prefix_store") or opts.store
+    custom = dist.ProcessGroup.BackendType.CUSTOM
+    if c10d.get_debug_level() == c10d.DebugLevel.DETAIL and c10d.is_gloo_available():
+        backend = c10d._create_process_group_wrapper(
+            wrapped_pg=backend,
+            store_prefix=f.get("group_name"),
+            store=opts.store,
+            rank=opts.group_rank,
+            world_size=opts.group_size,
+            timeout=_timeout_of(opts),
+        )
+    pg = _C.named_process_group(store, opts.group_rank, opts.group_size)
+    if torch_pg.bound_device_id is not None:  # before the backends: registering passes it on
+        pg.bound_device_id = torch_pg.bound_device_id
+    for device in f["backend_config"].get_device_backend_map():
+        pg._register_backend(torch.device(device), custom, backend)
+    pg._set_default_backend(custom)
+    return pg
 
 
 def register() -> None:
