@@ -12,10 +12,9 @@ export CARGO_TARGET_DIR="$CACHE/target-gpu"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 cd "$ROOT"
-# build.rs writes the generated C++ to a fixed place when it runs (cargo reruns it only when
-# its inputs change, so the files are copied from there).
+# build.rs writes the generated C++ to a fixed place when it runs (cargo reruns it when its
+# inputs change or a copy there is missing, so the files are copied from there).
 EXPORT="$CARGO_TARGET_DIR/bridge-export"
-[ -f "$EXPORT/ffi.rs.cc" ] || touch build.rs
 XCCL_RS_BRIDGE_EXPORT="$EXPORT" cargo rustc --release --quiet --lib --features bridge --crate-type staticlib
 cp -r "$EXPORT/." "$OUT/"
 cp "$CARGO_TARGET_DIR/release/libxccl_rs.a" "$OUT/"
