@@ -1,7 +1,8 @@
 """Multi-process harness for the xccl_rs pytest suite.
 
-``run_ranks(world_size, fn, *args, ...)`` starts ``world_size`` processes (multiprocessing
-"spawn" context), initialises torch.distributed in each of them and runs
+``run_ranks(world_size, fn, *args, ...)`` starts ``world_size`` processes (from a multiprocessing
+fork server that has imported torch: see ``_rank_processes``), initialises torch.distributed in
+each of them and runs
 ``fn(rank, world_size, *args)``.  Every rank's return value, exception, check failure
 and progress is streamed back to the parent through a Queue.  The parent enforces a
 hard deadline: ranks that are still alive at the deadline get their Python stacks
@@ -229,11 +230,34 @@ def _resolve(ref):
     return obj
 
 
+_RANK_PROCESSES = None
+
+
+def _rank_processes():
+    """The multiprocessing context ranks start from: a fork server that imported torch once.
+    Importing torch costs seconds of CPU per process, most of a short test's time on 2 cores;
+    a rank forked from the server starts with torch loaded (no thread started and no device
+    initialised by the import, so forking is safe). What torch reads from the environment at
+    import, the rank re-reads after taking its own environment (``_rank_main``)."""
+    import multiprocessing as mp
+
+    global _RANK_PROCESSES
+    if _RANK_PROCESSES is None:
+        # The server's own environment: what every rank gets before its own (OpenMP reads
+        # OMP_NUM_THREADS when torch loads it).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        _RANK_PROCESSES = mp.get_context("forkserver")
+        _RANK_PROCESSES.set_forkserver_preload(["torch"])
+    return _RANK_PROCESSES
+
+
 def _rank_main(rank: int, world_size: int, q, payload: bytes) -> None:
     global _CTX
     cfg = pickle.loads(payload)
     os.environ.update(cfg["env"])
     os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
+    if "torch.distributed" in sys.modules:  # preloaded by the fork server: read at its import
+        sys.modules["torch.distributed"].set_debug_level_from_env()
     stack_file = open(os.path.join(cfg["tmpdir"], f"stacks.rank{rank}.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     _CTX = RankContext(rank, world_size, q, cfg)
@@ -466,7 +490,7 @@ def run_ranks(
         )
         store_port = store.port
 
-    ctx_mp = mp.get_context("spawn")
+    ctx_mp = _rank_processes()
     q = ctx_mp.Queue()
     procs = []
     res = RunResult(world_size, f"{fn_ref[0]}.{fn_ref[1]}", backend, timeout_s, expect_fail_ranks)
