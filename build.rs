@@ -203,7 +203,12 @@ fn export_bridge(dir: PathBuf) {
     for (from, to) in copies {
         let to = dir.join(to);
         std::fs::create_dir_all(to.parent().unwrap()).expect("create the export directory");
-        std::fs::copy(generated.join(from), &to).unwrap_or_else(|e| panic!("copy {from} to {}: {e}", to.display()));
+        // Only a changed file is rewritten: cargo reruns us when a file named below is newer
+        // than our last run, and one we rewrote every time would be.
+        let text = std::fs::read(generated.join(from)).unwrap_or_else(|e| panic!("read {from}: {e}"));
+        if std::fs::read(&to).ok().as_deref() != Some(text.as_slice()) {
+            std::fs::write(&to, &text).unwrap_or_else(|e| panic!("write {}: {e}", to.display()));
+        }
     }
     println!("cargo:rerun-if-changed=src/ffi.rs");
     // A copy that has gone (a fresh CMake build directory) is missing: cargo reruns us.
