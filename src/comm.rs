@@ -405,17 +405,7 @@ impl Worker {
 
     /// Runs collective `op` (op `index` of its job), chunk by chunk (pipeline.rs).
     fn run_one(&mut self, op: &Op, index: usize, ctx: &OpCtx, staging: Option<&mut (dyn Staging + '_)>) -> Result<()> {
-        let esz = op.dtype.size() as u64;
-        let elems = |b: Option<&crate::transport::RawBuf>| b.map_or(0, |b| b.len() as u64 / esz);
-        let count = match op.kind {
-            OpKind::AllGather | OpKind::Gather => elems(op.inputs.first()),
-            OpKind::AllToAll | OpKind::Barrier => 0,
-            _ => elems(op.outputs.first()),
-        };
-        let key = match op.kind {
-            OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter => op.root,
-            _ => 0,
-        };
+        let (count, key) = (op.count(), op.key());
         let chunk_bytes = self.config.pipeline_chunk_bytes;
         let world_size = self.transport.size();
         pipeline::run_chunks(op, index, chunk_bytes, ctx, staging.map(|inner| Described { inner, ctx }).as_mut().map(|d| d as &mut dyn Staging), |chunk| {

@@ -68,6 +68,42 @@ impl Op {
         matches!(self.kind, OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter)
     }
 
+    /// The element count every message of this collective announces and its receivers check:
+    /// the per-rank piece (the input of a gather or a send, the output of the others); 0 for
+    /// all-to-all, whose pieces differ per pair, and barrier.
+    pub fn count(&self) -> u64 {
+        let elems = |b: Option<&RawBuf>| b.map_or(0, |b| (b.len() / self.dtype.size()) as u64);
+        match self.kind {
+            OpKind::AllGather | OpKind::Gather | OpKind::Send => elems(self.inputs.first()),
+            OpKind::AllToAll | OpKind::Barrier => 0,
+            _ => elems(self.outputs.first()),
+        }
+    }
+
+    /// The key every message of this op carries and its receivers check: the root of a rooted
+    /// collective, the tag of a point-to-point message, else 0.
+    pub fn key(&self) -> i64 {
+        match self.kind {
+            OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter => self.root,
+            OpKind::Send | OpKind::Recv | OpKind::RecvAnySource => self.tag,
+            OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll | OpKind::Barrier => 0,
+        }
+    }
+
+    /// The length in bytes every buffer of a chunkable op has (the module table), which the
+    /// pipeline cuts into chunks; `None` for ops that are not chunked: all-to-all (its buffers
+    /// differ), barrier and point-to-point.
+    pub fn piece_len(&self) -> Option<usize> {
+        let first = match self.kind {
+            OpKind::AllGather | OpKind::Gather => self.inputs.first(),
+            OpKind::AllReduce | OpKind::Broadcast | OpKind::Reduce | OpKind::Scatter | OpKind::ReduceScatter => {
+                self.outputs.first()
+            }
+            OpKind::AllToAll | OpKind::Barrier | OpKind::Send | OpKind::Recv | OpKind::RecvAnySource => return None,
+        };
+        first.map(|b| b.len())
+    }
+
     /// Checks that buffers, root and dtype fit the kind (see the module table). The message
     /// starts with the op name; the caller adds rank and sequence number.
     pub fn validate(&self, rank: usize, size: usize) -> Result<()> {

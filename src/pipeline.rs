@@ -52,27 +52,15 @@ pub trait Staging: Send {
     fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()>;
 }
 
-/// Whether ops of `kind` run in chunks: those whose buffers all have one length (all-to-all's
-/// differ; point-to-point and barrier are not chunked).
-fn chunkable(kind: OpKind) -> bool {
-    use OpKind::*;
-    match kind {
-        AllReduce | Broadcast | Reduce | Scatter | ReduceScatter | AllGather | Gather => true,
-        AllToAll | Barrier | Send | Recv | RecvAnySource => false,
-    }
-}
-
-/// The length every buffer of a chunkable `op` has (src/op.rs's layout table).
-fn piece_len(op: &Op) -> Option<usize> {
-    let first = if matches!(op.kind, OpKind::AllGather | OpKind::Gather) { op.inputs.first() } else { op.outputs.first() };
-    chunkable(op.kind).then(|| first.map(|b| b.len())).flatten()
-}
-
 /// The chunk size in bytes for an op of `kind`, given the configured `chunk_bytes`:
 /// `usize::MAX` (one chunk: every buffer whole) for kinds that are not chunked. The bridge
 /// plans its copies with the same function.
 pub fn chunk_bytes_for(kind: OpKind, chunk_bytes: usize) -> usize {
-    if chunkable(kind) { chunk_bytes } else { usize::MAX }
+    use OpKind::*;
+    match kind {
+        AllReduce | Broadcast | Reduce | Scatter | ReduceScatter | AllGather | Gather => chunk_bytes,
+        AllToAll | Barrier | Send | Recv | RecvAnySource => usize::MAX,
+    }
 }
 
 /// How many chunks `piece` bytes make in chunks of `chunk` bytes: at least one.
@@ -82,7 +70,7 @@ pub fn chunk_count(piece: usize, chunk: usize) -> usize {
 
 /// The plan of one op: its chunk size and number of chunks.
 pub fn plan(op: &Op, chunk_bytes: usize) -> (usize, usize) {
-    match piece_len(op) {
+    match op.piece_len() {
         Some(len) => (chunk_bytes, chunk_count(len, chunk_bytes)),
         None => (usize::MAX, 1),
     }

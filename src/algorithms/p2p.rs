@@ -34,8 +34,8 @@ fn header(op: &Op, seq: u64) -> Header {
         dtype: op.dtype as u8,
         reduce: 0,
         seq,
-        count: len / op.dtype.size() as u64,
-        key: op.tag,
+        count: op.count(),
+        key: op.key(),
         payload_len: len,
     }
 }
