@@ -40,12 +40,19 @@ DType wire_dtype(at::ScalarType t) {
   }
 }
 
+// A host tensor's bytes.
 BufferView view_of(const at::Tensor& t) {
-  return BufferView{reinterpret_cast<size_t>(t.data_ptr()), static_cast<size_t>(t.nbytes())};
+  return BufferView{BufferPlace::Host, 0, reinterpret_cast<size_t>(t.data_ptr()), static_cast<size_t>(t.nbytes())};
 }
 
-BufferView staged(const HostRange& r) {
-  return BufferView{r.ptr, r.bytes};
+// All the bytes of the job's staged tensor number `tensor`.
+BufferView staged(size_t tensor, const at::Tensor& t) {
+  return BufferView{BufferPlace::Staged, tensor, 0, static_cast<size_t>(t.nbytes())};
+}
+
+// Bytes [offset, offset + bytes) of `whole` (either place: `start` is an address or an offset).
+BufferView sub_view(const BufferView& whole, size_t offset, size_t bytes) {
+  return BufferView{whole.place, whole.tensor, whole.start + offset, bytes};
 }
 
 // Consecutive equal byte ranges of one contiguous tensor (its rows, when split by rank).
@@ -53,7 +60,7 @@ rust::Vec<BufferView> split_views(const BufferView& whole, int parts) {
   rust::Vec<BufferView> views;
   const size_t each = whole.bytes / static_cast<size_t>(parts);
   for (int i = 0; i < parts; ++i) {
-    views.push_back(BufferView{whole.ptr + each * static_cast<size_t>(i), each});
+    views.push_back(sub_view(whole, each * static_cast<size_t>(i), each));
   }
   return views;
 }
@@ -77,14 +84,18 @@ OpRequest request(OpKind kind, const at::Tensor* like) {
 
 } // namespace
 
-// Seals a job's device staging (the copies to the host are all enqueued) and returns what the
-// Rust core waits for before running it; null for a job on host tensors.
-static std::unique_ptr<WorkReady> ready_of(WorkState& state) {
+// Seals a job's device staging (its tensors are all added; records the call's event) and
+// returns it for the Rust core, which plans and runs its copies, with the descriptions of its
+// tensors; null for a job on host tensors.
+static std::unique_ptr<StagingHandle> seal_staging(WorkState& state, rust::Vec<StagedTensor>& described) {
   if (!state.staging) {
     return nullptr;
   }
   state.staging->seal();
-  return std::make_unique<WorkReady>(WorkReady{state.staging});
+  for (const auto& t : state.staging->tensors()) {
+    described.push_back(StagedTensor{static_cast<size_t>(t.device.nbytes()), t.device.is_contiguous(), t.read, t.write});
+  }
+  return std::make_unique<StagingHandle>(StagingHandle{state.staging});
 }
 
 CommHandle::~CommHandle() {
@@ -166,12 +177,12 @@ class XcclRsBackend::Job {
   }
 
   // The bytes of a tensor the op only reads: the tensor's own when contiguous, else a
-  // contiguous copy's; an accelerator tensor's placeholder range (its host memory is allocated
-  // by the thread that runs the job, device.h).
+  // contiguous copy's; an accelerator tensor is staged (its host memory is allocated by the
+  // thread that runs the job, src/staging/).
   BufferView input(const at::Tensor& t) {
     check(t);
     if (!t.device().is_cpu()) {
-      return staged(staging(t).stage_in(t));
+      return staged(staging(t).add(t, /*read=*/true, /*write=*/false), t);
     }
     at::Tensor c = t.is_contiguous() ? t : t.contiguous();
     state_->keep_alive.push_back(c);
@@ -200,7 +211,7 @@ class XcclRsBackend::Job {
     check(t);
     state_->outputs.push_back(t);
     if (!t.device().is_cpu()) {
-      return staged(staging(t).stage_out(t, read));
+      return staged(staging(t).add(t, read, /*write=*/true), t);
     }
     if (t.is_contiguous()) {
       state_->keep_alive.push_back(t);
@@ -238,18 +249,6 @@ class XcclRsBackend::Job {
   }
 
   void add(OpRequest r) {
-    if (state_->staging) {
-      // Its index in the job that will be submitted (a coalesced job gathers several calls).
-      const size_t index = (backend_.coalescing_ ? backend_.coalesced_ops_.size() : 0) + ops_.size();
-      std::vector<OpBuffer> buffers;
-      for (const auto& v : r.inputs) {
-        buffers.push_back(OpBuffer{v.ptr, v.bytes, false});
-      }
-      for (const auto& v : r.outputs) {
-        buffers.push_back(OpBuffer{v.ptr, v.bytes, true});
-      }
-      state_->staging->add_op(index, buffers, backend_.comm_->comm->chunk_bytes(r.kind));
-    }
     ops_.push_back(std::move(r));
   }
 
@@ -285,9 +284,10 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type
     return c10::make_intrusive<XcclRsWork>(getRank(), type, coalesced_state_);
   }
   auto done = std::make_unique<WorkDone>(WorkDone{job.state()});
-  auto ready = ready_of(*job.state());
+  rust::Vec<StagedTensor> staged;
+  auto staging = seal_staging(*job.state(), staged);
   try {
-    comm_->comm->submit(std::move(job.ops()), std::move(ready), std::move(done), caller_waits);
+    comm_->comm->submit(std::move(job.ops()), std::move(staged), std::move(staging), std::move(done), caller_waits);
   } catch (const rust::Error& e) {
     raise_core_error(e);
   }
@@ -306,9 +306,10 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::endCoalescing() {
   coalescing_ = false;
   auto state = std::move(coalesced_state_);
   auto done = std::make_unique<WorkDone>(WorkDone{state});
-  auto ready = ready_of(*state);
+  rust::Vec<StagedTensor> staged;
+  auto staging = seal_staging(*state, staged);
   try {
-    comm_->comm->submit(std::move(coalesced_ops_), std::move(ready), std::move(done), false);
+    comm_->comm->submit(std::move(coalesced_ops_), std::move(staged), std::move(staging), std::move(done), false);
   } catch (const rust::Error& e) {
     raise_core_error(e);
   }
@@ -766,12 +767,11 @@ rust::Vec<BufferView> split_rows(
                          " has " + std::to_string(rows) + " rows");
   }
   const size_t row_bytes = rows == 0 ? 0 : whole.bytes / static_cast<size_t>(rows);
-  const size_t base = whole.ptr;
   rust::Vec<BufferView> views;
   size_t offset = 0;
   for (int64_t s : splits) {
     const size_t bytes = static_cast<size_t>(s) * row_bytes;
-    views.push_back(BufferView{base + offset, bytes});
+    views.push_back(sub_view(whole, offset, bytes));
     offset += bytes;
   }
   return views;

@@ -16,24 +16,30 @@ std::shared_ptr<WorkState> new_work_state(const std::string& what) {
   return state;
 }
 
-rust::Vec<HostRelocation> staging_host_buffers(WorkReady& ready) {
-  rust::Vec<HostRelocation> table;
-  for (const auto& b : ready.staging->host_buffers()) {
-    table.push_back(HostRelocation{b.placeholder, b.bytes, b.host});
-  }
-  return table;
+PinnedBlock staging_alloc_pinned(StagingHandle& handle, size_t bytes) {
+  const auto [block, address] = handle.staging->alloc_pinned(bytes);
+  return PinnedBlock{block, address};
 }
 
-rust::Vec<HostRelocation> chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk) {
-  rust::Vec<HostRelocation> window;
-  for (const auto& b : ready.staging->wait_chunk(op, chunk)) {
-    window.push_back(HostRelocation{b.placeholder, b.bytes, b.host});
-  }
-  return window;
+void staging_copy(StagingHandle& handle, Toward toward, size_t tensor, size_t tensor_offset, size_t block,
+                  size_t block_offset, size_t bytes) {
+  handle.staging->copy(toward == Toward::Host, tensor, tensor_offset, block, block_offset, bytes);
 }
 
-void chunk_outputs_done(WorkReady& ready, size_t op, size_t chunk) {
-  ready.staging->copy_back_chunk(op, chunk);
+size_t staging_record(StagingHandle& handle, Toward toward) {
+  return handle.staging->record(toward == Toward::Host);
+}
+
+void staging_synchronize(StagingHandle& handle, size_t event) {
+  handle.staging->synchronize(event);
+}
+
+void staging_stream_wait(StagingHandle& handle, Toward toward, size_t event) {
+  handle.staging->stream_wait(toward == Toward::Host, event);
+}
+
+void staging_finish(StagingHandle& handle) {
+  handle.staging->finish();
 }
 
 namespace {
@@ -70,18 +76,8 @@ void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, 
           std::string("xccl_rs: ") + state->what + ": copying the result into a non-contiguous output failed: " + e.what());
     }
   }
-  bool copied_back = false;
-  if (!failure && state->staging) {
-    try {
-      state->staging->finish();
-      copied_back = true;
-    } catch (const std::exception& e) {
-      failure = make_error(
-          ErrorKind::Communication,
-          std::string("xccl_rs: ") + state->what + ": copying the result back to " + state->staging->device().str() +
-          " failed: " + e.what());
-    }
-  }
+  // The core queued the copies back of staged outputs before reporting success (finish()).
+  const bool copied_back = !failure && state->staging && state->staging->results_back();
   {
     std::lock_guard<std::mutex> lock(state->mu);
     state->error = failure;

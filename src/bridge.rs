@@ -7,14 +7,14 @@
 use std::cell::Cell;
 use std::time::Duration;
 
-use crate::comm::{Communicator, JobStaging};
+use crate::buf::{Buf, RawBuf};
+use crate::comm::{Communicator, Staged};
 use crate::config::Config;
 use crate::error::{CommError, ErrorKind, Result};
-use crate::ffi::ffi::{self, BufferView, OpRequest, StoreRef, WorkDone, WorkReady};
+use crate::ffi::ffi::{self, BufferView, OpRequest, StagingHandle, StoreRef, WorkDone};
 use crate::op::Op;
-use crate::pipeline::{Relocation, Staging, chunk_bytes_for};
 use crate::rendezvous::Store;
-use crate::transport::RawBuf;
+use crate::staging::{DeviceCopies, Event, Pinned, StagedTensor, Toward};
 use crate::types::{DType, OpKind, ReduceOp};
 
 // SAFETY: the C++ StoreRef holds an intrusive_ptr to a c10d::Store; c10d stores are used from
@@ -25,30 +25,45 @@ unsafe impl Sync for StoreRef {}
 // SAFETY: WorkDone owns a shared_ptr to a mutex-protected state; it is moved to the progress
 // thread and used there once.
 unsafe impl Send for WorkDone {}
-// SAFETY: WorkReady owns a shared_ptr to the job's DeviceStaging; it is moved to the thread that
-// runs the job and used only there (the caller's thread no longer touches the staging's
-// chunk state after sealing it).
-unsafe impl Send for WorkReady {}
+// SAFETY: StagingHandle owns a shared_ptr to the job's DeviceStaging; it is moved to the thread
+// that runs the job and used only there (the caller's thread no longer touches the staging
+// after sealing it).
+unsafe impl Send for StagingHandle {}
 
-/// The C++ staging of a job's accelerator tensors, as the core's [`Staging`] hooks.
-struct BridgeStaging(cxx::UniquePtr<WorkReady>);
+/// The C++ staging primitives (csrc/device.cc), as the core's [`DeviceCopies`].
+struct BridgeDevice(cxx::UniquePtr<StagingHandle>);
 
-impl Staging for BridgeStaging {
-    fn host_buffers(&mut self) -> Result<Vec<Relocation>> {
-        let table = ffi::staging_host_buffers(self.0.pin_mut()).map_err(|e| CommError::io(e.what().to_string()))?;
-        Ok(relocations(&table))
-    }
-    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<Vec<Relocation>> {
-        let table = ffi::chunk_inputs_ready(self.0.pin_mut(), op, chunk).map_err(|e| CommError::io(e.what().to_string()))?;
-        Ok(relocations(&table))
-    }
-    fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()> {
-        ffi::chunk_outputs_done(self.0.pin_mut(), op, chunk).map_err(|e| CommError::io(e.what().to_string()))
+fn device_error(e: cxx::Exception) -> CommError {
+    CommError::io(e.what().to_string())
+}
+
+fn toward(t: Toward) -> ffi::Toward {
+    match t {
+        Toward::Host => ffi::Toward::Host,
+        Toward::Device => ffi::Toward::Device,
     }
 }
 
-fn relocations(table: &[ffi::HostRelocation]) -> Vec<Relocation> {
-    table.iter().map(|r| Relocation { placeholder: r.placeholder, bytes: r.bytes, host: r.host }).collect()
+impl DeviceCopies for BridgeDevice {
+    fn alloc_pinned(&mut self, bytes: usize) -> Result<Pinned> {
+        let b = ffi::staging_alloc_pinned(self.0.pin_mut(), bytes).map_err(device_error)?;
+        Ok(Pinned { block: b.block, address: b.address, bytes })
+    }
+    fn copy(&mut self, to: Toward, tensor: usize, tensor_offset: usize, block: usize, block_offset: usize, bytes: usize) -> Result<()> {
+        ffi::staging_copy(self.0.pin_mut(), toward(to), tensor, tensor_offset, block, block_offset, bytes).map_err(device_error)
+    }
+    fn record(&mut self, to: Toward) -> Result<Event> {
+        ffi::staging_record(self.0.pin_mut(), toward(to)).map(Event).map_err(device_error)
+    }
+    fn synchronize(&mut self, event: Event) -> Result<()> {
+        ffi::staging_synchronize(self.0.pin_mut(), event.0).map_err(device_error)
+    }
+    fn stream_wait(&mut self, to: Toward, event: Event) -> Result<()> {
+        ffi::staging_stream_wait(self.0.pin_mut(), toward(to), event.0).map_err(device_error)
+    }
+    fn finish(&mut self) -> Result<()> {
+        ffi::staging_finish(self.0.pin_mut()).map_err(device_error)
+    }
 }
 
 struct BridgeStore(cxx::UniquePtr<StoreRef>);
@@ -124,15 +139,21 @@ pub fn take_error_kind() -> ffi::ErrorKind {
     ffi::ErrorKind { repr: LAST_ERROR_KIND.with(|k| k.replace(ffi::ErrorKind::Success.repr)) }
 }
 
-fn to_op(r: &OpRequest) -> Result<Op> {
+fn to_op(r: &OpRequest) -> Result<Op<Buf>> {
     let kind = core_kind(r.kind)?;
     let dtype = DType::from_code(r.dtype.repr).ok_or_else(|| CommError::invalid(format!("unknown dtype code {}", r.dtype.repr)))?;
     let reduce_op = ReduceOp::from_code(r.reduce_op.repr)
         .ok_or_else(|| CommError::invalid(format!("unknown reduce op code {}", r.reduce_op.repr)))?;
-    // SAFETY: the C++ side builds views from tensors it keeps alive (in the work state) until
-    // the job's completion, and no one else touches them meanwhile (c10d's contract for
-    // in-flight tensors).
-    let views = |v: &[BufferView]| v.iter().map(|b| unsafe { RawBuf::new(b.ptr as *mut u8, b.bytes) }).collect();
+    let view = |b: &BufferView| match b.place {
+        // SAFETY: the C++ side builds host views from tensors it keeps alive (in the work
+        // state) until the job's completion, and no one else touches them meanwhile (c10d's
+        // contract for in-flight tensors).
+        ffi::BufferPlace::Host => Ok(Buf::Host(unsafe { RawBuf::new(b.start as *mut u8, b.bytes) })),
+        // Bounds against the tensor are checked by the staging plan, at submit.
+        ffi::BufferPlace::Staged => Ok(Buf::Staged { tensor: b.tensor, offset: b.start, len: b.bytes }),
+        _ => Err(CommError::invalid(format!("unknown buffer place {}", b.place.repr))),
+    };
+    let views = |v: &[BufferView]| v.iter().map(view).collect::<Result<Vec<_>>>();
     Ok(Op {
         kind,
         dtype,
@@ -140,8 +161,8 @@ fn to_op(r: &OpRequest) -> Result<Op> {
         premul_factor: r.premul_factor,
         root: r.root,
         tag: r.tag,
-        inputs: views(&r.inputs),
-        outputs: views(&r.outputs),
+        inputs: views(&r.inputs)?,
+        outputs: views(&r.outputs)?,
     })
 }
 
@@ -149,16 +170,18 @@ impl RustComm {
     pub fn submit(
         &self,
         ops: Vec<OpRequest>,
-        ready: cxx::UniquePtr<WorkReady>,
+        staged: Vec<ffi::StagedTensor>,
+        staging: cxx::UniquePtr<StagingHandle>,
         done: cxx::UniquePtr<WorkDone>,
         caller_waits: bool,
     ) -> std::result::Result<(), String> {
         catch(|| {
             let ops = ops.iter().map(to_op).collect::<Result<Vec<_>>>()?;
-            let staging: Option<JobStaging> = (!ready.is_null()).then(|| Box::new(BridgeStaging(ready)) as JobStaging);
+            let tensors = staged.iter().map(|t| StagedTensor { bytes: t.bytes, contiguous: t.contiguous, read: t.read, write: t.write });
+            let staged = (!staging.is_null()).then(|| Staged { tensors: tensors.collect(), device: Box::new(BridgeDevice(staging)) });
             self.0.submit_with(
                 ops,
-                staging,
+                staged,
                 Box::new(move |result| match result {
                     Ok(c) => ffi::work_done(done, ffi::ErrorKind::Success, "", c.source_rank),
                     Err(e) => ffi::work_done(done, shared_error_kind(&e.kind), &e.message, -1),
@@ -172,12 +195,6 @@ impl RustComm {
         if let Ok(kind) = core_kind(kind) {
             self.0.abort(kind, message);
         }
-    }
-
-    /// The chunk size the core will run an op of `kind` in (src/pipeline.rs): the bridge plans
-    /// its copies of accelerator tensors with the same chunks.
-    pub fn chunk_bytes(&self, kind: ffi::OpKind) -> usize {
-        core_kind(kind).map_or(usize::MAX, |k| chunk_bytes_for(k, self.0.pipeline_chunk_bytes()))
     }
 
     pub fn next_seq(&self) -> u64 {

@@ -24,13 +24,15 @@ use parking_lot::Mutex;
 use crate::algorithms::hier::Mixed;
 use crate::algorithms::p2p::{self, P2pCounters};
 use crate::algorithms::{Step, run_collective};
+use crate::buf::Buf;
 use crate::config::{Config, TransportChoice};
 use crate::error::{CommError, ErrorKind, Result};
 use crate::hosts::HostMap;
 use crate::op::{Completion, Op};
 use crate::par::Par;
-use crate::pipeline::{self, Relocation, Staging};
+use crate::pipeline;
 use crate::rendezvous::{Store, agree_on_token};
+use crate::staging::{DeviceCopies, StagedJob, StagedTensor};
 use crate::transport::shm::ShmGroup;
 use crate::transport::shm::group::host_identity;
 use crate::transport::tcp::TcpTransport;
@@ -40,12 +42,14 @@ use crate::types::OpKind;
 /// Called once when a job finishes, on the progress thread.
 pub type OnDone = Box<dyn FnOnce(Result<Completion>) + Send>;
 
-/// The staging of a job's accelerator tensors (pipeline.rs): its hooks run on the thread that
-/// runs the job, around each chunk of each op.
-pub type JobStaging = Box<dyn Staging>;
+/// A job's accelerator tensors and the device that copies them (src/staging/).
+pub struct Staged {
+    pub tensors: Vec<StagedTensor>,
+    pub device: Box<dyn DeviceCopies>,
+}
 
 enum Job {
-    Run { ops: Vec<Op>, staging: Option<JobStaging>, done: OnDone },
+    Run { ops: Vec<Op<Buf>>, staging: Option<StagedJob>, done: OnDone },
     /// This rank rejected its part of `op` locally: tell the peers and fail the communicator.
     Abort { op: OpKind, message: String },
 }
@@ -143,20 +147,31 @@ impl Communicator {
         self.timeout_ms.store(timeout.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
 
-    /// Queues a job; `done` runs on the progress thread when it finishes. Layout errors are
-    /// returned here, before anything is queued.
+    /// Queues a job on host memory; `done` runs on the progress thread when it finishes.
+    /// Layout errors are returned here, before anything is queued.
     pub fn submit(&self, ops: Vec<Op>, done: OnDone) -> Result<()> {
-        self.submit_with(ops, None, done, false)
+        self.submit_with(ops.iter().map(Op::<Buf>::from).collect(), None, done, false)
     }
 
-    /// As [`submit`](Self::submit); with `caller_waits`, the job may run on the calling thread
-    /// (then `done` has run when this returns); `staging`'s hooks run on the same thread.
-    pub fn submit_with(&self, ops: Vec<Op>, staging: Option<JobStaging>, done: OnDone, caller_waits: bool) -> Result<()> {
+    /// As [`submit`](Self::submit), for ops whose buffers may be ranges of `staged`'s tensors;
+    /// with `caller_waits`, the job may run on the calling thread (then `done` has run when
+    /// this returns). The staging's copies run on the thread that runs the job.
+    pub fn submit_with(&self, ops: Vec<Op<Buf>>, staged: Option<Staged>, done: OnDone, caller_waits: bool) -> Result<()> {
+        let local = |e: CommError| CommError::new(e.kind, format!("xccl_rs: rank {}: {}", self.rank, e.message));
         for op in &ops {
-            op.validate(self.rank, self.size).map_err(|e| {
-                CommError::new(e.kind, format!("xccl_rs: rank {}: {}", self.rank, e.message))
-            })?;
+            op.validate(self.rank, self.size).map_err(local)?;
         }
+        let staging = match staged.map(|s| StagedJob::new(&ops, s.tensors, self.pipeline_chunk_bytes, s.device)) {
+            None => None,
+            Some(Ok(job)) => Some(job),
+            Some(Err(e)) => {
+                // The bridge described this rank's buffers wrongly: its peers may already be in
+                // the op, so fail them at once rather than let them wait for the timeout.
+                let e = local(e);
+                self.abort(ops.first().map_or(OpKind::Barrier, |o| o.kind), &e.message);
+                return Err(e);
+            }
+        };
         let collectives = ops.iter().filter(|op| !op.kind.is_p2p()).count() as u64;
         let queue = self.queue.lock();
         if queue.is_none() {
@@ -272,8 +287,8 @@ impl Worker {
 
     /// Runs a job; a panic becomes an error (and fails the communicator) instead of unwinding
     /// into the caller or killing the progress thread.
-    fn run_job_guarded(&mut self, ops: &[Op], mut staging: Option<JobStaging>) -> Result<Completion> {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job(ops, staging.as_deref_mut()))) {
+    fn run_job_guarded(&mut self, ops: &[Op<Buf>], mut staging: Option<StagedJob>) -> Result<Completion> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job(ops, staging.as_mut()))) {
             Ok(r) => r,
             Err(panic) => {
                 let what = panic
@@ -312,36 +327,26 @@ impl Worker {
     }
 
     /// Runs a job's ops in order; consecutive sends/receives with known peers form one phase.
-    /// `staging` (accelerator tensors) is told before each op or chunk needs its inputs and
-    /// after its outputs are final; an error there fails the group like a transport error, so
-    /// that peers already in the collective fail at once with this rank's message.
-    fn run_job(&mut self, ops: &[Op], mut staging: Option<&mut (dyn Staging + '_)>) -> Result<Completion> {
+    /// `staging` (accelerator tensors) allocates its host memory first, is told before each op
+    /// or chunk needs its inputs and after its outputs are final, and finishes after the last
+    /// op. An error in a copy fails the group like a transport error, so that peers already in
+    /// the collective fail at once with this rank's message; an error in `finish` (the copies
+    /// back, after every op succeeded) fails only this job.
+    fn run_job(&mut self, ops: &[Op<Buf>], mut staging: Option<&mut StagedJob>) -> Result<Completion> {
         if let Some(e) = &self.failed {
             return Err(CommError::new(
                 ErrorKind::Aborted,
                 format!("xccl_rs: this group failed earlier and cannot be used any more; the first error was: {}", e.message),
             ));
         }
-        // Staged buffers were described by placeholders: the staging allocates their host
-        // memory now, on this thread rather than the caller's.
-        let relocated;
-        let bound = staging.as_deref_mut().map(|s| {
-            let table = s.host_buffers()?;
-            if table.is_empty() { Ok(None) } else { pipeline::relocate(ops, &table).map(Some) }
-        });
-        let ops = match bound {
-            None | Some(Ok(None)) => ops,
-            Some(Ok(Some(moved))) => {
-                relocated = moved;
-                &relocated[..]
-            }
-            Some(Err(e)) => {
+        if let Some(s) = staging.as_deref_mut() {
+            if let Err(e) = s.start() {
                 let ctx = self.ctx(ops.first().map_or(OpKind::Barrier, |o| o.kind), self.seq);
                 let e = ctx.annotate(e);
                 self.fail(&ctx, e.clone());
                 return Err(e);
             }
-        };
+        }
         let mut completion = Completion { source_rank: -1 };
         let mut i = 0;
         while i < ops.len() {
@@ -349,14 +354,14 @@ impl Worker {
             let result = if matches!(op.kind, OpKind::Send | OpKind::Recv) {
                 let end = i + ops[i..].iter().take_while(|o| matches!(o.kind, OpKind::Send | OpKind::Recv)).count();
                 let ctx = self.ctx(op.kind, self.p2p_seq(op));
-                let r = self.with_staging(&mut staging, i..end, &ctx, |w| {
-                    p2p::run_batch(w.transport.as_mut(), &ops[i..end], &mut w.p2p, &ctx)
+                let r = self.with_staging(&mut staging, ops, i..end, &ctx, |w, batch| {
+                    p2p::run_batch(w.transport.as_mut(), batch, &mut w.p2p, &ctx)
                 });
                 i = end;
                 r.map_err(|e| (ctx, e))
             } else if op.kind == OpKind::RecvAnySource {
                 let ctx = self.ctx(op.kind, 0);
-                let r = self.with_staging(&mut staging, i..i + 1, &ctx, |w| p2p::recv_any(w.transport.as_mut(), op, &mut w.p2p, &ctx));
+                let r = self.with_staging(&mut staging, ops, i..i + 1, &ctx, |w, one| p2p::recv_any(w.transport.as_mut(), &one[0], &mut w.p2p, &ctx));
                 i += 1;
                 r.map(|c| completion = c).map_err(|e| (ctx, e))
             } else {
@@ -371,44 +376,49 @@ impl Worker {
                 return Err(e);
             }
         }
+        if let Some(s) = staging {
+            let ctx = self.ctx(ops.last().map_or(OpKind::Barrier, |o| o.kind), self.seq.saturating_sub(1));
+            s.finish().map_err(|e| ctx.annotate(e))?;
+        }
         Ok(completion)
     }
 
-    /// Runs point-to-point ops `ops` (one phase, not chunked) between their staging hooks.
+    /// Runs point-to-point ops `range` of `ops` (one phase, not chunked) on host memory, between
+    /// their staging's waits and copies back.
     fn with_staging<T>(
         &mut self,
-        staging: &mut Option<&mut (dyn Staging + '_)>,
-        ops: std::ops::Range<usize>,
+        staging: &mut Option<&mut StagedJob>,
+        ops: &[Op<Buf>],
+        range: std::ops::Range<usize>,
         ctx: &OpCtx,
-        run: impl FnOnce(&mut Self) -> Result<T>,
+        run: impl FnOnce(&mut Self, &[Op]) -> Result<T>,
     ) -> Result<T> {
-        if let Some(inner) = staging.as_deref_mut() {
-            let mut s = Described { inner, ctx };
-            for i in ops.clone() {
-                if !s.inputs_ready(i, 0)?.is_empty() {
-                    return Err(CommError::invalid("xccl_rs: internal error (please report): a window for an op that is not chunked"));
-                }
-            }
-        }
-        let result = run(self)?;
-        if let Some(inner) = staging.as_deref_mut() {
-            let mut s = Described { inner, ctx };
-            ops.clone().try_for_each(|i| s.outputs_done(i, 0))?;
+        let on_host = range
+            .clone()
+            .map(|i| match staging.as_deref_mut() {
+                Some(s) => s.inputs_ready(i, 0, &ops[i]),
+                None => ops[i].host(),
+            })
+            .collect::<Result<Vec<Op>>>()
+            .map_err(|e| ctx.annotate(e))?;
+        let result = run(self, &on_host)?;
+        if let Some(s) = staging.as_deref_mut() {
+            range.clone().try_for_each(|i| s.outputs_done(i, 0)).map_err(|e| ctx.annotate(e))?;
         }
         Ok(result)
     }
 
-    fn p2p_seq(&self, op: &Op) -> u64 {
+    fn p2p_seq(&self, op: &Op<Buf>) -> u64 {
         let peer = op.root as usize;
         if op.kind == OpKind::Send { self.p2p.sent[peer] } else { self.p2p.received[peer] }
     }
 
     /// Runs collective `op` (op `index` of its job), chunk by chunk (pipeline.rs).
-    fn run_one(&mut self, op: &Op, index: usize, ctx: &OpCtx, staging: Option<&mut (dyn Staging + '_)>) -> Result<()> {
+    fn run_one(&mut self, op: &Op<Buf>, index: usize, ctx: &OpCtx, staging: Option<&mut StagedJob>) -> Result<()> {
         let (count, key) = (op.count(), op.key());
         let chunk_bytes = self.config.pipeline_chunk_bytes;
         let world_size = self.transport.size();
-        pipeline::run_chunks(op, index, chunk_bytes, ctx, staging.map(|inner| Described { inner, ctx }).as_mut().map(|d| d as &mut dyn Staging), |chunk| {
+        pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk| {
             let mut step = Step {
                 transport: self.transport.as_mut(),
                 ctx,
@@ -426,27 +436,6 @@ impl Worker {
             };
             run_collective(&mut step, chunk)
         })
-    }
-}
-
-/// Staging hooks whose errors (a device error while copying) say which operation they broke.
-struct Described<'a, 'b> {
-    inner: &'a mut (dyn Staging + 'b),
-    ctx: &'a OpCtx,
-}
-
-impl Described<'_, '_> {
-    fn describe(&self, e: CommError) -> CommError {
-        self.ctx.annotate(e)
-    }
-}
-
-impl Staging for Described<'_, '_> {
-    fn inputs_ready(&mut self, op: usize, chunk: usize) -> Result<Vec<Relocation>> {
-        self.inner.inputs_ready(op, chunk).map_err(|e| self.describe(e))
-    }
-    fn outputs_done(&mut self, op: usize, chunk: usize) -> Result<()> {
-        self.inner.outputs_done(op, chunk).map_err(|e| self.describe(e))
     }
 }
 

@@ -83,17 +83,42 @@ pub mod ffi {
         Communication = 4,
     }
 
-    /// A contiguous host buffer: its address and its length in bytes.
+    /// Where a buffer's bytes are.
+    #[repr(u8)]
+    enum BufferPlace {
+        /// Host memory, at address `start`.
+        Host = 0,
+        /// Bytes from `start` on of the job's staged accelerator tensor number `tensor`.
+        Staged = 1,
+    }
+
+    /// A contiguous buffer of an op: `bytes` bytes at `start` (see [`BufferPlace`]).
     struct BufferView {
-        ptr: usize,
+        place: BufferPlace,
+        tensor: usize,
+        start: usize,
         bytes: usize,
     }
 
-    /// Host memory (`host`) behind a placeholder range that staged buffers were described with.
-    struct HostRelocation {
-        placeholder: usize,
+    /// An accelerator tensor of a job, staged through host memory (the core's `StagedTensor`).
+    struct StagedTensor {
         bytes: usize,
-        host: usize,
+        contiguous: bool,
+        read: bool,
+        write: bool,
+    }
+
+    /// Pinned host memory the staging allocated: its number and address.
+    struct PinnedBlock {
+        block: usize,
+        address: usize,
+    }
+
+    /// Which way a staging copy goes; each direction has its own stream.
+    #[repr(u8)]
+    enum Toward {
+        Host = 0,
+        Device = 1,
     }
 
     /// One operation, in the layout `src/op.rs` documents.
@@ -113,21 +138,19 @@ pub mod ffi {
         /// Connects to the group (blocking) and starts its progress thread.
         fn new_comm(store: UniquePtr<StoreRef>, rank: i32, size: i32, timeout_ms: u64) -> Result<Box<RustComm>>;
         /// Queues a job; `done` is completed on the progress thread, or before this returns when
-        /// `caller_waits` let it run on the calling thread. `ready` (null for host tensors) is
-        /// the job's staging of accelerator tensors: its chunk hooks run on that thread.
+        /// `caller_waits` let it run on the calling thread. `staging` (null for a job on host
+        /// tensors) holds the job's accelerator tensors, `staged` describes them; the core plans
+        /// and runs their copies on that thread, through the `staging_*` primitives below.
         fn submit(
             self: &RustComm,
             ops: Vec<OpRequest>,
-            ready: UniquePtr<WorkReady>,
+            staged: Vec<StagedTensor>,
+            staging: UniquePtr<StagingHandle>,
             done: UniquePtr<WorkDone>,
             caller_waits: bool,
         ) -> Result<()>;
         /// Fails the group because this rank rejected its part of an op of `kind`.
         fn abort_op(self: &RustComm, kind: OpKind, message: &str);
-        /// The chunk size (bytes of each buffer) the core runs an op of `kind` in; usize::MAX
-        /// when such ops are not chunked. Chunk k of a buffer of L bytes is [k*c, min((k+1)*c, L)),
-        /// and there are max(1, ceil(L / c)) chunks.
-        fn chunk_bytes(self: &RustComm, kind: OpKind) -> usize;
         fn next_seq(self: &RustComm) -> u64;
         fn set_timeout_ms(self: &RustComm, timeout_ms: u64);
         fn shutdown(self: &RustComm);
@@ -146,19 +169,35 @@ pub mod ffi {
         type StoreRef;
         /// The completion side of one Work.
         type WorkDone;
-        /// The staging of a job's accelerator tensors (chunk_inputs_ready / chunk_outputs_done).
-        type WorkReady;
+        /// A job's accelerator tensors and the device primitives that copy them (csrc/device.h).
+        type StagingHandle;
 
         fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(store: &StoreRef, key: &str, timeout_ms: u64) -> Result<Vec<u8>>;
-        /// On the thread that runs the job, first: allocates the pinned host memory of its staged
-        /// tensors and says which placeholder range each whole buffer stands for.
-        fn staging_host_buffers(ready: Pin<&mut WorkReady>) -> Result<Vec<HostRelocation>>;
-        /// Blocks until chunk `chunk` of op `op`'s staged inputs is on the host; Err if staging
-        /// failed. Returns where the chunk's windowed ranges are (pipeline::Staging::inputs_ready).
-        fn chunk_inputs_ready(ready: Pin<&mut WorkReady>, op: usize, chunk: usize) -> Result<Vec<HostRelocation>>;
-        /// Chunk `chunk` of op `op`'s outputs is final: enqueues its copy back to the device.
-        fn chunk_outputs_done(ready: Pin<&mut WorkReady>, op: usize, chunk: usize) -> Result<()>;
+
+        // The staging primitives (the core's `staging::DeviceCopies`), called on the thread that
+        // runs the job. Each throws (an Err here) on a device error.
+        /// `bytes` of pinned host memory, kept until the job ends.
+        fn staging_alloc_pinned(staging: Pin<&mut StagingHandle>, bytes: usize) -> Result<PinnedBlock>;
+        /// Queues on `toward`'s stream a copy of `bytes` bytes between byte `tensor_offset` of
+        /// staged tensor `tensor` and byte `block_offset` of pinned block `block`.
+        fn staging_copy(
+            staging: Pin<&mut StagingHandle>,
+            toward: Toward,
+            tensor: usize,
+            tensor_offset: usize,
+            block: usize,
+            block_offset: usize,
+            bytes: usize,
+        ) -> Result<()>;
+        /// Records an event on `toward`'s stream; returns its number (0 is the call's event).
+        fn staging_record(staging: Pin<&mut StagingHandle>, toward: Toward) -> Result<usize>;
+        /// Blocks until event `event` has fired.
+        fn staging_synchronize(staging: Pin<&mut StagingHandle>, event: usize) -> Result<()>;
+        /// Makes `toward`'s stream wait for event `event`.
+        fn staging_stream_wait(staging: Pin<&mut StagingHandle>, toward: Toward, event: usize) -> Result<()>;
+        /// After the last copy back: records the event the caller's stream waits for.
+        fn staging_finish(staging: Pin<&mut StagingHandle>) -> Result<()>;
         /// Marks the work finished: `kind` Success (and `error` empty) on success.
         fn work_done(done: UniquePtr<WorkDone>, kind: ErrorKind, error: &str, source_rank: i64);
     }

@@ -8,6 +8,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod algorithms;
+pub mod buf;
 pub mod comm;
 pub mod config;
 pub mod error;
@@ -17,6 +18,7 @@ pub mod par;
 pub mod pipeline;
 pub mod reduce;
 pub mod rendezvous;
+pub mod staging;
 pub mod transport;
 pub mod types;
 

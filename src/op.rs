@@ -18,13 +18,15 @@
 //! RecvAnySource  out = [y]
 //! ```
 
+use crate::buf::{Buf, Extent, RawBuf};
 use crate::error::{CommError, Result};
 use crate::reduce::Reduction;
-use crate::transport::RawBuf;
 use crate::types::{DType, OpKind, ReduceOp};
 
+/// An operation on buffers of type `B`: [`RawBuf`] (host memory) for the algorithms, [`Buf`]
+/// for a submitted job, whose buffers may be ranges of staged accelerator tensors.
 #[derive(Clone, Debug)]
-pub struct Op {
+pub struct Op<B = RawBuf> {
     pub kind: OpKind,
     pub dtype: DType,
     pub reduce_op: ReduceOp,
@@ -34,8 +36,8 @@ pub struct Op {
     pub root: i64,
     /// Tag of point-to-point messages.
     pub tag: i64,
-    pub inputs: Vec<RawBuf>,
-    pub outputs: Vec<RawBuf>,
+    pub inputs: Vec<B>,
+    pub outputs: Vec<B>,
 }
 
 /// What a finished job reports back.
@@ -45,9 +47,9 @@ pub struct Completion {
     pub source_rank: i64,
 }
 
-impl Op {
+impl<B: Extent> Op<B> {
     /// A bare op of `kind`; fill in the fields the kind needs.
-    pub fn new(kind: OpKind, dtype: DType) -> Op {
+    pub fn new(kind: OpKind, dtype: DType) -> Op<B> {
         Op {
             kind,
             dtype,
@@ -72,7 +74,7 @@ impl Op {
     /// the per-rank piece (the input of a gather or a send, the output of the others); 0 for
     /// all-to-all, whose pieces differ per pair, and barrier.
     pub fn count(&self) -> u64 {
-        let elems = |b: Option<&RawBuf>| b.map_or(0, |b| (b.len() / self.dtype.size()) as u64);
+        let elems = |b: Option<&B>| b.map_or(0, |b| (b.len() / self.dtype.size()) as u64);
         match self.kind {
             OpKind::AllGather | OpKind::Gather | OpKind::Send => elems(self.inputs.first()),
             OpKind::AllToAll | OpKind::Barrier => 0,
@@ -141,7 +143,7 @@ impl Op {
             }
             Ok(())
         };
-        let equal_views = |views: &[RawBuf], len: usize, what: &str| -> Result<()> {
+        let equal_views = |views: &[B], len: usize, what: &str| -> Result<()> {
             for (r, v) in views.iter().enumerate() {
                 if v.len() != len {
                     return Err(CommError::invalid(format!(
@@ -186,5 +188,38 @@ impl Op {
             OpKind::Send => want(1, 0),
             OpKind::Recv | OpKind::RecvAnySource => want(0, 1),
         }
+    }
+
+    /// The same op on other buffers: `f` maps each input and output.
+    pub fn map_bufs<C>(&self, mut f: impl FnMut(&B) -> Result<C>) -> Result<Op<C>> {
+        Ok(Op {
+            kind: self.kind,
+            dtype: self.dtype,
+            reduce_op: self.reduce_op,
+            premul_factor: self.premul_factor,
+            root: self.root,
+            tag: self.tag,
+            inputs: self.inputs.iter().map(&mut f).collect::<Result<_>>()?,
+            outputs: self.outputs.iter().map(&mut f).collect::<Result<_>>()?,
+        })
+    }
+}
+
+impl Op<Buf> {
+    /// The op on its host buffers; an error when one is a staged range (a job without staging
+    /// cannot run it).
+    pub fn host(&self) -> Result<Op> {
+        self.map_bufs(|b| match b {
+            Buf::Host(raw) => Ok(*raw),
+            Buf::Staged { .. } => Err(CommError::invalid(
+                "internal error (please report): a staged buffer in a job without staging",
+            )),
+        })
+    }
+}
+
+impl From<&Op> for Op<Buf> {
+    fn from(op: &Op) -> Op<Buf> {
+        op.map_bufs(|b| Ok(Buf::Host(*b))).expect("mapping host buffers cannot fail")
     }
 }

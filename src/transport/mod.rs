@@ -12,67 +12,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Result};
 use crate::types::OpKind;
+pub use crate::buf::RawBuf;
 pub use tcp::frame::Header;
-
-/// A contiguous host buffer owned by the caller for the duration of an operation.
-#[derive(Clone, Copy, Debug)]
-pub struct RawBuf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: a RawBuf is only an address and a length; the caller of `RawBuf::new` guarantees the
-// memory stays valid and is not used by anyone else until the operation completes, which is
-// what moving it to the progress thread needs.
-unsafe impl Send for RawBuf {}
-
-impl RawBuf {
-    /// # Safety
-    /// `ptr` must be valid for reads and writes of `len` bytes until the operation that uses
-    /// this buffer completes, and nothing else may access the memory meanwhile except through
-    /// RawBufs of the same operation. `ptr` may be dangling when `len` is 0.
-    pub unsafe fn new(ptr: *mut u8, len: usize) -> RawBuf {
-        RawBuf { ptr, len }
-    }
-
-    /// A buffer over a Rust slice, for tests and scratch space owned by the core.
-    pub fn from_slice(s: &mut [u8]) -> RawBuf {
-        RawBuf { ptr: s.as_mut_ptr(), len: s.len() }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-
-    /// The sub-buffer `[offset, offset + len)`. Panics when out of bounds: callers compute
-    /// ranges from lengths they validated, so a failure here is a bug, never peer input.
-    pub fn sub(&self, offset: usize, len: usize) -> RawBuf {
-        assert!(offset.checked_add(len).is_some_and(|end| end <= self.len), "RawBuf::sub out of bounds");
-        // In bounds (checked above), so the result stays inside the caller's buffer. Wrapping
-        // arithmetic: the buffer may be a placeholder (src/pipeline.rs) that points nowhere yet.
-        RawBuf { ptr: self.ptr.wrapping_add(offset), len }
-    }
-
-    /// Copies `self` into `dst` (equal lengths); a no-op when both are the same memory.
-    pub fn copy_to(&self, dst: RawBuf) {
-        assert_eq!(self.len, dst.len, "RawBuf::copy_to length mismatch");
-        if self.len == 0 || self.ptr == dst.ptr {
-            return;
-        }
-        // SAFETY: both are valid for `len` bytes (RawBuf::new's contract). Distinct views of one
-        // operation never partially overlap (buffers are whole tensors or disjoint sub-ranges),
-        // and exact equality was handled above, so the ranges do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr, dst.ptr, self.len) }
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {

@@ -40,24 +40,27 @@ struct WorkDone {
   std::shared_ptr<WorkState> state;
 };
 
-struct WorkReady {
+// The staging of a job's accelerator tensors, as the Rust core holds it.
+struct StagingHandle {
   std::shared_ptr<DeviceStaging> staging;
 };
 
-struct HostRelocation; // src/ffi.rs
+struct PinnedBlock;                  // src/ffi.rs
 enum class ErrorKind : std::uint8_t; // src/ffi.rs
+enum class Toward : std::uint8_t;    // src/ffi.rs
 
-// Called on the thread that runs the job, before anything else: allocates its staged tensors'
-// pinned host memory (whole buffers and the window). Throws on an allocation failure.
-rust::Vec<HostRelocation> staging_host_buffers(WorkReady& ready);
-// Called on the thread that runs the job, before chunk `chunk` of op `op` runs: waits for its
-// staged inputs, and says where the chunk's windowed ranges are. Throws (cxx turns that into the Rust Err) on a device error.
-rust::Vec<HostRelocation> chunk_inputs_ready(WorkReady& ready, size_t op, size_t chunk);
-// Called on the same thread after that chunk's outputs are final: enqueues their copies back.
-void chunk_outputs_done(WorkReady& ready, size_t op, size_t chunk);
+// The staging primitives (device.h), as the bridge declares them (src/ffi.rs). Called on the
+// thread that runs the job; each throws (cxx turns that into the Rust Err) on a device error.
+PinnedBlock staging_alloc_pinned(StagingHandle& handle, size_t bytes);
+void staging_copy(StagingHandle& handle, Toward toward, size_t tensor, size_t tensor_offset, size_t block,
+                  size_t block_offset, size_t bytes);
+size_t staging_record(StagingHandle& handle, Toward toward);
+void staging_synchronize(StagingHandle& handle, size_t event);
+void staging_stream_wait(StagingHandle& handle, Toward toward, size_t event);
+void staging_finish(StagingHandle& handle);
 
-// Called on the progress thread: copies staged outputs back, then completes the work and its
-// future (with the exception of `kind`, errors.h, unless it is Success). Never throws.
+// Called on the progress thread: copies non-contiguous host outputs back, then completes the
+// work and its future (with the exception of `kind`, errors.h, unless it is Success). Never throws.
 void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank);
 
 class XcclRsWork : public c10d::Work {
