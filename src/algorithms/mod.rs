@@ -43,8 +43,7 @@ use crate::error::Result;
 use crate::op::Op;
 use crate::reduce::Reduction;
 use crate::transport::shm::{Desc, ShmGroup};
-use crate::transport::{Direction, Header, OpCtx, RawBuf, Transfer, Transport};
-use crate::transport::tcp::frame::FrameKind;
+use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
 use crate::types::DType;
 
 /// What an algorithm works with: the transport, the op's context, and reusable scratch memory.
@@ -102,22 +101,10 @@ impl Step<'_> {
         RawBuf::from_slice(&mut self.scratch[..bytes])
     }
 
-    /// A fresh phase whose frames carry this op's header fields.
+    /// A fresh phase whose messages carry this op's identity.
     pub fn phase(&self) -> Phase {
-        Phase { header: self.header(0, 0), transfers: Vec::new() }
-    }
-
-    fn header(&self, count: u64, len: u64) -> Header {
-        Header {
-            kind: FrameKind::Data,
-            op: self.ctx.op as u8,
-            dtype: self.dtype as u8,
-            reduce: self.reduce,
-            seq: self.ctx.seq,
-            count,
-            key: self.key,
-            payload_len: len,
-        }
+        let id = MessageId { op: self.ctx.op as u8, dtype: self.dtype as u8, reduce: self.reduce, seq: self.ctx.seq, count: 0, key: self.key };
+        Phase { id, transfers: Vec::new() }
     }
 
     /// The confirmation step of an operation in which some ranks only send: each receiver
@@ -146,21 +133,19 @@ impl Step<'_> {
 
 /// The transfers of one step.
 pub struct Phase {
-    header: Header,
+    id: MessageId,
     pub transfers: Vec<Transfer>,
 }
 
 impl Phase {
     /// Send `buf` to `peer`, announcing `count` elements (the op's agreed count).
     pub fn send(&mut self, peer: usize, buf: RawBuf, count: u64) {
-        let header = Header { count, payload_len: buf.len() as u64, ..self.header };
-        self.transfers.push(Transfer { peer, dir: Direction::Send, header, buf });
+        self.transfers.push(Transfer { peer, dir: Direction::Send, id: MessageId { count, ..self.id }, buf });
     }
 
     /// Receive exactly `buf.len()` bytes from `peer`, which must announce `count` elements.
     pub fn recv(&mut self, peer: usize, buf: RawBuf, count: u64) {
-        let header = Header { count, payload_len: buf.len() as u64, ..self.header };
-        self.transfers.push(Transfer { peer, dir: Direction::Recv, header, buf });
+        self.transfers.push(Transfer { peer, dir: Direction::Recv, id: MessageId { count, ..self.id }, buf });
     }
 }
 
