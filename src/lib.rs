@@ -11,6 +11,7 @@ pub mod algorithms;
 pub mod comm;
 pub mod config;
 pub mod error;
+pub mod fabric;
 pub mod hosts;
 pub mod op;
 pub mod par;

@@ -12,8 +12,8 @@
 //! once all have, each rank copies every part from its owner's slot into its output. Slots
 //! alternate, so the next block's copy overlaps peers' reading of this one.
 
-use super::shm_blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
-use super::split_range;
+use super::blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
+use crate::algorithms::split::split_range;
 use crate::error::Result;
 use crate::op::Op;
 use crate::reduce::reduce_raw;

@@ -2,8 +2,8 @@
 //! part of each block into its slot), then only the root copies the parts into its tensor.
 //! Other ranks' tensors are left unchanged.
 
-use super::shm_blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
-use super::split_range;
+use super::blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
+use crate::algorithms::split::split_range;
 use crate::error::Result;
 use crate::op::Op;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
