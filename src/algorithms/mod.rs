@@ -161,7 +161,7 @@ pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op) -> Result
         (BarrierHier, Parts::Mixed(mixed)) => mixed::barrier_hier::run(step, mixed, desc),
         (PointToPoint, _) => unreachable!("point-to-point ops run through mesh/p2p.rs"),
         // The table picks an algorithm of the fabric's own family or of the mesh (select.rs's
-        // tests check it), so a shared-memory algorithm always finds the parts it needs.
+        // test checks it), so a shared-memory algorithm always finds the parts it needs.
         (other, _) => unreachable!("{other:?} does not run on this fabric"),
     }
 }

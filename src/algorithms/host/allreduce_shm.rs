@@ -10,9 +10,11 @@
 //! own into its slot (its own part it reads from its tensor directly); once all have, each rank
 //! reduces its part from its tensor and the peers' slots into its own slot (scaling fused);
 //! once all have, each rank copies every part from its owner's slot into its output. Slots
-//! alternate, so the next block's copy overlaps peers' reading of this one.
+//! alternate, so the next block's copy overlaps peers' reading of this one. A reduce
+//! (reduce_shm.rs) is the same with only the root copying the parts out.
 
-use super::blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, part, reduce_own_part, wait_slot_free};
+use super::blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
+use crate::algorithms::split::split_range;
 use crate::error::Result;
 use crate::op::Op;
 use crate::reduce::reduce_raw;
@@ -24,7 +26,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, oneshot_bytes: 
     if buf.len() <= oneshot_bytes.min(shm.chunk()) {
         one_shot(shm, ctx, op, desc)
     } else {
-        blocked(shm, ctx, op, desc)
+        blocked(shm, ctx, op, desc, None)
     }
 }
 
@@ -47,8 +49,10 @@ fn one_shot(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> 
     Ok(())
 }
 
-fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    let size = shm.size();
+/// The blocked path; `reader`: None for all-reduce (everyone copies the result out), Some(root)
+/// for reduce.
+pub fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>) -> Result<()> {
+    let (rank, size) = (shm.rank(), shm.size());
     let buf = op.outputs[0];
     let esz = op.dtype.size();
     let piece = shm.chunk() / esz * esz;
@@ -59,9 +63,35 @@ fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         let g = g0 + b as u64;
         let (start, len) = block_range(buf.len(), piece, b);
         let block = buf.sub(start, len);
-        reduce_own_part(shm, ctx, g, block, (b == 0).then_some(desc), &reduction, esz)?;
-        shm.wait_all(Counter::Reduced, g, ctx)?;
-        copy_reduced_parts(shm, g, block, |r| part(len, esz, size, r));
+        let part = |r: usize| {
+            let (s, l) = split_range(len / esz, size, r);
+            (s * esz, l * esz)
+        };
+        wait_slot_free(shm, g, ctx)?;
+        let mine = shm.slot(rank, g);
+        let (my_start, my_len) = part(rank);
+        // Peers own everything but my part: copy what lies before and after it.
+        let after = my_start + my_len;
+        shm.par().copy_all(&[
+            (block.sub(0, my_start), mine.sub(0, my_start)),
+            (block.sub(after, len - after), mine.sub(after, len - after)),
+        ]);
+        exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
+
+        let srcs: Vec<*const u8> = (0..size)
+            .map(|r| if r == rank { block.sub(my_start, my_len).ptr() } else { shm.slot(r, g).sub(my_start, my_len).ptr() } as *const u8)
+            .collect();
+        if my_len > 0 {
+            // SAFETY: peers' slots hold their inputs for my part (they published Produced for g
+            // after copying); my own part is read from my tensor; the destination, my slot's
+            // part, is disjoint from all of these (I never copied my own part into it).
+            unsafe { shm.par().reduce(&reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, esz) };
+        }
+        shm.publish(Counter::Reduced, g);
+        if reader.is_none_or(|root| root == rank) {
+            shm.wait_all(Counter::Reduced, g, ctx)?;
+            copy_reduced_parts(shm, g, block, part);
+        }
         finish_block(shm, g);
     }
     Ok(())

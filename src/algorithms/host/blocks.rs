@@ -6,9 +6,7 @@
 
 use crate::algorithms::Step;
 use crate::error::Result;
-use crate::algorithms::split::split_range;
 use crate::op::Op;
-use crate::reduce::Reduction;
 use crate::transport::{OpCtx, RawBuf};
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 
@@ -53,42 +51,6 @@ pub fn exchange_produced(shm: &ShmGroup, g: u64, first: Option<Desc>, ctx: &OpCt
     if first.is_some() {
         shm.check_descs(g, ctx)?;
     }
-    Ok(())
-}
-
-/// Rank r's *part* of a block of `len` bytes in a blocked reduction: (offset, length) in bytes,
-/// the block's elements split in `size` near-equal ranges.
-pub fn part(len: usize, esz: usize, size: usize, r: usize) -> (usize, usize) {
-    let (s, l) = split_range(len / esz, size, r);
-    (s * esz, l * esz)
-}
-
-/// The first two steps of a blocked reduction of `block` in generation g (allreduce_shm.rs,
-/// reduce_shm.rs): this rank copies the parts its peers own into its slot (its own part it
-/// reads from `block` directly); once all have, it reduces its part from `block` and the peers'
-/// slots into its own slot (scaling fused), and publishes `Reduced` for g.
-pub fn reduce_own_part(shm: &ShmGroup, ctx: &OpCtx, g: u64, block: RawBuf, first: Option<Desc>, reduction: &Reduction, esz: usize) -> Result<()> {
-    let (rank, size, len) = (shm.rank(), shm.size(), block.len());
-    wait_slot_free(shm, g, ctx)?;
-    let mine = shm.slot(rank, g);
-    let (my_start, my_len) = part(len, esz, size, rank);
-    // Peers own everything but my part: copy what lies before and after it.
-    let after = my_start + my_len;
-    shm.par().copy_all(&[
-        (block.sub(0, my_start), mine.sub(0, my_start)),
-        (block.sub(after, len - after), mine.sub(after, len - after)),
-    ]);
-    exchange_produced(shm, g, first, ctx)?;
-    let srcs: Vec<*const u8> = (0..size)
-        .map(|r| if r == rank { block.sub(my_start, my_len).ptr() } else { shm.slot(r, g).sub(my_start, my_len).ptr() } as *const u8)
-        .collect();
-    if my_len > 0 {
-        // SAFETY: peers' slots hold their inputs for my part (they published Produced for g
-        // after copying); my own part is read from my tensor; the destination, my slot's
-        // part, is disjoint from all of these (I never copied my own part into it).
-        unsafe { shm.par().reduce(reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, esz) };
-    }
-    shm.publish(Counter::Reduced, g);
     Ok(())
 }
 
