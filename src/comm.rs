@@ -21,22 +21,18 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::algorithms::hier::Mixed;
-use crate::algorithms::p2p::{self, P2pCounters};
+use crate::algorithms::mesh::p2p::{self, P2pCounters};
 use crate::algorithms::{Step, run_collective};
 use crate::buf::Buf;
-use crate::config::{Config, TransportChoice};
+use crate::config::Config;
 use crate::error::{CommError, ErrorKind, Result};
-use crate::hosts::HostMap;
+use crate::fabric::Fabric;
+pub use crate::fabric::this_host;
 use crate::op::{Completion, Op};
-use crate::par::Par;
 use crate::pipeline;
 use crate::rendezvous::{Store, agree_on_token};
 use crate::staging::{DeviceCopies, StagedJob, StagedTensor};
-use crate::transport::shm::ShmGroup;
-use crate::transport::shm::group::host_identity;
-use crate::transport::tcp::TcpTransport;
-use crate::transport::{OpCtx, Transport};
+use crate::transport::OpCtx;
 use crate::types::OpKind;
 
 /// Called once when a job finishes, on the progress thread.
@@ -75,30 +71,17 @@ impl Communicator {
             return Err(CommError::invalid(format!("xccl_rs: rank {rank} is not in a group of size {size}")));
         }
         let token = agree_on_token(store, rank, config.timeout)?;
-        let transport = TcpTransport::connect(store, rank, size, token, config.socket_host.as_deref(), config.timeout)?;
-        let (shm, mixed, hosts) = if size > 1 && config.transport == TransportChoice::Auto {
-            let mine = this_host(&config);
-            let map = HostMap::exchange(store, rank, size, &mine, config.timeout)?;
-            let hosts = map.host_count();
-            let (shm, mixed) = shared_memory(store, rank, map, &config)?;
-            (shm, mixed, hosts)
-        } else {
-            (None, None, 1)
-        };
-        let local_ranks = shm.as_ref().map_or(1, |s| s.size());
-        tracing::info!(rank, size, shm = shm.is_some(), hosts, local_ranks, "xccl_rs communicator connected");
+        let fabric = Fabric::build(store, rank, size, token, &config)?;
         let timeout_ms = Arc::new(AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64));
         let (tx, rx) = mpsc::channel();
         let pipeline_chunk_bytes = config.pipeline_chunk_bytes;
         let worker = Worker {
-            transport: Box::new(transport),
+            fabric,
             config,
             timeout_ms: timeout_ms.clone(),
             seq: 0,
             p2p: P2pCounters::new(size),
             scratch: Vec::new(),
-            shm,
-            mixed,
             failed: None,
         };
         let shared = Arc::new(Shared { worker: Mutex::new(worker), pending: AtomicUsize::new(0) });
@@ -140,7 +123,7 @@ impl Communicator {
     /// Blocks moved through shared memory so far (0 when this rank has no shared-memory
     /// group): shows which transport a group uses, for diagnostics and tests.
     pub fn shm_blocks_used(&self) -> u64 {
-        self.shared.worker.lock().shm.as_ref().map_or(0, |s| s.blocks_used())
+        self.shared.worker.lock().fabric.shm().map_or(0, |s| s.blocks_used())
     }
 
     pub fn set_timeout(&self, timeout: Duration) {
@@ -261,18 +244,14 @@ impl Shared {
 
 /// The state jobs run on: connections, sequence numbers, scratch memory.
 struct Worker {
-    transport: Box<dyn Transport>,
+    /// The group's connections, built once (fabric.rs).
+    fabric: Fabric,
     config: Config,
     timeout_ms: Arc<AtomicU64>,
     /// The next collective's sequence number.
     seq: u64,
     p2p: P2pCounters,
     scratch: Vec<u8>,
-    shm: Option<ShmGroup>,
-    /// Present in a mixed group (several hosts, some sharing memory): then `shm` is this
-    /// host's ranks' group, and reductions, broadcasts, barriers and all-gathers run
-    /// hierarchically.
-    mixed: Option<Mixed>,
     failed: Option<CommError>,
 }
 
@@ -281,8 +260,7 @@ impl Worker {
         if self.failed.is_none() {
             self.failed = Some(CommError::new(ErrorKind::Aborted, "xccl_rs: the group was destroyed"));
         }
-        self.shm = None;
-        self.transport.close();
+        self.fabric.close();
     }
 
     /// Runs a job; a panic becomes an error (and fails the communicator) instead of unwinding
@@ -309,7 +287,7 @@ impl Worker {
         OpCtx {
             op,
             seq,
-            rank: self.transport.rank(),
+            rank: self.fabric.tcp.rank(),
             deadline: Instant::now().checked_add(timeout).unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40)),
             timeout,
         }
@@ -318,10 +296,7 @@ impl Worker {
     fn fail(&mut self, ctx: &OpCtx, e: CommError) {
         if self.failed.is_none() {
             tracing::error!(error = %e.message, "xccl_rs communicator failed");
-            self.transport.abort(ctx, &e.message);
-            if let Some(shm) = &self.shm {
-                shm.abort(&e.message);
-            }
+            self.fabric.abort(ctx, &e.message);
             self.failed = Some(e);
         }
     }
@@ -355,13 +330,13 @@ impl Worker {
                 let end = i + ops[i..].iter().take_while(|o| matches!(o.kind, OpKind::Send | OpKind::Recv)).count();
                 let ctx = self.ctx(op.kind, self.p2p_seq(op));
                 let r = self.with_staging(&mut staging, ops, i..end, &ctx, |w, batch| {
-                    p2p::run_batch(w.transport.as_mut(), batch, &mut w.p2p, &ctx)
+                    p2p::run_batch(w.fabric.tcp.as_mut(), batch, &mut w.p2p, &ctx)
                 });
                 i = end;
                 r.map_err(|e| (ctx, e))
             } else if op.kind == OpKind::RecvAnySource {
                 let ctx = self.ctx(op.kind, 0);
-                let r = self.with_staging(&mut staging, ops, i..i + 1, &ctx, |w, one| p2p::recv_any(w.transport.as_mut(), &one[0], &mut w.p2p, &ctx));
+                let r = self.with_staging(&mut staging, ops, i..i + 1, &ctx, |w, one| p2p::recv_any(w.fabric.tcp.as_mut(), &one[0], &mut w.p2p, &ctx));
                 i += 1;
                 r.map(|c| completion = c).map_err(|e| (ctx, e))
             } else {
@@ -417,10 +392,10 @@ impl Worker {
     fn run_one(&mut self, op: &Op<Buf>, index: usize, ctx: &OpCtx, staging: Option<&mut StagedJob>) -> Result<()> {
         let (count, key) = (op.count(), op.key());
         let chunk_bytes = self.config.pipeline_chunk_bytes;
-        let world_size = self.transport.size();
+        let world_size = self.fabric.tcp.size();
         pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk| {
             let mut step = Step {
-                transport: self.transport.as_mut(),
+                transport: self.fabric.tcp.as_mut(),
                 ctx,
                 dtype: op.dtype,
                 count,
@@ -428,41 +403,11 @@ impl Worker {
                 reduce: if op.is_reduction() { op.reduce_op as u8 } else { 0 },
                 segment_bytes: self.config.segment_bytes,
                 scratch: &mut self.scratch,
-                shm: self.shm.as_mut(),
-                mixed: self.mixed.as_mut(),
                 shm_oneshot_bytes: self.config.shm_oneshot_bytes,
                 world_size,
                 chunk_log: chunk_bytes.trailing_zeros(),
             };
-            run_collective(&mut step, chunk)
+            run_collective(&mut step, &mut self.fabric.parts, chunk)
         })
     }
-}
-
-/// The shared memory a rank uses, from the group's host map: a single host shares memory among
-/// all ranks (the `*_shm.rs` algorithms); several hosts, some with two or more ranks, make a
-/// mixed group (`hier_*.rs`), with shared memory among this host's ranks when it has two or
-/// more; one rank per host leaves nothing to share (TCP only).
-/// Which ranks share memory: ranks whose identities are equal. `XCCL_RS_HOST_ID` when set, else
-/// this host and its /dev/shm; empty when there is no /dev/shm (then no rank shares memory).
-pub fn this_host(config: &Config) -> String {
-    config.host_id.clone().or_else(host_identity).unwrap_or_default()
-}
-
-fn shared_memory(store: &dyn Store, rank: usize, hosts: HostMap, config: &Config) -> Result<(Option<ShmGroup>, Option<Mixed>)> {
-    let host = hosts.host_of(rank);
-    let local = hosts.ranks(host).to_vec();
-    let setup = |namespace: &str| {
-        let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes);
-        let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin, config.timeout);
-        ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par)
-    };
-    if hosts.host_count() == 1 {
-        return Ok((Some(setup("")?), None));
-    }
-    if !hosts.any_shared() {
-        return Ok((None, None));
-    }
-    let shm = if local.len() > 1 { Some(setup(&format!("/h{host}"))?) } else { None };
-    Ok((shm, Some(Mixed::new(hosts))))
 }

@@ -1,5 +1,5 @@
 //! Which ranks of a group share a host, so that a group spanning several hosts can talk through
-//! shared memory within each host and TCP between hosts (algorithms/hier_*.rs).
+//! shared memory within each host and TCP between hosts (algorithms/mixed/).
 //!
 //! Terms: a rank's *host identity* is the hostname with /dev/shm's device and inode (what
 //! shared memory needs: transport/shm/group.rs's `host_identity`), or `XCCL_RS_HOST_ID` when

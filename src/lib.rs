@@ -12,6 +12,7 @@ pub mod buf;
 pub mod comm;
 pub mod config;
 pub mod error;
+pub mod fabric;
 pub mod hosts;
 pub mod op;
 pub mod par;

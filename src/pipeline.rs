@@ -11,7 +11,7 @@
 //! shared-memory description too, so ranks configured differently fail with a clear error.
 //!
 //! Chunks of shared-memory collectives follow each other without a pause: their blocks are
-//! consecutive generations of the same double-buffered slots (shm_blocks.rs).
+//! consecutive generations of the same double-buffered slots (algorithms/host/blocks.rs).
 
 use crate::buf::{Buf, Extent};
 use crate::error::Result;

@@ -1,8 +1,11 @@
-//! Transports move frames between ranks. An algorithm describes one phase of a collective as a
-//! list of [`Transfer`]s (send this buffer to rank a, receive that one from rank b) and the
+//! Transports move messages between ranks. An algorithm describes one phase of a collective as
+//! a list of [`Transfer`]s (send this buffer to rank a, receive that one from rank b) and the
 //! transport completes them all, concurrently, before the phase ends. Transfers to the same peer
-//! in the same direction complete in list order. TCP implements the trait, and `Subset` views
-//! some of its ranks as a smaller group; shared memory (shm/) has a block protocol of its own.
+//! in the same direction complete in list order. Each message carries a [`MessageId`], which
+//! the receiver checks against its own before it takes a byte of the payload; how the identity
+//! travels (TCP's frame header, tcp/frame.rs) is the transport's business. TCP implements the
+//! trait, and `Subset` views some of its ranks as a smaller group; shared memory (shm/) has a
+//! block protocol of its own.
 
 pub mod shm;
 pub mod subset;
@@ -13,7 +16,6 @@ use std::time::{Duration, Instant};
 use crate::error::{CommError, Result};
 use crate::types::OpKind;
 pub use crate::buf::RawBuf;
-pub use tcp::frame::Header;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Direction {
@@ -21,14 +23,32 @@ pub enum Direction {
     Recv,
 }
 
-/// One message of a phase. For a send, `header` is what goes on the wire and `buf` the payload;
-/// for a receive, `header` is what this rank expects and `buf` where the payload lands (its
-/// length is the exact payload length expected).
+/// What a message says it belongs to. Codes are those of the bridge's shared enums (types.rs),
+/// kept as sent: a receiver must be able to name a peer's unknown code in its error.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MessageId {
+    /// OpKind code; point-to-point messages carry `Send`'s on both sides.
+    pub op: u8,
+    /// DType code.
+    pub dtype: u8,
+    /// The reduction's ReduceOp code (all-reduce, reduce, reduce-scatter), else 0.
+    pub reduce: u8,
+    /// Collective sequence number, or the per-pair point-to-point number.
+    pub seq: u64,
+    /// Elements the sender's operation agreed on for this pair.
+    pub count: u64,
+    /// Root of a rooted collective, tag of a point-to-point message, else 0.
+    pub key: i64,
+}
+
+/// One message of a phase. For a send, `id` is what the message announces and `buf` the
+/// payload; for a receive, `id` is what this rank expects and `buf` where the payload lands
+/// (its length is the exact payload length expected).
 #[derive(Clone, Copy, Debug)]
 pub struct Transfer {
     pub peer: usize,
     pub dir: Direction,
-    pub header: Header,
+    pub id: MessageId,
     pub buf: RawBuf,
 }
 
@@ -61,9 +81,9 @@ pub trait Transport: Send {
     fn size(&self) -> usize;
     /// Completes every transfer, or fails the whole phase.
     fn exchange(&mut self, transfers: &[Transfer], ctx: &OpCtx) -> Result<()>;
-    /// Waits until some peer's next frame satisfies `accept(peer, header)` (without consuming it) and returns
-    /// that peer. Used by receive-from-any-source.
-    fn probe_any(&mut self, accept: &dyn Fn(usize, &Header) -> bool, ctx: &OpCtx) -> Result<usize>;
+    /// Waits until some peer's next message satisfies `accept(peer, id)` (without consuming it)
+    /// and returns that peer. Used by receive-from-any-source.
+    fn probe_any(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, ctx: &OpCtx) -> Result<usize>;
     /// Tells every peer that this rank failed `ctx`'s operation, best effort, never blocking.
     fn abort(&mut self, ctx: &OpCtx, message: &str);
     /// Closes every connection (the group is being destroyed).

@@ -1,13 +1,13 @@
 //! A transport over some ranks of another: `members[i]` of the inner transport is rank i of
 //! this one, so an algorithm written for a whole group (algorithms/*_direct.rs) runs unchanged
 //! among, say, the leaders of a hierarchical collective. Peers are mapped on the way in and
-//! back; frames, headers and error messages are the inner transport's, so errors name the
+//! back; messages, their identities and error messages are the inner transport's, so errors name the
 //! group's ranks, not the subset's indices.
 //!
 //! The inner transport still watches every connection during a phase, including those to ranks
 //! outside the subset: an abort from any rank of the group fails the phase at once.
 
-use super::{Header, OpCtx, Transfer, Transport};
+use super::{MessageId, OpCtx, Transfer, Transport};
 use crate::error::{CommError, Result};
 
 pub struct Subset<'a> {
@@ -48,9 +48,9 @@ impl Transport for Subset<'_> {
         self.inner.exchange(&mapped, ctx)
     }
 
-    fn probe_any(&mut self, accept: &dyn Fn(usize, &Header) -> bool, ctx: &OpCtx) -> Result<usize> {
+    fn probe_any(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, ctx: &OpCtx) -> Result<usize> {
         let members = self.members;
-        let accept_member = |p: usize, h: &Header| members.iter().position(|&m| m == p).is_some_and(|i| accept(i, h));
+        let accept_member = |p: usize, h: &MessageId| members.iter().position(|&m| m == p).is_some_and(|i| accept(i, h));
         let p = self.inner.probe_any(&accept_member, ctx)?;
         Ok(self.index_of(p).expect("probe_any accepted only members"))
     }
@@ -69,7 +69,6 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::transport::tcp::frame::FrameKind;
     use crate::transport::{Direction, RawBuf};
     use crate::types::OpKind;
 
@@ -92,18 +91,14 @@ mod tests {
             self.peers_seen.extend(transfers.iter().map(|t| t.peer));
             Ok(())
         }
-        fn probe_any(&mut self, accept: &dyn Fn(usize, &Header) -> bool, _ctx: &OpCtx) -> Result<usize> {
-            let h = header();
+        fn probe_any(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, _ctx: &OpCtx) -> Result<usize> {
+            let h = MessageId::default();
             (0..self.size).find(|&p| p != self.rank && accept(p, &h)).ok_or_else(|| CommError::invalid("none"))
         }
         fn abort(&mut self, _ctx: &OpCtx, _message: &str) {
             self.aborted = true;
         }
         fn close(&mut self) {}
-    }
-
-    fn header() -> Header {
-        Header { kind: FrameKind::Data, op: 0, dtype: 0, reduce: 0, seq: 0, count: 0, key: 0, payload_len: 0 }
     }
 
     fn ctx() -> OpCtx {
@@ -116,7 +111,7 @@ mod tests {
         let members = [1, 3, 5];
         let mut sub = Subset::new(&mut inner, &members, 1);
         assert_eq!((sub.rank(), sub.size()), (1, 3));
-        let t = |peer| Transfer { peer, dir: Direction::Send, header: header(), buf: RawBuf::from_slice(&mut []) };
+        let t = |peer| Transfer { peer, dir: Direction::Send, id: MessageId::default(), buf: RawBuf::from_slice(&mut []) };
         sub.exchange(&[t(0), t(2)], &ctx()).unwrap();
         assert!(sub.exchange(&[t(3)], &ctx()).is_err(), "index 3 is outside a subset of 3");
         // Inner ranks 0, 2 and 4 are not members: the first member offered is rank 1, index 0;

@@ -17,7 +17,7 @@ use std::time::Instant;
 use super::frame::{FrameKind, HEADER_LEN, Header, MAX_ABORT_MESSAGE};
 use super::{Peer, TcpTransport, socket};
 use crate::error::{CommError, ErrorKind, Result};
-use crate::transport::{Direction, OpCtx, RawBuf, Transfer, Transport};
+use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
 use crate::types::{dtype_code_name, op_code_name};
 
 /// Progress of the frame being read from one peer.
@@ -97,8 +97,10 @@ fn closed_error(ctx: &OpCtx, peer: usize, detail: &str) -> CommError {
     ))
 }
 
-/// Compares a received header with the expectation; the message says what differs.
-fn check_header(expect: &Header, got: &Header, peer: usize, ctx: &OpCtx) -> Result<()> {
+/// Compares a received header with the expectation (`expect`, and a payload of `expect_len`
+/// bytes); the message says what differs.
+fn check_header(expect: &MessageId, expect_len: u64, got: &Header, peer: usize, ctx: &OpCtx) -> Result<()> {
+    let (got, got_len) = (&got.id, got.payload_len);
     let me = ctx.rank;
     let what = ctx.describe();
     if got.op != expect.op || got.seq != expect.seq {
@@ -142,10 +144,9 @@ fn check_header(expect: &Header, got: &Header, peer: usize, ctx: &OpCtx) -> Resu
             expect.count
         )));
     }
-    if got.payload_len != expect.payload_len {
+    if got_len != expect_len {
         return Err(CommError::mismatch(format!(
-            "{what}: rank {peer} sent {} bytes, rank {me} expected {} (size mismatch)",
-            got.payload_len, expect.payload_len
+            "{what}: rank {peer} sent {got_len} bytes, rank {me} expected {expect_len} (size mismatch)"
         )));
     }
     Ok(())
@@ -174,7 +175,7 @@ impl TcpTransport {
         while st.sending() {
             let t = &transfers[st.sends[st.next_send]];
             if st.sent == 0 {
-                st.send_header = t.header.encode();
+                st.send_header = Header::data(t.id, t.buf.len() as u64).encode();
             }
             // SAFETY: send buffers are only read during a phase (the algorithms never receive
             // into memory they send from in the same phase).
@@ -274,7 +275,7 @@ impl TcpTransport {
                     let Some(&idx) = st.recvs.get(st.next_recv) else {
                         return Err(CommError::io(format!("{}: unexpected frame from rank {peer}", ctx.describe())));
                     };
-                    check_header(&transfers[idx].header, &h, peer, ctx)?;
+                    check_header(&transfers[idx].id, transfers[idx].buf.len() as u64, &h, peer, ctx)?;
                     st.reading = Reading::Body { got: 0 };
                     if transfers[idx].buf.is_empty() {
                         st.reading = Reading::Header { got: 0 };
@@ -433,7 +434,7 @@ impl Transport for TcpTransport {
         }
     }
 
-    fn probe_any(&mut self, accept: &dyn Fn(usize, &Header) -> bool, ctx: &OpCtx) -> Result<usize> {
+    fn probe_any(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, ctx: &OpCtx) -> Result<usize> {
         let mut excluded = vec![false; self.size];
         excluded[self.rank] = true;
         loop {
@@ -485,7 +486,8 @@ impl Transport for TcpTransport {
                         }
                     }
                     Ok(HEADER_LEN) => match Header::decode(&prefix) {
-                        Ok(h) if accept(p, &h) => return Ok(p),
+                        // Not an abort (peeked above), so a data frame.
+                        Ok(h) if accept(p, &h.id) => return Ok(p),
                         _ => excluded[p] = true,
                     },
                     // A header still arriving: look again shortly.
@@ -505,17 +507,8 @@ impl Transport for TcpTransport {
 
     fn abort(&mut self, ctx: &OpCtx, message: &str) {
         let text = &message.as_bytes()[..message.len().min(MAX_ABORT_MESSAGE as usize)];
-        let header = Header {
-            kind: FrameKind::Abort,
-            op: ctx.op as u8,
-            dtype: 0,
-            reduce: 0,
-            seq: ctx.seq,
-            count: 0,
-            key: 0,
-            payload_len: text.len() as u64,
-        }
-        .encode();
+        let id = MessageId { op: ctx.op as u8, seq: ctx.seq, ..MessageId::default() };
+        let header = Header { kind: FrameKind::Abort, id, payload_len: text.len() as u64 }.encode();
         for peer in self.peers.iter_mut().flatten() {
             if peer.closed {
                 continue;

@@ -1,6 +1,7 @@
 //! The frame: every message on a connection is a fixed 40-byte header followed by `payload_len`
-//! bytes. The header says which operation the bytes belong to, so a receiver can check that both
-//! ranks are in the same collective with the same sizes before it writes a byte of the payload.
+//! bytes. The header carries the message's identity (`MessageId`, transport/mod.rs), so a
+//! receiver can check that both ranks are in the same collective with the same sizes before it
+//! writes a byte of the payload; an abort frame carries the failed operation's kind and number.
 //!
 //! Layout (little endian):
 //! ```text
@@ -14,6 +15,8 @@
 //! 24 key    i64   root of a rooted collective, tag of a point-to-point message, else 0
 //! 32 len    u64   payload bytes that follow
 //! ```
+
+use crate::transport::MessageId;
 
 pub const HEADER_LEN: usize = 40;
 pub const MAGIC: u32 = u32::from_le_bytes(*b"XCRS");
@@ -31,27 +34,27 @@ pub enum FrameKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
     pub kind: FrameKind,
-    pub op: u8,
-    pub dtype: u8,
-    /// The reduction's ReduceOp code (all-reduce, reduce, reduce-scatter), else 0.
-    pub reduce: u8,
-    pub seq: u64,
-    pub count: u64,
-    pub key: i64,
+    pub id: MessageId,
     pub payload_len: u64,
 }
 
 impl Header {
+    /// The header of a data frame.
+    pub fn data(id: MessageId, payload_len: u64) -> Header {
+        Header { kind: FrameKind::Data, id, payload_len }
+    }
+
     pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let id = &self.id;
         let mut b = [0u8; HEADER_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4] = self.kind as u8;
-        b[5] = self.op;
-        b[6] = self.dtype;
-        b[7] = self.reduce;
-        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
-        b[16..24].copy_from_slice(&self.count.to_le_bytes());
-        b[24..32].copy_from_slice(&self.key.to_le_bytes());
+        b[5] = id.op;
+        b[6] = id.dtype;
+        b[7] = id.reduce;
+        b[8..16].copy_from_slice(&id.seq.to_le_bytes());
+        b[16..24].copy_from_slice(&id.count.to_le_bytes());
+        b[24..32].copy_from_slice(&id.key.to_le_bytes());
         b[32..40].copy_from_slice(&self.payload_len.to_le_bytes());
         b
     }
@@ -68,16 +71,8 @@ impl Header {
             k => return Err(format!("unknown frame kind {k}")),
         };
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
-        Ok(Header {
-            kind,
-            op: b[5],
-            dtype: b[6],
-            reduce: b[7],
-            seq: u64_at(8),
-            count: u64_at(16),
-            key: u64_at(24) as i64,
-            payload_len: u64_at(32),
-        })
+        let id = MessageId { op: b[5], dtype: b[6], reduce: b[7], seq: u64_at(8), count: u64_at(16), key: u64_at(24) as i64 };
+        Ok(Header { kind, id, payload_len: u64_at(32) })
     }
 
     /// Whether the first bytes of a stream (at least 5) start an abort frame.
@@ -92,8 +87,13 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let h = Header { kind: FrameKind::Data, op: 3, dtype: 7, reduce: 5, seq: 42, count: 1 << 40, key: -1, payload_len: 99 };
+        let id = MessageId { op: 3, dtype: 7, reduce: 5, seq: 42, count: 1 << 40, key: -1 };
+        let h = Header::data(id, 99);
         assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        // The wire format: magic, kind, op, dtype, reduce, then seq, count, key, len (LE).
+        let b = h.encode();
+        assert_eq!((&b[0..4], b[4], b[5], b[6], b[7]), (&b"XCRS"[..], 1, 3, 7, 5));
+        assert_eq!((&b[8..16], &b[24..32], &b[32..40]), (&42u64.to_le_bytes()[..], &(-1i64).to_le_bytes()[..], &99u64.to_le_bytes()[..]));
         assert!(!Header::peek_is_abort(&h.encode()));
         let a = Header { kind: FrameKind::Abort, ..h };
         assert!(Header::peek_is_abort(&a.encode()));
@@ -102,7 +102,7 @@ mod tests {
     #[test]
     fn rejects_garbage() {
         assert!(Header::decode(&[0u8; HEADER_LEN]).is_err());
-        let mut b = Header { kind: FrameKind::Data, op: 0, dtype: 0, reduce: 0, seq: 0, count: 0, key: 0, payload_len: 0 }.encode();
+        let mut b = Header::data(MessageId::default(), 0).encode();
         b[4] = 9;
         assert!(Header::decode(&b).is_err());
     }

@@ -2,7 +2,7 @@
 //! copies the next piece of each rank's input view into that rank's lane, and each rank copies
 //! its lane out into its output.
 
-use super::shm_blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
+use super::blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
 use crate::op::Op;
 use crate::transport::shm::{Desc, ShmGroup};

@@ -2,7 +2,7 @@
 //! the sockets); each peer receives straight into its tensor, no staging, then confirms (so a
 //! root learns of a peer that rejected the data).
 
-use super::Step;
+use crate::algorithms::Step;
 use crate::error::Result;
 use crate::op::Op;
 

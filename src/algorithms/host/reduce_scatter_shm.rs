@@ -3,7 +3,7 @@
 //! each rank reduces its own lane from every peer's slot (its own piece from its input view,
 //! in rank order, scaling fused) straight into its output.
 
-use super::shm_blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
+use super::blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
 use crate::op::Op;
 use crate::transport::shm::{Desc, ShmGroup};

@@ -2,7 +2,7 @@
 //! `outputs[j]`, with all pairs in flight at once. The frame's count is the pair's own element
 //! count, so unequal split sizes are checked pair by pair.
 
-use super::Step;
+use crate::algorithms::Step;
 use crate::error::Result;
 use crate::op::Op;
 

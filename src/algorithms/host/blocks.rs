@@ -1,11 +1,27 @@
 //! The steps every shared-memory algorithm repeats per block (see transport/shm/group.rs for
 //! the counter protocol): wait until the block's slot is free everywhere, announce that this
 //! rank's slot is filled (with the op's description on the first block) and wait for everyone,
-//! then, after reading, announce the block consumed.
+//! then, after reading, announce the block consumed. And what every rank says about an op
+//! before touching peers' data (its description).
 
+use crate::algorithms::Step;
 use crate::error::Result;
+use crate::op::Op;
 use crate::transport::{OpCtx, RawBuf};
 use crate::transport::shm::{Counter, Desc, ShmGroup};
+
+/// What every rank of a shared-memory group says about `op` before touching peers' data.
+pub fn describe(step: &Step<'_>, op: &Op) -> Desc {
+    Desc {
+        seq: step.ctx.seq,
+        kind: op.kind as u64
+            | (op.dtype as u64) << 8
+            | if op.is_reduction() { (op.reduce_op as u64) << 16 } else { 0 }
+            | (step.chunk_log as u64) << 24,
+        count: step.count,
+        root: step.key as u64,
+    }
+}
 
 /// Number of blocks for `len` bytes in pieces of `piece` bytes: at least one, so that even an
 /// empty operation checks its description against every rank's.

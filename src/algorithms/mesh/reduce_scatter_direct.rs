@@ -7,7 +7,7 @@
 //! `(size - 1) * segment` whatever the tensor size. There is always at least one round, so even
 //! an empty op exchanges headers and a size mismatch is caught.
 
-use super::{Step, split_range};
+use crate::algorithms::Step;
 use crate::error::Result;
 use crate::op::Op;
 use crate::reduce::{Reduction, reduce_raw};
@@ -63,10 +63,4 @@ pub fn reduce_blocks(step: &mut Step<'_>, reduction: &Reduction, blocks: &[RawBu
         }
     }
     Ok(())
-}
-
-/// Rank `i`'s range of an `n`-element tensor, as a byte-range RawBuf of `buf`.
-pub fn chunk(buf: RawBuf, n: usize, parts: usize, i: usize, esz: usize) -> RawBuf {
-    let (s, l) = split_range(n, parts, i);
-    buf.sub(s * esz, l * esz)
 }

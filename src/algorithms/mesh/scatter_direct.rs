@@ -1,7 +1,7 @@
 //! Direct scatter: the root sends view j of its input to rank j and copies its own view; every
 //! other rank receives straight into its output.
 
-use super::Step;
+use crate::algorithms::Step;
 use crate::error::Result;
 use crate::op::Op;
 

@@ -1,6 +1,6 @@
 //! Barrier over shared memory: every rank publishes one block's `Produced` and waits for all.
 
-use super::shm_blocks::{exchange_produced, finish_block, wait_slot_free};
+use super::blocks::{exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
 use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::OpCtx;

@@ -5,8 +5,9 @@
 //! a ring, but in two steps of latency instead of 2(size-1); each chunk's value is computed on
 //! one rank only, so every rank ends with identical bits.
 
-use super::reduce_scatter_direct::{chunk, reduce_blocks};
-use super::Step;
+use super::reduce_scatter_direct::reduce_blocks;
+use crate::algorithms::split::chunk;
+use crate::algorithms::Step;
 use crate::error::Result;
 use crate::op::Op;
 

@@ -2,7 +2,7 @@
 //! by round, receives one segment from each peer into scratch and reduces all ranks' segments
 //! in rank order into its own tensor (scaling fused). Other ranks' tensors are left unchanged.
 
-use super::Step;
+use crate::algorithms::Step;
 use crate::error::Result;
 use crate::op::Op;
 use crate::reduce::reduce_raw;

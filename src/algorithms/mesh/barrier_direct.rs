@@ -1,6 +1,6 @@
 //! Barrier: an empty frame to and from every peer. No rank leaves before every rank has entered.
 
-use super::Step;
+use crate::algorithms::Step;
 use crate::error::Result;
 use crate::transport::RawBuf;
 

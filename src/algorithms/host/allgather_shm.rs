@@ -1,15 +1,19 @@
-//! All-gather (and gather) over shared memory: each rank copies a block of its input into its
-//! slot; once all have, each reader copies every peer's block out of that peer's slot into the
-//! peer's output view. For gather only the root reads.
+//! All-gather over shared memory: each rank copies a block of its input into its slot; once
+//! all have, each *reader* copies every peer's block out of that peer's slot into the peer's
+//! output view. Every rank reads; a gather (gather_shm.rs) is the same with only the root.
 
-use super::shm_blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
+use super::blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
 use crate::op::Op;
 use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::OpCtx;
 
+pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    gather_to(shm, ctx, op, desc, None)
+}
+
 /// `reader`: None for all-gather (everyone reads), Some(root) for gather.
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>) -> Result<()> {
+pub fn gather_to(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>) -> Result<()> {
     let (rank, size) = (shm.rank(), shm.size());
     let input = op.inputs[0];
     let piece = shm.chunk();

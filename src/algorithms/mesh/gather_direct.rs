@@ -1,7 +1,7 @@
 //! Direct gather: every rank sends its input to the root, which receives each straight into
 //! that rank's output view and copies its own.
 
-use super::Step;
+use crate::algorithms::Step;
 use crate::error::Result;
 use crate::op::Op;
 

@@ -2,7 +2,7 @@
 //! others copy it out of the root's slot straight into their tensors. Slots alternate, so the
 //! root fills block g + 1 while the others read block g.
 
-use super::shm_blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
+use super::blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
 use crate::op::Op;
 use crate::transport::shm::{Desc, ShmGroup};

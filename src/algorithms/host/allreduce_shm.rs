@@ -10,10 +10,11 @@
 //! own into its slot (its own part it reads from its tensor directly); once all have, each rank
 //! reduces its part from its tensor and the peers' slots into its own slot (scaling fused);
 //! once all have, each rank copies every part from its owner's slot into its output. Slots
-//! alternate, so the next block's copy overlaps peers' reading of this one.
+//! alternate, so the next block's copy overlaps peers' reading of this one. A reduce
+//! (reduce_shm.rs) is the same with only the root copying the parts out.
 
-use super::shm_blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
-use super::split_range;
+use super::blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
+use crate::algorithms::split::split_range;
 use crate::error::Result;
 use crate::op::Op;
 use crate::reduce::reduce_raw;
@@ -25,7 +26,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, oneshot_bytes: 
     if buf.len() <= oneshot_bytes.min(shm.chunk()) {
         one_shot(shm, ctx, op, desc)
     } else {
-        blocked(shm, ctx, op, desc)
+        blocked(shm, ctx, op, desc, None)
     }
 }
 
@@ -48,7 +49,9 @@ fn one_shot(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> 
     Ok(())
 }
 
-fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+/// The blocked path; `reader`: None for all-reduce (everyone copies the result out), Some(root)
+/// for reduce.
+pub fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>) -> Result<()> {
     let (rank, size) = (shm.rank(), shm.size());
     let buf = op.outputs[0];
     let esz = op.dtype.size();
@@ -85,8 +88,10 @@ fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
             unsafe { shm.par().reduce(&reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, esz) };
         }
         shm.publish(Counter::Reduced, g);
-        shm.wait_all(Counter::Reduced, g, ctx)?;
-        copy_reduced_parts(shm, g, block, part);
+        if reader.is_none_or(|root| root == rank) {
+            shm.wait_all(Counter::Reduced, g, ctx)?;
+            copy_reduced_parts(shm, g, block, part);
+        }
         finish_block(shm, g);
     }
     Ok(())

@@ -2,7 +2,7 @@
 //! straight into that peer's output view; its own input is copied into its own view (skipped
 //! when the input already is that view, as in an in-place all_gather_into_tensor).
 
-use super::Step;
+use crate::algorithms::Step;
 use crate::error::Result;
 use crate::op::Op;
 

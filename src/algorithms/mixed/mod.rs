@@ -1,7 +1,8 @@
-//! What the hierarchical algorithms (hier_*.rs) share. They serve a *mixed* group: its ranks
-//! span several hosts and some host has two or more of them (hosts.rs). Within a host, ranks
-//! talk through that host's shared-memory group (`Step::shm`, local indices 0..k, present when
-//! the host has k ≥ 2 ranks); between hosts, one rank per host — its *representative*: the
+//! The hierarchical algorithms (`*_hier.rs`) and what they share. They serve a *mixed* group:
+//! its ranks span several hosts and some host has two or more of them (hosts.rs). Each gets
+//! the fabric's mixed parts (fabric.rs `Mixed`): the host map, and this host's shared-memory
+//! group (`Mixed::shm`, local indices 0..k, present when the host has k ≥ 2 ranks). Within a
+//! host, ranks talk through that group; between hosts, one rank per host — its *representative*: the
 //! leader, or the root on the root's host — talks over TCP on a [`Subset`] of the group's
 //! connections ([`among`]), running a `*_direct.rs` algorithm unchanged or phases of its own.
 //!
@@ -19,40 +20,20 @@
 //! rank therefore fails its host's ranks at once and, through the abort frames that a failing
 //! rank sends every peer, the ranks of other hosts in the same op or the next one. A failure on
 //! a representative (a peer on another host died) aborts its shared-memory group, so local
-//! ranks waiting on it fail within 100 ms (Worker::fail, ShmGroup::wait_for).
+//! ranks waiting on it fail within 100 ms (Fabric::abort, ShmGroup::wait_for).
+
+pub mod allgather_hier;
+pub mod allreduce_hier;
+pub mod barrier_hier;
+pub mod broadcast_hier;
+pub mod reduce_hier;
 
 use super::Step;
 use crate::error::Result;
 use crate::hosts::HostMap;
 use crate::op::Op;
-use crate::transport::RawBuf;
 use crate::transport::subset::Subset;
 use crate::types::ReduceOp;
-
-/// A mixed group's state: the host map, and scratch for a representative's partial result.
-pub struct Mixed {
-    pub hosts: HostMap,
-    partial: Vec<u8>,
-}
-
-impl Mixed {
-    pub fn new(hosts: HostMap) -> Mixed {
-        Mixed { hosts, partial: Vec::new() }
-    }
-
-    /// Scratch of `bytes` bytes, distinct from `Step::scratch` (which the TCP step uses).
-    pub fn partial(&mut self, bytes: usize) -> RawBuf {
-        if self.partial.len() < bytes {
-            self.partial.resize(bytes, 0);
-        }
-        RawBuf::from_slice(&mut self.partial[..bytes])
-    }
-}
-
-/// The host map of a mixed step.
-pub fn hosts<'s>(step: &'s Step<'_>) -> &'s HostMap {
-    &step.mixed.as_deref().expect("a hierarchical algorithm runs only in a mixed group").hosts
-}
 
 /// The leaders of every host, in host order.
 pub fn leaders(hosts: &HostMap) -> Vec<usize> {
@@ -88,8 +69,6 @@ pub fn among<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut Step
         reduce: step.reduce,
         segment_bytes: step.segment_bytes,
         scratch: &mut *step.scratch,
-        shm: None,
-        mixed: None,
         shm_oneshot_bytes: step.shm_oneshot_bytes,
         world_size: step.world_size,
         chunk_log: step.chunk_log,

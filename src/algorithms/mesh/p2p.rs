@@ -9,8 +9,7 @@
 
 use crate::error::Result;
 use crate::op::{Completion, Op};
-use crate::transport::tcp::frame::FrameKind;
-use crate::transport::{Direction, Header, OpCtx, Transfer, Transport};
+use crate::transport::{Direction, MessageId, OpCtx, Transfer, Transport};
 use crate::types::OpKind;
 
 /// Per-pair message numbers of one rank.
@@ -25,19 +24,10 @@ impl P2pCounters {
     }
 }
 
-fn header(op: &Op, seq: u64) -> Header {
-    let len = op.inputs.first().or(op.outputs.first()).map_or(0, |b| b.len() as u64);
-    Header {
-        kind: FrameKind::Data,
-        // Both sides name the message by the sender's op, so a receive expects a Send frame.
-        op: OpKind::Send as u8,
-        dtype: op.dtype as u8,
-        reduce: 0,
-        seq,
-        count: op.count(),
-        key: op.key(),
-        payload_len: len,
-    }
+/// The identity of message `seq` of a pair (the payload's length is its buffer's).
+fn message(op: &Op, seq: u64) -> MessageId {
+    // Both sides name the message by the sender's op, so a receive expects a Send message.
+    MessageId { op: OpKind::Send as u8, dtype: op.dtype as u8, reduce: 0, seq, count: op.count(), key: op.key() }
 }
 
 /// Runs a batch of sends and receives with known peers as one phase.
@@ -50,7 +40,7 @@ pub fn run_batch(transport: &mut dyn Transport, ops: &[Op], counters: &mut P2pCo
             OpKind::Recv => (Direction::Recv, &mut counters.received[peer], op.outputs[0]),
             other => unreachable!("{} is not a batched point-to-point op", other.name()),
         };
-        transfers.push(Transfer { peer, dir, header: header(op, *seq), buf });
+        transfers.push(Transfer { peer, dir, id: message(op, *seq), buf });
         *seq += 1;
     }
     transport.exchange(&transfers, ctx)
@@ -61,13 +51,12 @@ pub fn run_batch(transport: &mut dyn Transport, ops: &[Op], counters: &mut P2pCo
 pub fn recv_any(transport: &mut dyn Transport, op: &Op, counters: &mut P2pCounters, ctx: &OpCtx) -> Result<Completion> {
     let tag = op.tag;
     let received = &counters.received;
-    // A candidate is a peer whose next frame is its next message to us, with our tag.
-    let accept = |peer: usize, h: &Header| {
-        h.kind == FrameKind::Data && h.op == OpKind::Send as u8 && h.key == tag && h.seq == received[peer]
-    };
+    // A candidate is a peer whose next message is its next one to us, with our tag (the
+    // transport offers data messages only: aborts fail the probe).
+    let accept = |peer: usize, id: &MessageId| id.op == OpKind::Send as u8 && id.key == tag && id.seq == received[peer];
     let peer = transport.probe_any(&accept, ctx)?;
     let seq = counters.received[peer];
-    let transfer = Transfer { peer, dir: Direction::Recv, header: header(op, seq), buf: op.outputs[0] };
+    let transfer = Transfer { peer, dir: Direction::Recv, id: message(op, seq), buf: op.outputs[0] };
     counters.received[peer] += 1;
     transport.exchange(&[transfer], ctx)?;
     Ok(Completion { source_rank: peer as i64 })

@@ -1,27 +1,29 @@
-//! Hierarchical all-gather (terms in hier.rs): each host all-gathers its ranks' inputs into
+//! Hierarchical all-gather (terms in mod.rs): each host all-gathers its ranks' inputs into
 //! their output views over shared memory (allgather_shm.rs); the leaders exchange their hosts'
 //! views over TCP, each received straight into its rank's view; each leader then broadcasts
 //! the other hosts' views to its host over shared memory, one view after another.
 
-use super::hier::{among, hosts, leaders, rooted};
-use super::{Step, allgather_shm, broadcast_shm};
+use super::{among, leaders, rooted};
+use crate::algorithms::Step;
+use crate::algorithms::host::{allgather_shm, broadcast_shm};
 use crate::error::Result;
+use crate::fabric::Mixed;
 use crate::op::Op;
 use crate::transport::shm::Desc;
 
-pub fn run(step: &mut Step<'_>, op: &Op, desc: Desc) -> Result<()> {
-    let hosts = hosts(step).clone();
+pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Result<()> {
+    let hosts = &mixed.hosts;
     let rank = step.rank();
     let my_host = hosts.host_of(rank);
     let ctx = step.ctx;
-    if let Some(shm) = step.shm.as_deref_mut() {
+    if let Some(shm) = mixed.shm.as_mut() {
         let views = hosts.ranks(my_host).iter().map(|&r| op.outputs[r]).collect();
-        allgather_shm::run(shm, ctx, &Op { outputs: views, ..op.clone() }, desc, None)?;
+        allgather_shm::run(shm, ctx, &Op { outputs: views, ..op.clone() }, desc)?;
     } else {
         op.inputs[0].copy_to(op.outputs[rank]);
     }
     if hosts.leader(my_host) == rank {
-        among(step, &leaders(&hosts), |s| {
+        among(step, &leaders(hosts), |s| {
             let mut phase = s.phase();
             for other in (0..hosts.host_count()).filter(|&h| h != my_host) {
                 // Both sides list a host's views in rank order: same-peer transfers complete
@@ -36,7 +38,7 @@ pub fn run(step: &mut Step<'_>, op: &Op, desc: Desc) -> Result<()> {
             s.run(phase)
         })?;
     }
-    if let Some(shm) = step.shm.as_deref_mut() {
+    if let Some(shm) = mixed.shm.as_mut() {
         for r in (0..hosts.world_size()).filter(|&r| hosts.host_of(r) != my_host) {
             broadcast_shm::run(shm, ctx, &Op { outputs: vec![op.outputs[r]], ..rooted(op, 0) }, desc)?;
         }

@@ -1,24 +1,27 @@
-//! Hierarchical barrier (terms in hier.rs): a shared-memory barrier on each host (its leader
+//! Hierarchical barrier (terms in mod.rs): a shared-memory barrier on each host (its leader
 //! knows every local rank has entered), a TCP barrier among the leaders (every rank of the
 //! group has entered), and a second shared-memory barrier that releases the local ranks.
 
-use super::hier::{among, hosts, leaders};
-use super::{Step, barrier_all, barrier_shm};
+use super::{among, leaders};
+use crate::algorithms::Step;
+use crate::algorithms::host::barrier_shm;
+use crate::algorithms::mesh::barrier_direct;
 use crate::error::Result;
+use crate::fabric::Mixed;
 use crate::transport::shm::Desc;
 
-pub fn run(step: &mut Step<'_>, desc: Desc) -> Result<()> {
-    let hosts = hosts(step);
+pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, desc: Desc) -> Result<()> {
+    let hosts = &mixed.hosts;
     let leaders = leaders(hosts);
     let is_leader = hosts.leader(hosts.host_of(step.rank())) == step.rank();
     let ctx = step.ctx;
-    if let Some(shm) = step.shm.as_deref_mut() {
+    if let Some(shm) = mixed.shm.as_mut() {
         barrier_shm::run(shm, ctx, desc)?;
     }
     if is_leader {
-        among(step, &leaders, barrier_all::run)?;
+        among(step, &leaders, barrier_direct::run)?;
     }
-    if let Some(shm) = step.shm.as_deref_mut() {
+    if let Some(shm) = mixed.shm.as_mut() {
         barrier_shm::run(shm, ctx, desc)?;
     }
     Ok(())

@@ -1,18 +1,20 @@
-//! Hierarchical broadcast (terms in hier.rs). On the root's host the root first broadcasts its
+//! Hierarchical broadcast (terms in mod.rs). On the root's host the root first broadcasts its
 //! tensor over shared memory; then it sends the tensor over TCP to every other host's leader.
 //! Each leader receives it straight into its tensor, broadcasts it to its host over shared
 //! memory, and only then confirms to the root. So, as in a direct broadcast, the root learns of
 //! any receiver's failure — here also of a failure in another host's shared-memory step (a
 //! mismatch on a non-leader) — and fails with it.
 
-use super::hier::{among, hosts, rooted};
-use super::{Step, broadcast_shm};
+use super::{among, rooted};
+use crate::algorithms::Step;
+use crate::algorithms::host::broadcast_shm;
 use crate::error::Result;
+use crate::fabric::Mixed;
 use crate::op::Op;
 use crate::transport::shm::Desc;
 
-pub fn run(step: &mut Step<'_>, op: &Op, desc: Desc) -> Result<()> {
-    let hosts = hosts(step);
+pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Result<()> {
+    let hosts = &mixed.hosts;
     let (rank, root) = (step.rank(), op.root as usize);
     let reps = hosts.representatives(root);
     let my_host = hosts.host_of(rank);
@@ -21,7 +23,7 @@ pub fn run(step: &mut Step<'_>, op: &Op, desc: Desc) -> Result<()> {
     let ctx = step.ctx;
     let buf = op.outputs[0];
     if my_host == root_host {
-        if let Some(shm) = step.shm.as_deref_mut() {
+        if let Some(shm) = mixed.shm.as_mut() {
             broadcast_shm::run(shm, ctx, &local, desc)?;
         }
         if rank != root {
@@ -45,7 +47,7 @@ pub fn run(step: &mut Step<'_>, op: &Op, desc: Desc) -> Result<()> {
             s.run(phase)
         })?;
     }
-    if let Some(shm) = step.shm.as_deref_mut() {
+    if let Some(shm) = mixed.shm.as_mut() {
         broadcast_shm::run(shm, ctx, &local, desc)?;
     }
     if rank == my_rep {

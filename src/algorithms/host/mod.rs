@@ -1,0 +1,13 @@
+//! The algorithms over one host's shared memory (`ShmGroup`, transport/shm/group.rs): data
+//! moves through each rank's two slots in blocks, synchronized by counters. The steps every
+//! one of them repeats per block are in blocks.rs.
+
+pub mod allgather_shm;
+pub mod allreduce_shm;
+pub mod barrier_shm;
+pub mod blocks;
+pub mod broadcast_shm;
+pub mod gather_shm;
+pub mod reduce_scatter_shm;
+pub mod reduce_shm;
+pub mod scatter_shm;

@@ -1,0 +1,157 @@
+//! A group's *fabric*: the connections its ranks talk through, built once per communicator
+//! from the host map (hosts.rs). The table that picks an algorithm for an op looks only at the
+//! fabric's [`Shape`] (algorithms/select.rs). Terms:
+//!
+//! - the *mesh*: a TCP connection between every pair of ranks. Every fabric has one: all-to-all,
+//!   point-to-point messages and abort frames use it whatever else there is;
+//! - `Mesh`: nothing else — every host has one rank, or `XCCL_RS_TRANSPORT=tcp`;
+//! - `Host`: every rank is on this host: one shared-memory group of them all;
+//! - `Mixed`: several hosts, some with two or more ranks: the host map, and a shared-memory
+//!   group among this host's ranks when it has two or more (the hierarchical algorithms).
+//!
+//! What is still to come plugs in here: another transport (oneCCL) is another way to build
+//! the parts and its own rows in the selection table; a zero-copy shared-memory path is rows
+//! that pick it on `Host`; rebuilding a group after a rank is dropped is building a fabric
+//! again, for the ranks that remain ([`Fabric::build`] needs only the group's store and
+//! numbering).
+
+use crate::config::{Config, TransportChoice};
+use crate::error::Result;
+use crate::hosts::HostMap;
+use crate::par::Par;
+use crate::rendezvous::Store;
+use crate::transport::shm::ShmGroup;
+use crate::transport::shm::group::host_identity;
+use crate::transport::tcp::TcpTransport;
+use crate::transport::{OpCtx, RawBuf, Transport};
+
+/// The connections of one rank of a group.
+pub struct Fabric {
+    /// The mesh (see the module docs).
+    pub tcp: Box<dyn Transport>,
+    /// What the ranks share besides it.
+    pub parts: Parts,
+}
+
+/// What a fabric has besides the mesh.
+pub enum Parts {
+    Mesh,
+    Host(ShmGroup),
+    Mixed(Mixed),
+}
+
+impl Parts {
+    pub fn shape(&self) -> Shape {
+        match self {
+            Parts::Mesh => Shape::Mesh,
+            Parts::Host(_) => Shape::Host,
+            Parts::Mixed(_) => Shape::Mixed,
+        }
+    }
+
+    pub fn shm(&self) -> Option<&ShmGroup> {
+        match self {
+            Parts::Mesh => None,
+            Parts::Host(shm) => Some(shm),
+            Parts::Mixed(m) => m.shm.as_ref(),
+        }
+    }
+}
+
+/// A fabric's kind, the selection table's input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    Mesh,
+    Host,
+    Mixed,
+}
+
+impl Shape {
+    pub const ALL: [Shape; 3] = [Shape::Mesh, Shape::Host, Shape::Mixed];
+}
+
+/// A mixed group's parts.
+pub struct Mixed {
+    pub hosts: HostMap,
+    /// This host's ranks' shared memory (local indices 0..k), present when k ≥ 2.
+    pub shm: Option<ShmGroup>,
+    /// Scratch for a representative's partial result, distinct from the TCP step's.
+    partial: Vec<u8>,
+}
+
+impl Mixed {
+    /// Scratch of `bytes` bytes (grown, never shrunk).
+    pub fn partial(&mut self, bytes: usize) -> RawBuf {
+        if self.partial.len() < bytes {
+            self.partial.resize(bytes, 0);
+        }
+        RawBuf::from_slice(&mut self.partial[..bytes])
+    }
+}
+
+/// Which ranks share memory: ranks whose identities are equal. `XCCL_RS_HOST_ID` when set, else
+/// this host and its /dev/shm; empty when there is no /dev/shm (then no rank shares memory).
+pub fn this_host(config: &Config) -> String {
+    config.host_id.clone().or_else(host_identity).unwrap_or_default()
+}
+
+impl Fabric {
+    /// Connects this rank to every rank of the group (blocks until all have joined, or the
+    /// timeout): the mesh, then shared memory where the host map allows it. A single host
+    /// shares memory among all ranks; several hosts, some with two or more ranks, make a
+    /// mixed group; one rank per host leaves nothing to share.
+    pub fn build(store: &dyn Store, rank: usize, size: usize, token: u64, config: &Config) -> Result<Fabric> {
+        let tcp = Box::new(TcpTransport::connect(store, rank, size, token, config.socket_host.as_deref(), config.timeout)?);
+        let (parts, hosts) = if size > 1 && config.transport == TransportChoice::Auto {
+            Self::shared_memory(store, rank, size, config)?
+        } else {
+            (Parts::Mesh, 1)
+        };
+        let fabric = Fabric { tcp, parts };
+        let local_ranks = fabric.shm().map_or(1, |s| s.size());
+        tracing::info!(rank, size, shm = fabric.shm().is_some(), hosts, local_ranks, "xccl_rs communicator connected");
+        Ok(fabric)
+    }
+
+    /// The parts besides the mesh, from the group's host map, and how many hosts it has.
+    fn shared_memory(store: &dyn Store, rank: usize, size: usize, config: &Config) -> Result<(Parts, usize)> {
+        let hosts = HostMap::exchange(store, rank, size, &this_host(config), config.timeout)?;
+        let host = hosts.host_of(rank);
+        let local = hosts.ranks(host).to_vec();
+        let setup = |namespace: &str| {
+            let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes);
+            let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin, config.timeout);
+            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par)
+        };
+        let count = hosts.host_count();
+        let parts = if count == 1 {
+            Parts::Host(setup("")?)
+        } else if !hosts.any_shared() {
+            Parts::Mesh
+        } else {
+            let shm = if local.len() > 1 { Some(setup(&format!("/h{host}"))?) } else { None };
+            Parts::Mixed(Mixed { hosts, shm, partial: Vec::new() })
+        };
+        Ok((parts, count))
+    }
+
+    /// The shared-memory group this rank belongs to, if any.
+    pub fn shm(&self) -> Option<&ShmGroup> {
+        self.parts.shm()
+    }
+
+    /// Tells every peer that this rank failed `ctx`'s operation: abort frames over the mesh,
+    /// and the shared-memory group's abort flag (peers waiting on it fail within 100 ms).
+    pub fn abort(&mut self, ctx: &OpCtx, message: &str) {
+        self.tcp.abort(ctx, message);
+        if let Some(shm) = self.shm() {
+            shm.abort(message);
+        }
+    }
+
+    /// Unmaps shared memory and closes every connection (the group is being destroyed).
+    pub fn close(&mut self) {
+        self.parts = Parts::Mesh;
+        self.tcp.close();
+    }
+}
