@@ -650,7 +650,40 @@ rust::Vec<BufferView> split_rows(
     const BufferView& whole,
     const std::vector<int64_t>& splits,
     int size,
-    const char* role);
+    const char* role) {
+  if (splits.empty()) {
+    if (t.numel() % size != 0 || (t.dim() > 0 && t.size(0) % size != 0)) {
+      job.reject_and_abort(std::string("the ") + role + " of shape " + shape_of(t) +
+                           " cannot be split equally among " + std::to_string(size) + " ranks");
+    }
+    return split_views(whole, size);
+  }
+  if (static_cast<int>(splits.size()) != size) {
+    job.reject_and_abort(std::string(role) + " split sizes have " + std::to_string(splits.size()) + " entries, expected " +
+                         std::to_string(size));
+  }
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  int64_t total = 0;
+  for (int64_t s : splits) {
+    if (s < 0) {
+      job.reject_and_abort(std::string(role) + " split sizes must not be negative");
+    }
+    total += s;
+  }
+  if (total != rows) {
+    job.reject_and_abort(std::string(role) + " split sizes add up to " + std::to_string(total) + " but the " + role +
+                         " has " + std::to_string(rows) + " rows");
+  }
+  const size_t row_bytes = rows == 0 ? 0 : whole.bytes / static_cast<size_t>(rows);
+  rust::Vec<BufferView> views;
+  size_t offset = 0;
+  for (int64_t s : splits) {
+    const size_t bytes = static_cast<size_t>(s) * row_bytes;
+    views.push_back(sub_view(whole, offset, bytes));
+    offset += bytes;
+  }
+  return views;
+}
 } // namespace
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall_base(
@@ -735,47 +768,5 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::barrier(const c10d::BarrierOptions
   return launch(job, c10d::OpType::BARRIER, XCCL_RS_CALLER_WAITS(opts));
 }
 
-namespace {
-rust::Vec<BufferView> split_rows(
-    XcclRsBackend::Job& job,
-    const at::Tensor& t,
-    const BufferView& whole,
-    const std::vector<int64_t>& splits,
-    int size,
-    const char* role) {
-  if (splits.empty()) {
-    if (t.numel() % size != 0 || (t.dim() > 0 && t.size(0) % size != 0)) {
-      job.reject_and_abort(std::string("the ") + role + " of shape " + shape_of(t) +
-                           " cannot be split equally among " + std::to_string(size) + " ranks");
-    }
-    return split_views(whole, size);
-  }
-  if (static_cast<int>(splits.size()) != size) {
-    job.reject_and_abort(std::string(role) + " split sizes have " + std::to_string(splits.size()) + " entries, expected " +
-                         std::to_string(size));
-  }
-  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-  int64_t total = 0;
-  for (int64_t s : splits) {
-    if (s < 0) {
-      job.reject_and_abort(std::string(role) + " split sizes must not be negative");
-    }
-    total += s;
-  }
-  if (total != rows) {
-    job.reject_and_abort(std::string(role) + " split sizes add up to " + std::to_string(total) + " but the " + role +
-                         " has " + std::to_string(rows) + " rows");
-  }
-  const size_t row_bytes = rows == 0 ? 0 : whole.bytes / static_cast<size_t>(rows);
-  rust::Vec<BufferView> views;
-  size_t offset = 0;
-  for (int64_t s : splits) {
-    const size_t bytes = static_cast<size_t>(s) * row_bytes;
-    views.push_back(sub_view(whole, offset, bytes));
-    offset += bytes;
-  }
-  return views;
-}
-} // namespace
 
 } // namespace xccl_rs

@@ -38,16 +38,7 @@ def issue(ck, mode: str, call):
             else:
                 ck.fail("Work.is_completed() is False after wait()")
     elif mode == "future":
-        try:
-            fut = work.get_future()
-        except RuntimeError as e:
-            if IS_GLOO and "not implemented" in str(e):
-                ck.skip("gloo: Work.get_future() not implemented for some ops (used wait())")
-                work.wait()
-                return work
-            raise
-        fut.wait()
-        ck.check(fut.done(), "Future.done() is False after Future.wait()")
+        wait_future(ck, work)
     else:
         raise ValueError(mode)
     return work
@@ -56,17 +47,24 @@ def issue(ck, mode: str, call):
 def complete(ck, work, mode: str) -> None:
     """Complete an already issued Work (p2p) by wait() or get_future().wait()."""
     if mode == "future":
-        try:
-            fut = work.get_future()
-        except RuntimeError as e:
-            if IS_GLOO and "not implemented" in str(e):
-                ck.skip("gloo: Work.get_future() not implemented for some ops (used wait())")
-                work.wait()
-                return
-            raise
-        fut.wait()
+        wait_future(ck, work)
     else:
         work.wait()
+
+
+def wait_future(ck, work) -> None:
+    """work.get_future().wait(), checking the future is done; gloo lacks futures for some ops
+    (then work.wait(), and the check is skipped)."""
+    try:
+        fut = work.get_future()
+    except RuntimeError as e:
+        if IS_GLOO and "not implemented" in str(e):
+            ck.skip("gloo: Work.get_future() not implemented for some ops (used wait())")
+            work.wait()
+            return
+        raise
+    fut.wait()
+    ck.check(fut.done(), "Future.done() is False after Future.wait()")
 
 
 def emulated_post(t: torch.Tensor, op: str, factor, w: int) -> None:

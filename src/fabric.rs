@@ -22,7 +22,7 @@ use crate::par::Par;
 use crate::rendezvous::Store;
 use crate::transport::shm::ShmGroup;
 use crate::transport::shm::group::host_identity;
-use crate::transport::tcp::TcpTransport;
+use crate::transport::tcp::{MeshSpec, TcpTransport};
 use crate::transport::{OpCtx, RawBuf, Transport};
 
 /// The connections of one rank of a group.
@@ -101,7 +101,9 @@ impl Fabric {
     /// shares memory among all ranks; several hosts, some with two or more ranks, make a
     /// mixed group; one rank per host leaves nothing to share.
     pub fn build(store: &dyn Store, rank: usize, size: usize, token: u64, config: &Config) -> Result<Fabric> {
-        let tcp = Box::new(TcpTransport::connect(store, rank, size, token, config.socket_host.as_deref(), config.timeout)?);
+        let socket_host = config.socket_host.as_deref();
+        let spec = MeshSpec { store, rank, size, token, socket_host, timeout: config.timeout };
+        let tcp = Box::new(TcpTransport::connect(&spec)?);
         let (parts, hosts) = if size > 1 && config.transport == TransportChoice::Auto {
             Self::shared_memory(store, rank, size, config)?
         } else {

@@ -49,8 +49,12 @@ impl FakeTensor {
 #[derive(Debug)]
 enum Action {
     /// The caller's earlier work: writes a tensor's real contents.
-    Fill { tensor: usize, bytes: Vec<u8> },
-    Copy { toward: Toward, tensor: usize, tensor_offset: usize, block: usize, block_offset: usize, len: usize },
+    Fill {
+        tensor: usize,
+        bytes: Vec<u8>,
+    },
+    /// [`DeviceCopies::copy`]'s arguments: toward, then tensor, tensor offset, block, block offset, length.
+    Copy(Toward, [usize; 5]),
     Mark(usize),
     Wait(usize),
 }
@@ -132,7 +136,7 @@ impl FakeDevice {
             Action::Fill { tensor, bytes } => self.tensors[tensor].bytes.lock().unwrap().copy_from_slice(&bytes),
             Action::Mark(e) => self.fired[e] = true,
             Action::Wait(e) => self.run_until(self.stream_of_event[e], e)?,
-            Action::Copy { toward, tensor, tensor_offset, block, block_offset, len } => {
+            Action::Copy(toward, [tensor, tensor_offset, block, block_offset, len]) => {
                 let mut device = self.tensors[tensor].bytes.lock().unwrap();
                 let device = &mut device[tensor_offset..tensor_offset + len];
                 let host = &mut self.blocks[block][block_offset..block_offset + len];
@@ -157,7 +161,15 @@ impl DeviceCopies for FakeDevice {
         Ok(Pinned { block, address: self.blocks[block].as_mut_ptr() as usize, bytes })
     }
 
-    fn copy(&mut self, toward: Toward, tensor: usize, tensor_offset: usize, block: usize, block_offset: usize, len: usize) -> Result<(), CommError> {
+    fn copy(
+        &mut self,
+        toward: Toward,
+        tensor: usize,
+        tensor_offset: usize,
+        block: usize,
+        block_offset: usize,
+        len: usize,
+    ) -> Result<(), CommError> {
         let t = self.tensors.get(tensor).ok_or_else(|| CommError::io("no such tensor"))?;
         let tensor_len = t.bytes.lock().unwrap().len();
         let block_len = self.blocks.get(block).map_or(0, |b| b.len());
@@ -167,7 +179,7 @@ impl DeviceCopies for FakeDevice {
         if !t.contiguous && (tensor_offset != 0 || len != tensor_len) {
             return Err(CommError::io("fake device: a part of a non-contiguous tensor"));
         }
-        self.queues[queue_of(toward)].push_back(Action::Copy { toward, tensor, tensor_offset, block, block_offset, len });
+        self.queues[queue_of(toward)].push_back(Action::Copy(toward, [tensor, tensor_offset, block, block_offset, len]));
         Ok(())
     }
 
@@ -255,35 +267,47 @@ fn f32_input(rank: usize, n: usize, salt: usize) -> Vec<u8> {
 /// each of one slot per view: 3 × (size + 1) chunk-sized slots, less than the tensors' size.
 fn windowed_job(net: Net) {
     let c = chunk_for(net);
+    sweep_sizes(net, "windowed job", move |size, rank, comm, f| {
+        let what = format!("size {size} rank {rank}");
+        let ar_len = 10 * c + 20;
+        let ag_len = 5 * c - 12;
+        let ar = tensor(ar_len, true, true, true);
+        let ag_in = tensor(ag_len, true, true, false);
+        let ag_out = tensor(ag_len * size, true, false, true);
+        let tensors = vec![ar.clone(), ag_in.clone(), ag_out.clone()];
+        let contents = vec![f32_input(rank, ar_len / 4, 0), pattern(rank, 7, ag_len), vec![0xAB; ag_len * size]];
+        let fake = FakeDevice::new(tensors, contents);
+        let (most_ahead, pinned) = (fake.most_ahead.clone(), fake.pinned_bytes.clone());
+        let mut all_reduce = job_op(OpKind::AllReduce, DType::Float32, vec![], vec![staged(0, 0, ar_len)]);
+        all_reduce.reduce_op = ReduceOp::Sum;
+        let all_gather = job_op(OpKind::AllGather, DType::UInt8, vec![staged(1, 0, ag_len)], staged_parts(2, ag_len * size, size));
+        f.op(run_staged(&comm, vec![all_reduce, all_gather], fake), &what)?;
+        f.result(sum_check(&ar.bytes.lock().unwrap(), size, 0), format!("{what}: all-reduce"));
+        let out = ag_out.bytes.lock().unwrap();
+        for r in 0..size {
+            f.result(
+                same_bytes(&out[r * ag_len..(r + 1) * ag_len], &pattern(r, 7, ag_len)),
+                format!("{what}: all-gather block of rank {r}"),
+            );
+        }
+        f.eq(*pinned.lock().unwrap(), 3 * (size + 1) * c, format!("{what}: pinned bytes (the window)"));
+        // Queued one chunk ahead of the host's waits, not all at once.
+        f.eq(*most_ahead.lock().unwrap(), COPY_AHEAD, format!("{what}: chunks queued beyond those waited for"));
+        Ok(())
+    });
+}
+
+/// Runs `job(size, rank, comm, failures)` on every rank of groups of 1, 2 and 3 ranks over `net`.
+fn sweep_sizes(
+    net: Net,
+    what: &str,
+    job: impl Fn(usize, usize, xccl_rs::Communicator, &mut Failures) -> Result<(), Stop> + Copy + Send + Sync + 'static,
+) {
     let mut failures = Failures::new();
     for size in [1usize, 2, 3] {
-        sweep_ranks(&mut failures, &format!("windowed job size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            let what = format!("size {size} rank {rank}");
-            let ar_len = 10 * c + 20;
-            let ag_len = 5 * c - 12;
-            let ar = tensor(ar_len, true, true, true);
-            let ag_in = tensor(ag_len, true, true, false);
-            let ag_out = tensor(ag_len * size, true, false, true);
-            let tensors = vec![ar.clone(), ag_in.clone(), ag_out.clone()];
-            let contents = vec![f32_input(rank, ar_len / 4, 0), pattern(rank, 7, ag_len), vec![0xAB; ag_len * size]];
-            let fake = FakeDevice::new(tensors, contents);
-            let (most_ahead, pinned) = (fake.most_ahead.clone(), fake.pinned_bytes.clone());
-            let mut all_reduce = job_op(OpKind::AllReduce, DType::Float32, vec![], vec![staged(0, 0, ar_len)]);
-            all_reduce.reduce_op = ReduceOp::Sum;
-            let all_gather = job_op(OpKind::AllGather, DType::UInt8, vec![staged(1, 0, ag_len)], staged_parts(2, ag_len * size, size));
-            f.op(run_staged(&comm, vec![all_reduce, all_gather], fake), &what)?;
-            f.result(sum_check(&ar.bytes.lock().unwrap(), size, 0), format!("{what}: all-reduce"));
-            let out = ag_out.bytes.lock().unwrap();
-            for r in 0..size {
-                f.result(same_bytes(&out[r * ag_len..(r + 1) * ag_len], &pattern(r, 7, ag_len)), format!("{what}: all-gather block of rank {r}"));
-            }
-            f.eq(*pinned.lock().unwrap(), 3 * (size + 1) * c, format!("{what}: pinned bytes (the window)"));
-            // Queued one chunk ahead of the host's waits, not all at once.
-            f.eq(*most_ahead.lock().unwrap(), COPY_AHEAD, format!("{what}: chunks queued beyond those waited for"));
-            Ok(())
-        });
+        sweep_ranks(&mut failures, &format!("{what} size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| job(size, rank, comm, f));
     }
-    failures.finish(&format!("windowed job over {net:?}"));
+    failures.finish(&format!("{what} over {net:?}"));
 }
 
 /// Tensors that keep whole buffers: an all-reduce of two chunks (a window of two sets would
@@ -291,73 +315,69 @@ fn windowed_job(net: Net) {
 /// whose receivers copy nothing to the host, and a send and a receive (one phase).
 fn whole_buffer_job(net: Net) {
     let c = chunk_for(net);
-    let mut failures = Failures::new();
-    for size in [1usize, 2, 3] {
-        sweep_ranks(&mut failures, &format!("whole-buffer job size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            let what = format!("size {size} rank {rank}");
-            let (two_len, strided_len, piece, bc_len, p2p_len) = (2 * c - 8, 1000, 64, 300, 512);
-            let root = size - 1;
-            let mut tensors = vec![
-                tensor(two_len, true, true, true),
-                tensor(strided_len, false, true, true),
-                tensor(piece * size, true, true, false),
-                tensor(piece * size, true, false, true),
-                tensor(bc_len, true, rank == root, rank != root),
-            ];
-            let mut contents = vec![
-                f32_input(rank, two_len / 4, 0),
-                f32_input(rank, strided_len / 4, 3),
-                pattern(rank, 9, piece * size),
-                vec![0xAB; piece * size],
-                if rank == root { pattern(root, 8, bc_len) } else { vec![0xCD; bc_len] },
-            ];
-            let sum = |t: usize, len: usize| {
-                let mut o = job_op(OpKind::AllReduce, DType::Float32, vec![], vec![staged(t, 0, len)]);
-                o.reduce_op = ReduceOp::Sum;
-                o
-            };
-            let mut broadcast = job_op(OpKind::Broadcast, DType::UInt8, vec![], vec![staged(4, 0, bc_len)]);
-            broadcast.root = root as i64;
-            let mut ops = vec![
-                sum(0, two_len),
-                sum(1, strided_len),
-                job_op(OpKind::AllToAll, DType::UInt8, staged_parts(2, piece * size, size), staged_parts(3, piece * size, size)),
-                broadcast,
-            ];
-            if size > 1 {
-                tensors.push(tensor(p2p_len, true, true, false));
-                tensors.push(tensor(p2p_len, true, false, true));
-                contents.push(pattern(rank, 11, p2p_len));
-                contents.push(vec![0; p2p_len]);
-                let mut send = job_op(OpKind::Send, DType::UInt8, vec![staged(5, 0, p2p_len)], vec![]);
-                send.root = ((rank + 1) % size) as i64;
-                let mut recv = job_op(OpKind::Recv, DType::UInt8, vec![], vec![staged(6, 0, p2p_len)]);
-                recv.root = ((rank + size - 1) % size) as i64;
-                ops.extend([send, recv]);
-            }
-            let whole: usize = tensors.iter().map(|t| t.bytes.lock().unwrap().len()).sum();
-            let kept = tensors.clone();
-            let fake = FakeDevice::new(tensors, contents);
-            let pinned = fake.pinned_bytes.clone();
-            f.op(run_staged(&comm, ops, fake), &what)?;
-            f.result(sum_check(&kept[0].bytes.lock().unwrap(), size, 0), format!("{what}: all-reduce of two chunks"));
-            f.result(sum_check(&kept[1].bytes.lock().unwrap(), size, 3), format!("{what}: all-reduce of a strided tensor"));
-            let got = kept[3].bytes.lock().unwrap().clone();
-            for r in 0..size {
-                // Rank r's piece for this rank: piece number `rank` of its input.
-                let want = &pattern(r, 9, piece * size)[rank * piece..(rank + 1) * piece];
-                f.result(same_bytes(&got[r * piece..(r + 1) * piece], want), format!("{what}: all-to-all piece from rank {r}"));
-            }
-            f.result(same_bytes(&kept[4].bytes.lock().unwrap(), &pattern(root, 8, bc_len)), format!("{what}: broadcast"));
-            if size > 1 {
-                let from = (rank + size - 1) % size;
-                f.result(same_bytes(&kept[6].bytes.lock().unwrap(), &pattern(from, 11, p2p_len)), format!("{what}: receive"));
-            }
-            f.eq(*pinned.lock().unwrap(), whole, format!("{what}: pinned bytes (a whole buffer per tensor)"));
-            Ok(())
-        });
-    }
-    failures.finish(&format!("whole-buffer job over {net:?}"));
+    sweep_sizes(net, "whole-buffer job", move |size, rank, comm, f| {
+        let what = format!("size {size} rank {rank}");
+        let (two_len, strided_len, piece, bc_len, p2p_len) = (2 * c - 8, 1000, 64, 300, 512);
+        let root = size - 1;
+        let mut tensors = vec![
+            tensor(two_len, true, true, true),
+            tensor(strided_len, false, true, true),
+            tensor(piece * size, true, true, false),
+            tensor(piece * size, true, false, true),
+            tensor(bc_len, true, rank == root, rank != root),
+        ];
+        let mut contents = vec![
+            f32_input(rank, two_len / 4, 0),
+            f32_input(rank, strided_len / 4, 3),
+            pattern(rank, 9, piece * size),
+            vec![0xAB; piece * size],
+            if rank == root { pattern(root, 8, bc_len) } else { vec![0xCD; bc_len] },
+        ];
+        let sum = |t: usize, len: usize| {
+            let mut o = job_op(OpKind::AllReduce, DType::Float32, vec![], vec![staged(t, 0, len)]);
+            o.reduce_op = ReduceOp::Sum;
+            o
+        };
+        let mut broadcast = job_op(OpKind::Broadcast, DType::UInt8, vec![], vec![staged(4, 0, bc_len)]);
+        broadcast.root = root as i64;
+        let mut ops = vec![
+            sum(0, two_len),
+            sum(1, strided_len),
+            job_op(OpKind::AllToAll, DType::UInt8, staged_parts(2, piece * size, size), staged_parts(3, piece * size, size)),
+            broadcast,
+        ];
+        if size > 1 {
+            tensors.push(tensor(p2p_len, true, true, false));
+            tensors.push(tensor(p2p_len, true, false, true));
+            contents.push(pattern(rank, 11, p2p_len));
+            contents.push(vec![0; p2p_len]);
+            let mut send = job_op(OpKind::Send, DType::UInt8, vec![staged(5, 0, p2p_len)], vec![]);
+            send.root = ((rank + 1) % size) as i64;
+            let mut recv = job_op(OpKind::Recv, DType::UInt8, vec![], vec![staged(6, 0, p2p_len)]);
+            recv.root = ((rank + size - 1) % size) as i64;
+            ops.extend([send, recv]);
+        }
+        let whole: usize = tensors.iter().map(|t| t.bytes.lock().unwrap().len()).sum();
+        let kept = tensors.clone();
+        let fake = FakeDevice::new(tensors, contents);
+        let pinned = fake.pinned_bytes.clone();
+        f.op(run_staged(&comm, ops, fake), &what)?;
+        f.result(sum_check(&kept[0].bytes.lock().unwrap(), size, 0), format!("{what}: all-reduce of two chunks"));
+        f.result(sum_check(&kept[1].bytes.lock().unwrap(), size, 3), format!("{what}: all-reduce of a strided tensor"));
+        let got = kept[3].bytes.lock().unwrap().clone();
+        for r in 0..size {
+            // Rank r's piece for this rank: piece number `rank` of its input.
+            let want = &pattern(r, 9, piece * size)[rank * piece..(rank + 1) * piece];
+            f.result(same_bytes(&got[r * piece..(r + 1) * piece], want), format!("{what}: all-to-all piece from rank {r}"));
+        }
+        f.result(same_bytes(&kept[4].bytes.lock().unwrap(), &pattern(root, 8, bc_len)), format!("{what}: broadcast"));
+        if size > 1 {
+            let from = (rank + size - 1) % size;
+            f.result(same_bytes(&kept[6].bytes.lock().unwrap(), &pattern(from, 11, p2p_len)), format!("{what}: receive"));
+        }
+        f.eq(*pinned.lock().unwrap(), whole, format!("{what}: pinned bytes (a whole buffer per tensor)"));
+        Ok(())
+    });
 }
 
 /// One rank's staging cannot allocate its pinned memory: every rank's job fails with that
@@ -369,7 +389,12 @@ fn pinned_memory_failure_fails_every_rank(net: Net) {
         let mut fake = FakeDevice::new(vec![t], vec![f32_input(rank, 1024, 0)]);
         fake.fail_alloc = rank == 2;
         let o = job_op(OpKind::AllReduce, DType::Float32, vec![], vec![staged(0, 0, 4096)]);
-        expect_err_mentioning(f, run_staged(&comm, vec![o], fake), &["out of pinned memory"], &format!("rank {rank}: rank 2 could not allocate"));
+        expect_err_mentioning(
+            f,
+            run_staged(&comm, vec![o], fake),
+            &["out of pinned memory"],
+            &format!("rank {rank}: rank 2 could not allocate"),
+        );
         Ok(())
     });
     failures.finish(&format!("pinned memory failure over {net:?}"));

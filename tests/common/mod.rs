@@ -14,8 +14,8 @@ use std::time::Duration;
 mod failures;
 pub use failures::*;
 
-use xccl_rs::{CommError, Communicator, Completion, Config, DType, MemoryStore, Op, OpKind, RawBuf, ReduceOp};
 use xccl_rs::config::TransportChoice;
+use xccl_rs::{CommError, Communicator, Completion, Config, DType, MemoryStore, Op, OpKind, RawBuf, ReduceOp};
 
 pub fn config(timeout: Duration, segment_bytes: usize) -> Config {
     Config { segment_bytes, socket_host: Some("127.0.0.1".into()), ..Config::with_timeout(timeout) }
@@ -24,9 +24,12 @@ pub fn config(timeout: Duration, segment_bytes: usize) -> Config {
 /// Submits one job and waits for it.
 pub fn run(comm: &Communicator, ops: Vec<Op>) -> Result<Completion, CommError> {
     let (tx, rx) = mpsc::channel();
-    comm.submit(ops, Box::new(move |r| {
-        let _ = tx.send(r);
-    }))?;
+    comm.submit(
+        ops,
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    )?;
     rx.recv().expect("completion callback dropped")
 }
 
@@ -196,7 +199,9 @@ pub fn sweep_ranks_with(
 ) {
     let results = {
         let what = what.to_string();
-        try_spawn_ranks_with(store, cfgs, limit, move |rank, comm, barrier| sweep(format!("{what} rank {rank}"), |fl| f(rank, comm, barrier, fl)))
+        try_spawn_ranks_with(store, cfgs, limit, move |rank, comm, barrier| {
+            sweep(format!("{what} rank {rank}"), |fl| f(rank, comm, barrier, fl))
+        })
     };
     for rank_failures in failures.ranks(results, what).into_iter().flatten() {
         failures.merge(rank_failures);
@@ -256,9 +261,12 @@ pub fn collect_ranks<T>(rx: mpsc::Receiver<(usize, Result<T, String>)>, size: us
 /// Submits one job without waiting; the receiver yields its result.
 pub fn submit_async(comm: &Communicator, ops: Vec<Op>) -> mpsc::Receiver<Result<Completion, CommError>> {
     let (tx, rx) = mpsc::channel();
-    comm.submit(ops, Box::new(move |r| {
-        let _ = tx.send(r);
-    }))
+    comm.submit(
+        ops,
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    )
     .expect("submit");
     rx
 }
@@ -546,7 +554,8 @@ pub fn sweep_threads(
     f: impl Fn(usize, &RankBarrier, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
 ) {
     let name = what.to_string();
-    let results = gather_ranks(launch_threads(size, move |t, barrier| sweep(format!("{name} thread {t}"), |fl| f(t, barrier, fl))), size, limit);
+    let results =
+        gather_ranks(launch_threads(size, move |t, barrier| sweep(format!("{name} thread {t}"), |fl| f(t, barrier, fl))), size, limit);
     for thread_failures in failures.ranks(results, what).into_iter().flatten() {
         failures.merge(thread_failures);
     }

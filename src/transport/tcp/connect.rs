@@ -45,16 +45,24 @@ fn advertised_host(configured: Option<&str>) -> String {
     "127.0.0.1".to_string()
 }
 
+/// What a rank needs to join its group's mesh.
+#[derive(Clone, Copy)]
+pub struct MeshSpec<'a> {
+    /// Where the ranks publish their addresses.
+    pub store: &'a dyn Store,
+    pub rank: usize,
+    pub size: usize,
+    /// The group's token (rendezvous.rs), carried in every hello.
+    pub token: u64,
+    /// `XCCL_RS_SOCKET_HOST`: the address to advertise.
+    pub socket_host: Option<&'a str>,
+    pub timeout: Duration,
+}
+
 /// Connects this rank to every other rank. Returns `peers[r]` = the connection to rank r
 /// (`None` for this rank itself).
-pub fn connect_mesh(
-    store: &dyn Store,
-    rank: usize,
-    size: usize,
-    token: u64,
-    socket_host: Option<&str>,
-    timeout: Duration,
-) -> Result<Vec<Option<TcpStream>>> {
+pub fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<TcpStream>>> {
+    let MeshSpec { store, rank, size, token, socket_host, timeout } = *spec;
     let deadline = Instant::now() + timeout;
     let mut peers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     if size == 1 {

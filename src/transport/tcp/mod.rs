@@ -9,10 +9,9 @@ pub mod frame;
 mod socket;
 
 use std::net::TcpStream;
-use std::time::Duration;
 
 use crate::error::Result;
-use crate::rendezvous::Store;
+pub use connect::MeshSpec;
 
 /// Per-peer connection state that outlives a phase.
 pub(crate) struct Peer {
@@ -30,16 +29,10 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
-    /// Rendezvous through `store` and connect to every other rank.
-    pub fn connect(
-        store: &dyn Store,
-        rank: usize,
-        size: usize,
-        token: u64,
-        socket_host: Option<&str>,
-        timeout: Duration,
-    ) -> Result<TcpTransport> {
-        let streams = connect::connect_mesh(store, rank, size, token, socket_host, timeout)?;
+    /// Rendezvous through the spec's store and connect to every other rank.
+    pub fn connect(spec: &MeshSpec<'_>) -> Result<TcpTransport> {
+        let (rank, size) = (spec.rank, spec.size);
+        let streams = connect::connect_mesh(spec)?;
         let peers = streams
             .into_iter()
             .map(|s| s.map(|stream| Peer { stream, closed: false, broken_out: false }))
