@@ -116,7 +116,17 @@ fn build_bridge() {
     let torch = find_torch(); // the script refuses torch older than 2.8
     // The Python extension (`bridge`) adds its pybind11 module; `cpp` alone needs no Python.
     let python = cfg!(feature = "bridge");
-    let mut sources = vec!["csrc/api.cc", "csrc/communicator.cc", "csrc/backend.cc", "csrc/device.cc", "csrc/work.cc", "csrc/store.cc", "csrc/errors.cc"];
+    let mut sources = vec![
+        "csrc/api.cc",
+        "csrc/communicator.cc",
+        "csrc/backend.cc",
+        "csrc/reconfigure.cc",
+        "csrc/hooks.cc",
+        "csrc/device.cc",
+        "csrc/work.cc",
+        "csrc/store.cc",
+        "csrc/errors.cc",
+    ];
     if python {
         sources.push("csrc/module.cc");
     }

@@ -5,6 +5,7 @@
 #include "xccl_rs/backend.h"
 
 #include <numeric>
+#include <random>
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -100,7 +101,9 @@ static std::unique_ptr<StagingHandle> seal_staging(WorkState& state, rust::Vec<S
 
 CommHandle::~CommHandle() {
   try {
-    comm->shutdown();
+    if (comm.has_value()) {
+      (*comm)->shutdown();
+    }
   } catch (...) {
   }
 }
@@ -113,7 +116,7 @@ class XcclRsBackend::Job {
 
   // "xccl_rs: allgather #5 on rank 1": the start of every message about this call.
   std::string prefix() const {
-    return std::string("xccl_rs: ") + what_ + " #" + std::to_string(backend_.comm_->comm->next_seq()) + " on rank " +
+    return std::string("xccl_rs: ") + what_ + " #" + std::to_string(backend_.comm().next_seq()) + " on rank " +
         std::to_string(backend_.getRank());
   }
 
@@ -125,7 +128,7 @@ class XcclRsBackend::Job {
   // An argument error of this rank alone: peers are already in the collective, so abort them.
   [[noreturn]] void reject_and_abort(const std::string& message) const {
     const std::string full = prefix() + ": " + message;
-    backend_.comm_->comm->abort_op(kind_, full);
+    backend_.comm().abort_op(kind_, full);
     TORCH_CHECK_VALUE(false, full);
   }
 
@@ -268,12 +271,32 @@ class XcclRsBackend::Job {
 };
 
 XcclRsBackend::XcclRsBackend(std::shared_ptr<CommHandle> comm, int rank, int size, std::chrono::milliseconds timeout)
-    : c10d::Backend(rank, size), comm_(std::move(comm)) {
-  (void)timeout;
+    : c10d::Backend(rank, size), comm_(std::move(comm)), timeout_(timeout), instance_id_(std::random_device{}()) {
+  instance_id_ = instance_id_ << 32 | std::random_device{}();
+  listen_for_failure();
+}
+
+RustComm& XcclRsBackend::comm() const {
+  TORCH_CHECK(comm_->comm.has_value(), "xccl_rs: this group has not been initialized. Call reconfigure() before issuing "
+              "collectives when enable_reconfigure=True.");
+  return **comm_->comm;
+}
+
+void XcclRsBackend::listen_for_failure() {
+  if (comm_->comm.has_value()) {
+    (*comm_->comm)->listen_for_failure(std::make_unique<FailureListener>(FailureListener{abort_hooks_}));
+  }
 }
 
 XcclRsBackend::Job XcclRsBackend::begin(const char* what, OpKind kind) {
-  return Job(*this, what, kind, coalescing_ ? coalesced_state_ : new_work_state(what));
+  (void)comm(); // a clear error before anything else when there is no communicator yet
+  return Job(*this, what, kind, coalescing_ ? coalesced_state_ : new_job_state(what));
+}
+
+std::shared_ptr<WorkState> XcclRsBackend::new_job_state(const char* what) {
+  auto state = new_work_state(what);
+  state->completion_hooks = completion_hooks_;
+  return state;
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type, bool caller_waits) {
@@ -287,7 +310,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type
   rust::Vec<StagedTensor> staged;
   auto staging = seal_staging(*job.state(), staged);
   try {
-    comm_->comm->submit(std::move(job.ops()), std::move(staged), std::move(staging), std::move(done), caller_waits);
+    comm().submit(std::move(job.ops()), std::move(staged), std::move(staging), std::move(done), caller_waits);
   } catch (const rust::Error& e) {
     raise_core_error(e);
   }
@@ -297,7 +320,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type
 void XcclRsBackend::startCoalescing() {
   TORCH_CHECK(!coalescing_, "xccl_rs: startCoalescing called twice without endCoalescing");
   coalescing_ = true;
-  coalesced_state_ = new_work_state("coalesced operations");
+  coalesced_state_ = new_job_state("coalesced operations");
   coalesced_ops_.clear();
 }
 
@@ -309,7 +332,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::endCoalescing() {
   rust::Vec<StagedTensor> staged;
   auto staging = seal_staging(*state, staged);
   try {
-    comm_->comm->submit(std::move(coalesced_ops_), std::move(staged), std::move(staging), std::move(done), false);
+    comm().submit(std::move(coalesced_ops_), std::move(staged), std::move(staging), std::move(done), false);
   } catch (const rust::Error& e) {
     raise_core_error(e);
   }
@@ -318,21 +341,26 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::endCoalescing() {
 }
 
 uint64_t XcclRsBackend::getSequenceNumberForGroup() {
-  return comm_->comm->next_seq();
+  return comm().next_seq();
 }
 
 #if XCCL_RS_TORCH_AT_LEAST(2, 9)
 void XcclRsBackend::setTimeout(std::chrono::milliseconds timeout) {
-  comm_->comm->set_timeout_ms(static_cast<uint64_t>(timeout.count()));
+  timeout_ = timeout;
+  comm().set_timeout_ms(static_cast<uint64_t>(timeout.count()));
 }
 #endif
 
 void XcclRsBackend::shutdown() {
-  comm_->comm->shutdown();
+  if (comm_->comm.has_value()) {
+    (*comm_->comm)->shutdown();
+  }
 }
 
 void XcclRsBackend::abort() {
-  comm_->comm->abort_op(OpKind::Barrier, "xccl_rs: the group was aborted by rank " + std::to_string(getRank()));
+  if (comm_->comm.has_value()) {
+    (*comm_->comm)->abort_group("the group was aborted (Backend.abort()) on rank " + std::to_string(getRank()));
+  }
 }
 
 // ---- all-reduce, broadcast, reduce ----

@@ -37,20 +37,21 @@ std::chrono::milliseconds checked_timeout(int rank, int size, std::chrono::milli
   return timeout.count() > 0 ? timeout : std::chrono::minutes(30); // c10d's default when unset
 }
 
+rust::Box<RustComm> connect(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {
+  auto store_ref = std::make_unique<StoreRef>(StoreRef{store});
+  try {
+    return new_comm(std::move(store_ref), rank, size, static_cast<uint64_t>(timeout.count()));
+  } catch (const rust::Error& e) {
+    raise_core_error(e);
+  }
+}
+
 std::shared_ptr<CommHandle> new_communicator(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
     std::chrono::milliseconds timeout) {
-  auto store_ref = std::make_unique<StoreRef>(StoreRef{store});
-  rust::Box<RustComm> comm = [&]() {
-    try {
-      return new_comm(std::move(store_ref), rank, size, static_cast<uint64_t>(timeout.count()));
-    } catch (const rust::Error& e) {
-      raise_core_error(e);
-    }
-  }();
-  return std::shared_ptr<CommHandle>(new CommHandle{std::move(comm), store});
+  return std::shared_ptr<CommHandle>(new CommHandle{connect(store, rank, size, timeout), store});
 }
 
 std::shared_ptr<CommHandle> shared_communicator(
@@ -58,7 +59,8 @@ std::shared_ptr<CommHandle> shared_communicator(
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::string& group_id) {
+    const std::string& group_id,
+    bool connect) {
   const GroupKey key{group_id, group_identity(store)};
   std::lock_guard<std::mutex> lock(registry_mu);
   for (auto it = registry.begin(); it != registry.end();) {
@@ -69,7 +71,8 @@ std::shared_ptr<CommHandle> shared_communicator(
       return existing;
     }
   }
-  auto handle = new_communicator(store, rank, size, timeout);
+  auto handle = connect ? new_communicator(store, rank, size, timeout)
+                        : std::shared_ptr<CommHandle>(new CommHandle{std::nullopt, store});
   registry[key] = handle;
   return handle;
 }

@@ -24,9 +24,11 @@ c10::intrusive_ptr<c10d::Backend> create_shared_backend(
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    const std::string& group_id) {
+    const std::string& group_id,
+    bool enable_reconfigure) {
   timeout = checked_timeout(rank, size, timeout);
-  auto comm = shared_communicator(store, rank, size, timeout, group_id);
+  // enable_reconfigure: no rendezvous now; the first reconfigure() connects (reconfigure.cc).
+  auto comm = shared_communicator(store, rank, size, timeout, group_id, /*connect=*/!enable_reconfigure);
   return c10::make_intrusive<XcclRsBackend>(std::move(comm), rank, size, timeout);
 }
 
@@ -57,6 +59,7 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
       pybind11::arg("size"),
       pybind11::arg("timeout"),
       pybind11::arg("group_id") = "",
+      pybind11::arg("enable_reconfigure") = false,
       no_gil(),
       "Create an xccl_rs c10d Backend over `store` for this rank.");
   m.def(

@@ -1,6 +1,8 @@
 // Completion and waiting for xccl_rs jobs (see work.h).
 #include "xccl_rs/work.h"
 
+#include <atomic>
+
 #include <c10/util/Exception.h>
 
 #include "xccl_rs/errors.h"
@@ -9,8 +11,10 @@
 namespace xccl_rs {
 
 std::shared_ptr<WorkState> new_work_state(const std::string& what) {
+  static std::atomic<uint64_t> next_key{1};
   auto state = std::make_shared<WorkState>();
   state->what = what;
+  state->completion_key = next_key.fetch_add(1, std::memory_order_relaxed);
   state->future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()));
   return state;
@@ -96,6 +100,13 @@ void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, 
     complete_future(*state, failure);
   } else {
     complete_future(*state, failure);
+  }
+  // Only success is reported (a failed or timed-out op must not read as finished).
+  if (!failure) {
+    if (auto hooks = state->completion_hooks.lock()) {
+      const std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - state->issued;
+      hooks->run(state->completion_key, took.count());
+    }
   }
 }
 

@@ -11,7 +11,7 @@ use crate::buf::{Buf, RawBuf};
 use crate::comm::{Communicator, Staged};
 use crate::config::Config;
 use crate::error::{CommError, ErrorKind, Result};
-use crate::ffi::ffi::{self, BufferView, OpRequest, StagingHandle, StoreRef, WorkDone};
+use crate::ffi::ffi::{self, BufferView, FailureListener, OpRequest, StagingHandle, StoreRef, WorkDone};
 use crate::op::Op;
 use crate::rendezvous::Store;
 use crate::staging::{DeviceCopies, Event, Pinned, StagedTensor, Toward};
@@ -25,6 +25,11 @@ unsafe impl Sync for StoreRef {}
 // SAFETY: WorkDone owns a shared_ptr to a mutex-protected state; it is moved to the progress
 // thread and used there once.
 unsafe impl Send for WorkDone {}
+// SAFETY: FailureListener holds a weak_ptr to a mutex-protected hook table; the progress thread
+// (or whichever thread finds a failure) calls it, and only through group_failed, which locks.
+unsafe impl Send for FailureListener {}
+// SAFETY: as above: group_failed takes it by shared reference and locks the table it reaches.
+unsafe impl Sync for FailureListener {}
 // SAFETY: StagingHandle owns a shared_ptr to the job's DeviceStaging; it is moved to the thread
 // that runs the job and used only there (the caller's thread no longer touches the staging
 // after sealing it).
@@ -195,6 +200,23 @@ impl RustComm {
         if let Ok(kind) = core_kind(kind) {
             self.0.abort(kind, message);
         }
+    }
+
+    pub fn abort_group(&self, reason: &str) {
+        self.0.abort_now(reason);
+    }
+
+    pub fn error_kind(&self) -> ffi::ErrorKind {
+        self.0.error().map_or(ffi::ErrorKind::Success, |e| shared_error_kind(&e.kind))
+    }
+
+    pub fn listen_for_failure(&self, listener: cxx::UniquePtr<FailureListener>) {
+        let listener = std::sync::Arc::new(listener);
+        self.0.on_failure(std::sync::Arc::new(move |e: &CommError| {
+            if let Some(l) = listener.as_ref().as_ref() {
+                ffi::group_failed(l, shared_error_kind(&e.kind), &e.message);
+            }
+        }));
     }
 
     pub fn next_seq(&self) -> u64 {

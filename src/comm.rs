@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::abort::{AbortSwitch, FailureListener, FailureNotice};
 use crate::algorithms::mesh::p2p::{self, P2pCounters};
 use crate::algorithms::{Step, run_collective};
 use crate::buf::Buf;
@@ -59,6 +60,8 @@ pub struct Communicator {
     timeout_ms: Arc<AtomicU64>,
     /// Collectives submitted so far: the number the next one will carry.
     submitted: AtomicU64,
+    abort_switch: Arc<AbortSwitch>,
+    failure: Arc<FailureNotice>,
     pipeline_chunk_bytes: usize,
 }
 
@@ -75,8 +78,12 @@ impl Communicator {
         let timeout_ms = Arc::new(AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64));
         let (tx, rx) = mpsc::channel();
         let pipeline_chunk_bytes = config.pipeline_chunk_bytes;
+        let abort_switch = Arc::new(AbortSwitch::new()?);
+        let failure = Arc::new(FailureNotice::default());
         let worker = Worker {
             fabric,
+            abort_switch: abort_switch.clone(),
+            failure: failure.clone(),
             config,
             timeout_ms: timeout_ms.clone(),
             seq: 0,
@@ -98,6 +105,8 @@ impl Communicator {
             thread: Mutex::new(Some(thread)),
             timeout_ms,
             submitted: AtomicU64::new(0),
+            abort_switch,
+            failure,
             pipeline_chunk_bytes,
         })
     }
@@ -139,7 +148,12 @@ impl Communicator {
     /// As [`submit`](Self::submit), for ops whose buffers may be ranges of `staged`'s tensors;
     /// with `caller_waits`, the job may run on the calling thread (then `done` has run when
     /// this returns). The staging's copies run on the thread that runs the job.
+    /// A group that failed refuses new jobs here, quoting its first error (also async ones: the
+    /// caller learns at the call, as with NCCL's revoked communicators).
     pub fn submit_with(&self, ops: Vec<Op<Buf>>, staged: Option<Staged>, done: OnDone, caller_waits: bool) -> Result<()> {
+        if let Some(first) = self.failure.first() {
+            return Err(CommError::new(first.kind, failed_earlier(&first)));
+        }
         let local = |e: CommError| CommError::new(e.kind, format!("xccl_rs: rank {}: {}", self.rank, e.message));
         for op in &ops {
             op.validate(self.rank, self.size).map_err(local)?;
@@ -184,6 +198,28 @@ impl Communicator {
     /// error); peers waiting in that op fail at once with `message` instead of timing out.
     pub fn abort(&self, op: OpKind, message: &str) {
         let _ = self.send(Job::Abort { op, message: message.to_string() });
+    }
+
+    /// Aborts the group (torch's `Backend.abort()`), from any thread: the op running now stops
+    /// where it waits, queued and later ops fail at once, and the peers are told (abort frames,
+    /// the shared-memory abort flag), so that ranks blocked with this one fail too.
+    /// The group counts as failed when this returns: `error()` says so and the failure
+    /// listeners have run (on this thread).
+    pub fn abort_now(&self, reason: &str) {
+        let message = format!("xccl_rs: rank {}: {reason}", self.rank);
+        self.abort_switch.raise(reason);
+        self.failure.record(&CommError::new(ErrorKind::Aborted, message.clone()));
+        let _ = self.send(Job::Abort { op: OpKind::Barrier, message });
+    }
+
+    /// The first error that failed the group (None while it works).
+    pub fn error(&self) -> Option<CommError> {
+        self.failure.first()
+    }
+
+    /// `listener` is called once, on the thread that finds it, when the group fails.
+    pub fn on_failure(&self, listener: FailureListener) {
+        self.failure.listen(listener);
     }
 
     fn send(&self, job: Job) -> Result<()> {
@@ -253,6 +289,8 @@ struct Worker {
     p2p: P2pCounters,
     scratch: Vec<u8>,
     failed: Option<CommError>,
+    abort_switch: Arc<AbortSwitch>,
+    failure: Arc<FailureNotice>,
 }
 
 impl Worker {
@@ -290,6 +328,7 @@ impl Worker {
             rank: self.fabric.tcp.rank(),
             deadline: Instant::now().checked_add(timeout).unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40)),
             timeout,
+            abort: Some(self.abort_switch.clone()),
         }
     }
 
@@ -297,6 +336,7 @@ impl Worker {
         if self.failed.is_none() {
             tracing::error!(error = %e.message, "xccl_rs communicator failed");
             self.fabric.abort(ctx, &e.message);
+            self.failure.record(&e);
             self.failed = Some(e);
         }
     }
@@ -309,10 +349,7 @@ impl Worker {
     /// back, after every op succeeded) fails only this job.
     fn run_job(&mut self, ops: &[Op<Buf>], mut staging: Option<&mut StagedJob>) -> Result<Completion> {
         if let Some(e) = &self.failed {
-            return Err(CommError::new(
-                ErrorKind::Aborted,
-                format!("xccl_rs: this group failed earlier and cannot be used any more; the first error was: {}", e.message),
-            ));
+            return Err(CommError::new(ErrorKind::Aborted, failed_earlier(e)));
         }
         if let Some(s) = staging.as_deref_mut() {
             if let Err(e) = s.start() {
@@ -410,4 +447,9 @@ impl Worker {
             run_collective(&mut step, &mut self.fabric.parts, chunk)
         })
     }
+}
+
+/// The error of a job on a group that failed with `first`.
+fn failed_earlier(first: &CommError) -> String {
+    format!("xccl_rs: this group failed earlier and cannot be used any more; the first error was: {}", first.message)
 }

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
     /// Arguments that can never work (bad sizes, unsupported dtype/op): raised before data moves.
     InvalidArgument,

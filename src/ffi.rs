@@ -151,6 +151,14 @@ pub mod ffi {
         ) -> Result<()>;
         /// Fails the group because this rank rejected its part of an op of `kind`.
         fn abort_op(self: &RustComm, kind: OpKind, message: &str);
+        /// Aborts the group from any thread (torch's `Backend.abort()`): the running op stops,
+        /// later ones fail, peers are told.
+        fn abort_group(self: &RustComm, reason: &str);
+        /// The kind of the error that failed the group; `Success` while it works.
+        fn error_kind(self: &RustComm) -> ErrorKind;
+        /// `listener` hears the group's first failure (`group_failed`), once, on the thread that
+        /// finds it: torch's abort hooks.
+        fn listen_for_failure(self: &RustComm, listener: UniquePtr<FailureListener>);
         fn next_seq(self: &RustComm) -> u64;
         fn set_timeout_ms(self: &RustComm, timeout_ms: u64);
         fn shutdown(self: &RustComm);
@@ -164,6 +172,7 @@ pub mod ffi {
     unsafe extern "C++" {
         include!("xccl_rs/store.h");
         include!("xccl_rs/work.h");
+        include!("xccl_rs/hooks.h");
 
         /// A c10d Store.
         type StoreRef;
@@ -171,6 +180,8 @@ pub mod ffi {
         type WorkDone;
         /// A job's accelerator tensors and the device primitives that copy them (csrc/device.h).
         type StagingHandle;
+        /// Who hears that a group failed: a backend's abort hooks (csrc/hooks.cc).
+        type FailureListener;
 
         fn store_set(store: &StoreRef, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(store: &StoreRef, key: &str, timeout_ms: u64) -> Result<Vec<u8>>;
@@ -198,6 +209,8 @@ pub mod ffi {
         fn staging_stream_wait(staging: Pin<&mut StagingHandle>, toward: Toward, event: usize) -> Result<()>;
         /// After the last copy back: records the event the caller's stream waits for.
         fn staging_finish(staging: Pin<&mut StagingHandle>) -> Result<()>;
+        /// The group failed with `message`: runs the listener's hooks. Never throws.
+        fn group_failed(listener: &FailureListener, kind: ErrorKind, message: &str);
         /// Marks the work finished: `kind` Success (and `error` empty) on success.
         fn work_done(done: UniquePtr<WorkDone>, kind: ErrorKind, error: &str, source_rank: i64);
     }

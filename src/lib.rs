@@ -7,6 +7,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod abort;
 pub mod algorithms;
 pub mod buf;
 pub mod comm;

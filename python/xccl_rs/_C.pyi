@@ -7,7 +7,12 @@ import torch.distributed as dist
 torch_version_built: str
 
 def create_backend(
-    store: dist.Store, rank: int, size: int, timeout: timedelta, group_id: str = ""
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout: timedelta,
+    group_id: str = "",
+    enable_reconfigure: bool = False,
 ) -> dist.Backend: ...
 def new_process_group(
     store: dist.Store,

@@ -92,7 +92,12 @@ def _create_backend(dist_backend_opts, backend_options=None):
     init_process_group/new_group make for xccl_rs alone, a whole ProcessGroup (see _whole_group)."""
     o = dist_backend_opts
     backend = _C.create_backend(
-        o.store, o.group_rank, o.group_size, _timeout_of(o), str(getattr(o, "group_id", ""))
+        o.store,
+        o.group_rank,
+        o.group_size,
+        _timeout_of(o),
+        str(getattr(o, "group_id", "")),
+        bool(getattr(o, "enable_reconfigure", False)),  # torch >= 2.15: connect at reconfigure()
     )
     helper = _group_served_by_us_alone(sys._getframe(1))
     return backend if helper is None else _whole_group(backend, o, helper)

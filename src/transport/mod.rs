@@ -11,8 +11,10 @@ pub mod shm;
 pub mod subset;
 pub mod tcp;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::abort::AbortSwitch;
 use crate::error::{CommError, Result};
 use crate::types::OpKind;
 pub use crate::buf::RawBuf;
@@ -62,12 +64,19 @@ pub struct OpCtx {
     pub rank: usize,
     pub deadline: Instant,
     pub timeout: Duration,
+    /// The group's abort switch (abort.rs): raised, it stops the op where it waits.
+    pub abort: Option<Arc<AbortSwitch>>,
 }
 
 impl OpCtx {
     /// "allreduce #17 on rank 0": how every error message starts.
     pub fn describe(&self) -> String {
         format!("xccl_rs: {} #{} on rank {}", self.op.name(), self.seq, self.rank)
+    }
+
+    /// The error to stop with when the group's abort switch was raised.
+    pub fn aborted(&self) -> Option<CommError> {
+        self.abort.as_ref().filter(|a| a.is_raised()).map(|a| a.error(&self.describe()))
     }
 
     /// `e` with its message prefixed by [`describe`](Self::describe).

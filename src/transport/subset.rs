@@ -102,7 +102,7 @@ mod tests {
     }
 
     fn ctx() -> OpCtx {
-        OpCtx { op: OpKind::AllReduce, seq: 0, rank: 3, deadline: Instant::now() + Duration::from_secs(1), timeout: Duration::from_secs(1) }
+        OpCtx { op: OpKind::AllReduce, seq: 0, rank: 3, deadline: Instant::now() + Duration::from_secs(1), timeout: Duration::from_secs(1), abort: None }
     }
 
     #[test]

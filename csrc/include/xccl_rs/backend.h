@@ -12,6 +12,7 @@
 
 #include "rust/cxx.h"
 #include "xccl_rs/src/ffi.rs.h"
+#include "xccl_rs/hooks.h"
 #include "xccl_rs/version.h"
 #include "xccl_rs/work.h"
 
@@ -23,7 +24,9 @@ namespace xccl_rs {
 // One Rust communicator, shared by the backends that torch creates for each device type of a
 // group, so that a group has one set of connections and one operation order.
 struct CommHandle {
-  rust::Box<RustComm> comm;
+  // Empty until the first reconfigure() when the group was made with enable_reconfigure=True;
+  // reconfigure() replaces it.
+  std::optional<rust::Box<RustComm>> comm;
   c10::intrusive_ptr<c10d::Store> store; // keeps the rendezvous store (and its identity) alive
   ~CommHandle();
 };
@@ -46,7 +49,30 @@ class XcclRsBackend : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override;
 #endif
   void shutdown() override;
+  // Stops the running op and fails queued ones at once; peers are told (fault tolerance below).
   void abort() override;
+
+  // torch's fault-tolerance API (torch >= 2.15; reconfigure.cc).
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+  bool supportsReconfigure() const override {
+    return true;
+  }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override;
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
+  c10d::ErrorType getError() override;
+#endif
+#ifdef C10D_BACKEND_HAS_HOOKS
+  bool supportsAbortHooks() const override {
+    return true;
+  }
+  void registerAbortHook(int64_t hook_id, c10d::AbortHook hook) override;
+  void unregisterAbortHook(int64_t hook_id) override;
+  bool supportsCompletionHooks() const override {
+    return true;
+  }
+  void registerCompletionHook(int64_t hook_id, c10d::CompletionHook hook) override;
+  void unregisterCompletionHook(int64_t hook_id) override;
+#endif
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
@@ -153,7 +179,21 @@ class XcclRsBackend : public c10d::Backend {
   // synchronous, so the job may run on this thread when the group is idle.
   c10::intrusive_ptr<c10d::Work> launch(Job& job, c10d::OpType type, bool caller_waits = false);
 
+  // The group's communicator; throws when there is none yet (enable_reconfigure=True before
+  // the first reconfigure()).
+  RustComm& comm() const;
+  // Makes the abort hooks hear the current communicator's failure.
+  void listen_for_failure();
+
   std::shared_ptr<CommHandle> comm_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<AbortHooks> abort_hooks_ = std::make_shared<AbortHooks>();
+  std::shared_ptr<CompletionHooks> completion_hooks_ = std::make_shared<CompletionHooks>();
+  // A new job's state, told the completion hooks.
+  std::shared_ptr<WorkState> new_job_state(const char* what);
+  // This backend's identity in reconfigure handles, and the uuid of its current generation.
+  uint64_t instance_id_;
+  int64_t reconfigure_uuid_ = -1;
   // The accelerator this rank's tensors live on, once known (see Job::staging).
   std::optional<c10::Device> device_;
   bool coalescing_ = false;

@@ -15,6 +15,7 @@
 
 #include "rust/cxx.h"
 #include "xccl_rs/device.h"
+#include "xccl_rs/hooks.h"
 
 namespace xccl_rs {
 
@@ -34,6 +35,11 @@ struct WorkState {
   std::string what; // "allreduce" etc., for messages
   // Accelerator tensors: their host staging (null for a job on host tensors only).
   std::shared_ptr<DeviceStaging> staging;
+  // Told when the job succeeds (the backend's completion hooks), with this key and the time
+  // from the call to the completion.
+  std::weak_ptr<CompletionHooks> completion_hooks;
+  uint64_t completion_key = 0;
+  std::chrono::steady_clock::time_point issued = std::chrono::steady_clock::now();
 };
 
 struct WorkDone {
@@ -77,6 +83,12 @@ class XcclRsWork : public c10d::Work {
   // algorithm; accelerators cannot wait on host work through c10's generic interfaces).
   void synchronize() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+#ifdef C10D_BACKEND_HAS_HOOKS
+  // Never reused (a job can complete after its Work is gone): what completion hooks report.
+  uint64_t getCompletionKey() const override {
+    return state_->completion_key;
+  }
+#endif
 
  private:
   std::shared_ptr<WorkState> state_;

@@ -10,7 +10,7 @@
 //! g + 1 while peers still read block g.
 //!
 //! Waiting spins (then yields the core) for `XCCL_RS_SPIN_US`, then sleeps on the group futex (rank 0's `epoch`),
-//! waking every 100 ms to check the deadline, peers' abort flags and whether peers' processes
+//! waking every 100 ms to check the deadline, the group's abort switch (abort.rs), peers' abort flags and whether peers' processes
 //! still exist.
 
 use std::sync::atomic::Ordering;
@@ -269,6 +269,9 @@ impl ShmGroup {
             if lagging().next().is_none() {
                 return Ok(());
             }
+            if let Some(e) = ctx.aborted() {
+                return Err(e);
+            }
             let now = Instant::now();
             if now >= next_liveness_check {
                 self.check_peers(lagging(), ctx)?;
@@ -298,21 +301,27 @@ impl ShmGroup {
         self.wait_for(c, g, 0..self.size, ctx)
     }
 
-    /// A rank we wait for that failed, closed its communicator, or whose process is gone
-    /// fails the wait. Only lagging ranks count: a rank that already did its part of this
-    /// operation may legitimately have moved on, or exited.
+    /// Any rank that failed (and so aborted the group: a failure on any rank revokes it, also
+    /// one that already did its part of this op, e.g. aborted from another thread) fails the
+    /// wait; so does a rank we wait for that closed its communicator or whose process is gone.
+    /// Only lagging ranks count for those: a rank that already did its part of this operation
+    /// may legitimately have moved on, or exited.
     fn check_peers(&self, lagging: impl Iterator<Item = usize>, ctx: &OpCtx) -> Result<()> {
+        for local in (0..self.size).filter(|&r| r != self.rank) {
+            let h = self.header(local);
+            if h.aborted.0.load(Ordering::Acquire) == ABORT_FAILED {
+                return Err(CommError::peer(format!(
+                    "{}: rank {} failed and aborted the group: {}",
+                    ctx.describe(),
+                    self.members[local],
+                    h.abort_message()
+                )));
+            }
+        }
         for local in lagging {
             let h = self.header(local);
             let peer = self.members[local];
             match h.aborted.0.load(Ordering::Acquire) {
-                ABORT_FAILED => {
-                    return Err(CommError::peer(format!(
-                        "{}: rank {peer} failed and aborted the group: {}",
-                        ctx.describe(),
-                        h.abort_message()
-                    )));
-                }
                 ABORT_CLOSED => {
                     return Err(CommError::peer(format!(
                         "{}: rank {peer} closed its communicator while rank {} waited for it in this collective",

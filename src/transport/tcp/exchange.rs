@@ -402,10 +402,17 @@ impl Transport for TcpTransport {
             if !busy {
                 return Ok(());
             }
+            if let Some(e) = ctx.aborted() {
+                return Err(e);
+            }
             let Some(wait_ms) = Self::poll_timeout_ms(ctx.deadline) else {
                 return Err(self.timeout_error(&phases, ctx));
             };
+            if let Some(a) = &ctx.abort {
+                fds.push(libc::pollfd { fd: a.fd(), events: libc::POLLIN, revents: 0 });
+            }
             socket::poll(&mut fds, wait_ms).map_err(|e| CommError::io(format!("{}: poll failed: {e}", ctx.describe())))?;
+            // (The switch's entry, if any, is last and has no owner: zip skips it.)
             for (fd, &p) in fds.iter().zip(owners.iter()) {
                 let ev = fd.revents;
                 if ev == 0 {
@@ -448,6 +455,9 @@ impl Transport for TcpTransport {
                 fds.push(libc::pollfd { fd: peer.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 });
                 owners.push(p);
             }
+            if let Some(e) = ctx.aborted() {
+                return Err(e);
+            }
             let Some(wait_ms) = Self::poll_timeout_ms(ctx.deadline) else {
                 return Err(CommError::new(
                     ErrorKind::Timeout,
@@ -462,6 +472,9 @@ impl Transport for TcpTransport {
                 // Nobody can still send us a match; sleep out the deadline to report it.
                 std::thread::sleep(std::time::Duration::from_millis(wait_ms.min(50) as u64));
                 continue;
+            }
+            if let Some(a) = &ctx.abort {
+                fds.push(libc::pollfd { fd: a.fd(), events: libc::POLLIN, revents: 0 });
             }
             socket::poll(&mut fds, wait_ms).map_err(|e| CommError::io(format!("{}: poll failed: {e}", ctx.describe())))?;
             for (fd, &p) in fds.iter().zip(owners.iter()) {

@@ -1,0 +1,138 @@
+//! How a group stops: its abort switch, and the notice of its first failure.
+//!
+//! `abort()` may come from any thread while the group's progress thread is blocked in an op:
+//! raising the [`AbortSwitch`] makes that op fail at once, and every later op too. Waits notice
+//! it where they sleep: the TCP exchange polls the switch's eventfd beside its sockets
+//! (instant), shared-memory waits check it between naps of at most 100 ms.
+//!
+//! The [`FailureNotice`] keeps the first error that failed the group (a timeout, a dead peer,
+//! a mismatch, an abort) and tells its listeners once, on the thread that found it, whether or
+//! not anyone waits for the op: that is how torch's abort hooks fire and `get_error()` answers.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::error::{CommError, ErrorKind, Result};
+
+#[derive(Debug)]
+pub struct AbortSwitch {
+    raised: AtomicBool,
+    reason: Mutex<String>,
+    /// Readable once raised (a counter that is never read back).
+    wake: OwnedFd,
+}
+
+impl AbortSwitch {
+    pub fn new() -> Result<AbortSwitch> {
+        // SAFETY: eventfd has no memory arguments; a non-negative result is a new descriptor
+        // that nothing else owns, so OwnedFd may take it.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(CommError::io(format!("xccl_rs: eventfd failed: {}", std::io::Error::last_os_error())));
+        }
+        // SAFETY: see above: `fd` is a fresh descriptor owned by no one else.
+        let wake = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(AbortSwitch { raised: AtomicBool::new(false), reason: Mutex::new(String::new()), wake })
+    }
+
+    /// Raises the switch (the first reason is kept); never blocks.
+    pub fn raise(&self, reason: &str) {
+        {
+            let mut r = self.reason.lock();
+            if r.is_empty() {
+                *r = reason.to_string();
+            }
+        }
+        self.raised.store(true, Ordering::Release);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our own eventfd. Non-blocking: if the
+        // counter were full the write fails harmlessly (it is readable already).
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    pub fn is_raised(&self) -> bool {
+        self.raised.load(Ordering::Acquire)
+    }
+
+    /// A descriptor that polls readable once the switch is raised.
+    pub fn fd(&self) -> RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    /// The error of an op that the switch stopped; `what` says which ("allreduce #3 on rank 1").
+    pub fn error(&self, what: &str) -> CommError {
+        CommError::new(ErrorKind::Aborted, format!("{what}: aborted: {}", self.reason.lock()))
+    }
+}
+
+/// Called once, with the group's first failure.
+pub type FailureListener = Arc<dyn Fn(&CommError) + Send + Sync>;
+
+#[derive(Default)]
+pub struct FailureNotice {
+    first: Mutex<Option<CommError>>,
+    listeners: Mutex<Vec<FailureListener>>,
+}
+
+impl FailureNotice {
+    /// The error that failed the group, if it has failed.
+    pub fn first(&self) -> Option<CommError> {
+        self.first.lock().clone()
+    }
+
+    /// `listener` hears of the group's first failure (not of one that happened already).
+    pub fn listen(&self, listener: FailureListener) {
+        self.listeners.lock().push(listener);
+    }
+
+    /// Records `e` if it is the first failure, and then tells the listeners (outside the locks:
+    /// a listener may ask for [`first`](Self::first)).
+    pub fn record(&self, e: &CommError) {
+        {
+            let mut first = self.first.lock();
+            if first.is_some() {
+                return;
+            }
+            *first = Some(e.clone());
+        }
+        let listeners = self.listeners.lock().clone();
+        for listener in listeners {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| listener(e)));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn raised_switch_polls_readable_and_keeps_the_first_reason() {
+        let s = AbortSwitch::new().unwrap();
+        let mut fds = [libc::pollfd { fd: s.fd(), events: libc::POLLIN, revents: 0 }];
+        // SAFETY: `fds` is a live array of one pollfd.
+        assert_eq!(unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) }, 0, "not readable before");
+        s.raise("abort() was called");
+        s.raise("a second reason");
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) }, 1, "readable after");
+        assert!(s.is_raised());
+        assert_eq!(s.error("xccl_rs: barrier #0 on rank 0").message, "xccl_rs: barrier #0 on rank 0: aborted: abort() was called");
+    }
+
+    #[test]
+    fn the_notice_keeps_the_first_failure_and_tells_each_listener_once() {
+        let notice = FailureNotice::default();
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let h = heard.clone();
+        notice.listen(Arc::new(move |e: &CommError| h.lock().push(e.message.clone())));
+        assert_eq!(notice.first(), None);
+        notice.record(&CommError::new(ErrorKind::Timeout, "first"));
+        notice.record(&CommError::new(ErrorKind::PeerFailure, "second"));
+        assert_eq!(notice.first().map(|e| e.kind), Some(ErrorKind::Timeout));
+        assert_eq!(*heard.lock(), vec!["first".to_string()]);
+    }
+}
