@@ -82,8 +82,10 @@ void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, 
   }
   // The core queued the copies back of staged outputs before reporting success (finish()).
   const bool copied_back = !failure && state->staging && state->staging->results_back();
+  const std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - state->issued;
   {
     std::lock_guard<std::mutex> lock(state->mu);
+    state->duration_ms = took.count();
     state->error = failure;
     state->source_rank = source_rank;
     state->done = true;
@@ -104,7 +106,6 @@ void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, 
   // Only success is reported (a failed or timed-out op must not read as finished).
   if (!failure) {
     if (auto hooks = state->completion_hooks.lock()) {
-      const std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - state->issued;
       hooks->run(state->completion_key, took.count());
     }
   }
@@ -125,6 +126,14 @@ bool XcclRsWork::isCompleted() {
   }
   return state_->future->completed();
 }
+
+#ifdef C10D_BACKEND_HAS_HOOKS
+float XcclRsWork::getDuration() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  TORCH_CHECK(state_->done, "xccl_rs: getDuration() of a job that has not finished");
+  return state_->duration_ms;
+}
+#endif
 
 bool XcclRsWork::isSuccess() const {
   std::lock_guard<std::mutex> lock(state_->mu);

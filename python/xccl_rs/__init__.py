@@ -70,7 +70,7 @@ def _load_extension():
 
 _C = _load_extension()
 
-__all__ = ["BACKEND_NAME", "destroy_group", "new_group", "register", "torch_version_built"]
+__all__ = ["BACKEND_NAME", "destroy_group", "dump", "new_group", "register", "torch_version_built"]
 __version__ = "0.1.0"
 
 BACKEND_NAME = "xccl_rs"
@@ -215,3 +215,6 @@ def destroy_group(group: dist.ProcessGroup) -> None:
 
 
 register()
+
+
+from .debug import dump  # noqa: E402  (the flight recorder's entries of a group; debug.py)

@@ -11,6 +11,9 @@
 #include <vector>
 
 #include <ATen/core/ivalue.h>
+// Backend.hpp for its feature macros (C10D_BACKEND_HAS_HOOKS): every file that sees XcclRsWork
+// must see the same class, whichever header it includes first.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "rust/cxx.h"
@@ -40,6 +43,7 @@ struct WorkState {
   std::weak_ptr<CompletionHooks> completion_hooks;
   uint64_t completion_key = 0;
   std::chrono::steady_clock::time_point issued = std::chrono::steady_clock::now();
+  float duration_ms = 0; // from the call to the completion, once done
 };
 
 struct WorkDone {
@@ -88,6 +92,8 @@ class XcclRsWork : public c10d::Work {
   uint64_t getCompletionKey() const override {
     return state_->completion_key;
   }
+  // From the call to the completion (host time; device copies back may still run).
+  float getDuration() const override;
 #endif
 
  private:
