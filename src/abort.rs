@@ -6,8 +6,10 @@
 //! (instant), shared-memory waits check it between naps of at most 100 ms.
 //!
 //! The [`FailureNotice`] keeps the first error that failed the group (a timeout, a dead peer,
-//! a mismatch, an abort) and tells its listeners once, on the thread that found it, whether or
-//! not anyone waits for the op: that is how torch's abort hooks fire and `get_error()` answers.
+//! a mismatch, an abort) and tells its listeners once, whether or not anyone waits for the op:
+//! that is how torch's abort hooks fire and `get_error()` answers. The listeners run on a thread
+//! of their own, like NCCL's watchdog: a hook may take seconds (torch's flight recorder writes
+//! its trace to disk there), and the failed op's error must not wait for it.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
@@ -21,8 +23,10 @@ use crate::error::{CommError, ErrorKind, Result};
 pub struct AbortSwitch {
     raised: AtomicBool,
     reason: Mutex<String>,
-    /// Readable once raised (a counter that is never read back).
-    wake: OwnedFd,
+    /// Readable once raised (a counter that is never read back); closed with the group
+    /// ([`close`](Self::close)), since torch may keep a backend object alive after destroying
+    /// its group.
+    wake: Mutex<Option<OwnedFd>>,
 }
 
 impl AbortSwitch {
@@ -35,7 +39,7 @@ impl AbortSwitch {
         }
         // SAFETY: see above: `fd` is a fresh descriptor owned by no one else.
         let wake = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(AbortSwitch { raised: AtomicBool::new(false), reason: Mutex::new(String::new()), wake })
+        Ok(AbortSwitch { raised: AtomicBool::new(false), reason: Mutex::new(String::new()), wake: Mutex::new(Some(wake)) })
     }
 
     /// Raises the switch (the first reason is kept); never blocks.
@@ -47,19 +51,29 @@ impl AbortSwitch {
             }
         }
         self.raised.store(true, Ordering::Release);
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our own eventfd. Non-blocking: if the
-        // counter were full the write fails harmlessly (it is readable already).
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        if let Some(wake) = self.wake.lock().as_ref() {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a live u64 to our own eventfd, which the lock keeps
+            // open. Non-blocking: if the counter were full the write fails harmlessly (it is
+            // readable already).
+            unsafe { libc::write(wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+
+    /// Closes the descriptor: the group is gone and no op will wait any more.
+    pub fn close(&self) {
+        self.wake.lock().take();
     }
 
     pub fn is_raised(&self) -> bool {
         self.raised.load(Ordering::Acquire)
     }
 
-    /// A descriptor that polls readable once the switch is raised.
-    pub fn fd(&self) -> RawFd {
-        self.wake.as_raw_fd()
+    /// A descriptor that polls readable once the switch is raised (None once closed). Ops
+    /// poll it while they hold the group's worker lock, and [`close`](Self::close) runs under
+    /// that lock too (comm.rs `Worker::close`), so the number stays valid while it is polled.
+    pub fn fd(&self) -> Option<RawFd> {
+        self.wake.lock().as_ref().map(|w| w.as_raw_fd())
     }
 
     /// The error of an op that the switch stopped; `what` says which ("allreduce #3 on rank 1").
@@ -88,20 +102,28 @@ impl FailureNotice {
         self.listeners.lock().push(listener);
     }
 
-    /// Records `e` if it is the first failure, and then tells the listeners (outside the locks:
-    /// a listener may ask for [`first`](Self::first)).
-    pub fn record(&self, e: &CommError) {
+    /// Records `e` if it is the first failure, and then tells the listeners on a thread of
+    /// their own (outside the locks: a listener may ask for [`first`](Self::first)), whose
+    /// handle it returns; None when the group had failed already or there is no listener.
+    pub fn record(&self, e: &CommError) -> Option<std::thread::JoinHandle<()>> {
         {
             let mut first = self.first.lock();
             if first.is_some() {
-                return;
+                return None;
             }
             *first = Some(e.clone());
         }
         let listeners = self.listeners.lock().clone();
-        for listener in listeners {
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| listener(e)));
+        if listeners.is_empty() {
+            return None;
         }
+        let e = e.clone();
+        let tell = move || {
+            for listener in listeners {
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| listener(&e)));
+            }
+        };
+        std::thread::Builder::new().name("xccl_rs-hooks".into()).spawn(tell).ok()
     }
 }
 
@@ -112,7 +134,7 @@ mod tests {
     #[test]
     fn raised_switch_polls_readable_and_keeps_the_first_reason() {
         let s = AbortSwitch::new().unwrap();
-        let mut fds = [libc::pollfd { fd: s.fd(), events: libc::POLLIN, revents: 0 }];
+        let mut fds = [libc::pollfd { fd: s.fd().unwrap(), events: libc::POLLIN, revents: 0 }];
         // SAFETY: `fds` is a live array of one pollfd.
         assert_eq!(unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) }, 0, "not readable before");
         s.raise("abort() was called");
@@ -130,8 +152,8 @@ mod tests {
         let h = heard.clone();
         notice.listen(Arc::new(move |e: &CommError| h.lock().push(e.message.clone())));
         assert_eq!(notice.first(), None);
-        notice.record(&CommError::new(ErrorKind::Timeout, "first"));
-        notice.record(&CommError::new(ErrorKind::PeerFailure, "second"));
+        notice.record(&CommError::new(ErrorKind::Timeout, "first")).expect("a listener thread").join().unwrap();
+        assert!(notice.record(&CommError::new(ErrorKind::PeerFailure, "second")).is_none());
         assert_eq!(notice.first().map(|e| e.kind), Some(ErrorKind::Timeout));
         assert_eq!(*heard.lock(), vec!["first".to_string()]);
     }

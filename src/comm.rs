@@ -204,11 +204,13 @@ impl Communicator {
     /// where it waits, queued and later ops fail at once, and the peers are told (abort frames,
     /// the shared-memory abort flag), so that ranks blocked with this one fail too.
     /// The group counts as failed when this returns: `error()` says so and the failure
-    /// listeners have run (on this thread).
+    /// listeners have run.
     pub fn abort_now(&self, reason: &str) {
         let message = format!("xccl_rs: rank {}: {reason}", self.rank);
         self.abort_switch.raise(reason);
-        self.failure.record(&CommError::new(ErrorKind::Aborted, message.clone()));
+        if let Some(hooks) = self.failure.record(&CommError::new(ErrorKind::Aborted, message.clone())) {
+            let _ = hooks.join();
+        }
         let _ = self.send(Job::Abort { op: OpKind::Barrier, message });
     }
 
@@ -299,6 +301,7 @@ impl Worker {
             self.failed = Some(CommError::new(ErrorKind::Aborted, "xccl_rs: the group was destroyed"));
         }
         self.fabric.close();
+        self.abort_switch.close();
     }
 
     /// Runs a job; a panic becomes an error (and fails the communicator) instead of unwinding
@@ -336,7 +339,7 @@ impl Worker {
         if self.failed.is_none() {
             tracing::error!(error = %e.message, "xccl_rs communicator failed");
             self.fabric.abort(ctx, &e.message);
-            self.failure.record(&e);
+            drop(self.failure.record(&e)); // the listeners run on: the caller hears of `e` now
             self.failed = Some(e);
         }
     }

@@ -21,7 +21,7 @@ fn all_reduce(host: &mut [u8]) -> xccl_rs::Op {
 /// Ranks 0 and 1 wait in an all-reduce that rank 2 never joins; rank 0 is aborted from another
 /// thread half a second in. Rank 0's op fails at once with the abort, rank 1's as soon as it
 /// hears (well before the 20 s timeout), and rank 2's next op quotes rank 0's abort. The
-/// listeners of all three hear one failure each.
+/// listeners of all three hear one failure each (on their own thread, just after it).
 fn abort_stops_blocked_ops_on_every_rank(net: Net) {
     let mut failures = Failures::new();
     sweep_ranks(&mut failures, "abort", 3, net_config(net, Duration::from_secs(20), 4096), LIMIT, move |rank, comm, barrier, f| {
@@ -53,6 +53,11 @@ fn abort_stops_blocked_ops_on_every_rank(net: Net) {
         }
         let again = run(&comm, vec![all_reduce(&mut host)]);
         expect_err_mentioning(f, again, &["failed earlier", "abort() was called"], &format!("{what}: the next op"));
+        // The listeners run on a thread of their own, just after the failure.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while heard.lock().unwrap().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         f.eq(heard.lock().unwrap().len(), 1, format!("{what}: failures heard"));
         f.check(comm.error().is_some(), || format!("{what}: error() is None after the failure"));
         Ok(())

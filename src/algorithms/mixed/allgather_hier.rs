@@ -3,7 +3,7 @@
 //! views over TCP, each received straight into its rank's view; each leader then broadcasts
 //! the other hosts' views to its host over shared memory, one view after another.
 
-use super::{among, leaders, rooted};
+use super::{among, behind_remote, leaders, rooted};
 use crate::algorithms::Step;
 use crate::algorithms::host::{allgather_shm, broadcast_shm};
 use crate::error::Result;
@@ -40,7 +40,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
     }
     if let Some(shm) = mixed.shm.as_mut() {
         for r in (0..hosts.world_size()).filter(|&r| hosts.host_of(r) != my_host) {
-            broadcast_shm::run(shm, ctx, &Op { outputs: vec![op.outputs[r]], ..rooted(op, 0) }, desc)?;
+            broadcast_shm::run(shm, &behind_remote(ctx), &Op { outputs: vec![op.outputs[r]], ..rooted(op, 0) }, desc)?;
         }
     }
     Ok(())

@@ -4,7 +4,7 @@
 //! once with the whole group's size); each leader broadcasts the result to its host over
 //! shared memory. Every rank ends with the leaders' bits, which are identical.
 
-use super::{among, leaders, local_op, rooted};
+use super::{among, behind_remote, leaders, local_op, rooted};
 use crate::algorithms::Step;
 use crate::algorithms::host::{broadcast_shm, reduce_shm};
 use crate::algorithms::mesh::allreduce_direct;
@@ -26,7 +26,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         among(step, &leaders, |s| allreduce_direct::run(s, op))?;
     }
     if let Some(shm) = mixed.shm.as_mut() {
-        broadcast_shm::run(shm, ctx, &rooted(op, 0), desc)?;
+        broadcast_shm::run(shm, &behind_remote(ctx), &rooted(op, 0), desc)?;
     }
     Ok(())
 }

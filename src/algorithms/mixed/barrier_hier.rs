@@ -2,7 +2,7 @@
 //! knows every local rank has entered), a TCP barrier among the leaders (every rank of the
 //! group has entered), and a second shared-memory barrier that releases the local ranks.
 
-use super::{among, leaders};
+use super::{among, behind_remote, leaders};
 use crate::algorithms::Step;
 use crate::algorithms::host::barrier_shm;
 use crate::algorithms::mesh::barrier_direct;
@@ -22,7 +22,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, desc: Desc) -> Result<()> {
         among(step, &leaders, barrier_direct::run)?;
     }
     if let Some(shm) = mixed.shm.as_mut() {
-        barrier_shm::run(shm, ctx, desc)?;
+        barrier_shm::run(shm, &behind_remote(ctx), desc)?;
     }
     Ok(())
 }

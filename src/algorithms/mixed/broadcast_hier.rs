@@ -5,7 +5,7 @@
 //! any receiver's failure — here also of a failure in another host's shared-memory step (a
 //! mismatch on a non-leader) — and fails with it.
 
-use super::{among, rooted};
+use super::{among, behind_remote, rooted};
 use crate::algorithms::Step;
 use crate::algorithms::host::broadcast_shm;
 use crate::error::Result;
@@ -48,7 +48,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         })?;
     }
     if let Some(shm) = mixed.shm.as_mut() {
-        broadcast_shm::run(shm, ctx, &local, desc)?;
+        broadcast_shm::run(shm, &behind_remote(ctx), &local, desc)?;
     }
     if rank == my_rep {
         among(step, &reps, |s| s.confirm(&[root_host], &[]))?;

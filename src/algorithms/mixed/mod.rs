@@ -28,10 +28,13 @@ pub mod barrier_hier;
 pub mod broadcast_hier;
 pub mod reduce_hier;
 
+use std::time::Duration;
+
 use super::Step;
 use crate::error::Result;
 use crate::hosts::HostMap;
 use crate::op::Op;
+use crate::transport::OpCtx;
 use crate::transport::subset::Subset;
 use crate::types::ReduceOp;
 
@@ -52,6 +55,20 @@ pub fn local_op(op: ReduceOp) -> ReduceOp {
 /// TCP step).
 pub fn rooted(op: &Op, root: usize) -> Op {
     Op { root: root as i64, ..op.clone() }
+}
+
+/// How much later than its representative a rank gives up on a shared-memory step that follows
+/// the representatives' TCP step (waiting for the result its representative brings back).
+pub const BEHIND_REMOTE_GRACE: Duration = Duration::from_secs(1);
+
+/// The context of a shared-memory step that waits for a TCP step among the representatives:
+/// its deadline `BEHIND_REMOTE_GRACE` later. Without it, a rank waiting for its host's
+/// representative would time out at the same instant as the representative waiting for a
+/// remote rank, and could be first to abort the group, blaming its representative; with it,
+/// the representative's timeout, which names the remote rank that did not answer, reaches the
+/// host first (its abort flag is seen within 100 ms).
+pub fn behind_remote(ctx: &OpCtx) -> OpCtx {
+    OpCtx { deadline: ctx.deadline + BEHIND_REMOTE_GRACE, ..ctx.clone() }
 }
 
 /// Runs `f` on a step among `members` (ranks of the group, this rank among them), over the

@@ -408,8 +408,8 @@ impl Transport for TcpTransport {
             let Some(wait_ms) = Self::poll_timeout_ms(ctx.deadline) else {
                 return Err(self.timeout_error(&phases, ctx));
             };
-            if let Some(a) = &ctx.abort {
-                fds.push(libc::pollfd { fd: a.fd(), events: libc::POLLIN, revents: 0 });
+            if let Some(fd) = ctx.abort.as_ref().and_then(|a| a.fd()) {
+                fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
             }
             socket::poll(&mut fds, wait_ms).map_err(|e| CommError::io(format!("{}: poll failed: {e}", ctx.describe())))?;
             // (The switch's entry, if any, is last and has no owner: zip skips it.)
@@ -473,8 +473,8 @@ impl Transport for TcpTransport {
                 std::thread::sleep(std::time::Duration::from_millis(wait_ms.min(50) as u64));
                 continue;
             }
-            if let Some(a) = &ctx.abort {
-                fds.push(libc::pollfd { fd: a.fd(), events: libc::POLLIN, revents: 0 });
+            if let Some(fd) = ctx.abort.as_ref().and_then(|a| a.fd()) {
+                fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
             }
             socket::poll(&mut fds, wait_ms).map_err(|e| CommError::io(format!("{}: poll failed: {e}", ctx.describe())))?;
             for (fd, &p) in fds.iter().zip(owners.iter()) {
