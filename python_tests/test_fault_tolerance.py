@@ -32,6 +32,17 @@ def _init(rank, world_size, timeout_s=30.0):
     return store
 
 
+def _connected_world(rank, world_size):
+    """A reconfigurable group over every rank, connected by its first reconfigure: (the store,
+    the default group's CPU backend, every rank)."""
+    import torch
+
+    store = _init(rank, world_size)
+    everyone = list(range(world_size))
+    dist._reconfigure(1, _handles(store, "all1", everyone)).wait()
+    return store, dist.get_backend_impl(dist.group.WORLD, torch.device("cpu")), everyone
+
+
 def _handles(store, key, members):
     """Every member publishes its handle under `key`; returns them in the members' order."""
     me = dist._get_reconfigure_handle()
@@ -97,10 +108,7 @@ def w_timeout_revokes(rank, world_size):
     import torch
 
     problems = []
-    store = _init(rank, world_size)
-    everyone = list(range(world_size))
-    dist._reconfigure(1, _handles(store, "all1", everyone)).wait()
-    backend = dist.get_backend_impl(dist.group.WORLD, torch.device("cpu"))
+    store, backend, everyone = _connected_world(rank, world_size)
     backend.set_timeout(timedelta(seconds=2))
     revoked = threading.Event()
     backend.register_abort_hook(7, revoked.set)
@@ -134,10 +142,7 @@ def w_abort_unblocks(rank, world_size):
     import torch
 
     problems = []
-    store = _init(rank, world_size)
-    everyone = list(range(world_size))
-    dist._reconfigure(1, _handles(store, "all1", everyone)).wait()
-    backend = dist.get_backend_impl(dist.group.WORLD, torch.device("cpu"))
+    store, backend, everyone = _connected_world(rank, world_size)
     if rank == 0:
         time.sleep(0.5)
         backend.abort()  # rank 0 never joins; its abort frees the others
@@ -160,20 +165,20 @@ def w_abort_unblocks(rank, world_size):
     return problems
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_shrink_late_join_and_reused_uuid(world):
-    res = run_ranks(world, w_shrink_late_join_reuse, init="none", timeout_s=120)
+def _run(world, fn):
+    res = run_ranks(world, fn, init="none", timeout_s=120)
     problems = [f"rank {r}: {p}" for r in range(world) for p in res.value(r)]
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("world", [3, 4])
+def test_shrink_late_join_and_reused_uuid(world):
+    _run(world, w_shrink_late_join_reuse)
+
+
 def test_timeout_revokes_the_group_without_a_waiter():
-    res = run_ranks(3, w_timeout_revokes, init="none", timeout_s=120)
-    problems = [f"rank {r}: {p}" for r in range(3) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    _run(3, w_timeout_revokes)
 
 
 def test_abort_unblocks_every_rank_and_the_group_recovers():
-    res = run_ranks(3, w_abort_unblocks, init="none", timeout_s=120)
-    problems = [f"rank {r}: {p}" for r in range(3) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    _run(3, w_abort_unblocks)
