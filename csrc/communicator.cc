@@ -54,13 +54,14 @@ std::shared_ptr<CommHandle> new_communicator(
   return std::shared_ptr<CommHandle>(new CommHandle{connect(store, rank, size, timeout), store});
 }
 
+std::shared_ptr<CommHandle> unconnected_communicator(const c10::intrusive_ptr<c10d::Store>& store) {
+  return std::shared_ptr<CommHandle>(new CommHandle{std::nullopt, store});
+}
+
 std::shared_ptr<CommHandle> shared_communicator(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    std::chrono::milliseconds timeout,
     const std::string& group_id,
-    bool connect) {
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::function<std::shared_ptr<CommHandle>()>& make) {
   const GroupKey key{group_id, group_identity(store)};
   std::lock_guard<std::mutex> lock(registry_mu);
   for (auto it = registry.begin(); it != registry.end();) {
@@ -71,8 +72,7 @@ std::shared_ptr<CommHandle> shared_communicator(
       return existing;
     }
   }
-  auto handle = connect ? new_communicator(store, rank, size, timeout)
-                        : std::shared_ptr<CommHandle>(new CommHandle{std::nullopt, store});
+  auto handle = make();
   registry[key] = handle;
   return handle;
 }

@@ -28,7 +28,9 @@ c10::intrusive_ptr<c10d::Backend> create_shared_backend(
     bool enable_reconfigure) {
   timeout = checked_timeout(rank, size, timeout);
   // enable_reconfigure: no rendezvous now; the first reconfigure() connects (reconfigure.cc).
-  auto comm = shared_communicator(store, rank, size, timeout, group_id, /*connect=*/!enable_reconfigure);
+  auto comm = shared_communicator(group_id, store, [&] {
+    return enable_reconfigure ? unconnected_communicator(store) : new_communicator(store, rank, size, timeout);
+  });
   return c10::make_intrusive<XcclRsBackend>(std::move(comm), rank, size, timeout);
 }
 

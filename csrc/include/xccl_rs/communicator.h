@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -26,17 +27,16 @@ std::shared_ptr<CommHandle> new_communicator(
     int size,
     std::chrono::milliseconds timeout);
 
-// The communicator of group `group_id` on `store`, made on first use: torch creates one backend
-// per device type of a group, each with its own PrefixStore("<device>/", group_store), and
-// they must share one communicator (one set of connections, one operation order).
-// With `connect` false (enable_reconfigure=True) the handle has no communicator until the
-// first reconfigure() (reconfigure.cc).
+// A handle with no communicator yet (enable_reconfigure=True): the first reconfigure() connects
+// (reconfigure.cc).
+std::shared_ptr<CommHandle> unconnected_communicator(const c10::intrusive_ptr<c10d::Store>& store);
+
+// The communicator of group `group_id` on `store`, made by `make` on first use: torch creates
+// one backend per device type of a group, each with its own PrefixStore("<device>/",
+// group_store), and they must share one communicator (one set of connections, one order).
 std::shared_ptr<CommHandle> shared_communicator(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    std::chrono::milliseconds timeout,
     const std::string& group_id,
-    bool connect = true);
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::function<std::shared_ptr<CommHandle>()>& make);
 
 } // namespace xccl_rs
