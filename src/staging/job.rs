@@ -120,7 +120,7 @@ impl StagedJob {
         // Also orders the final event after the work queued before the job when nothing else was copied.
         self.device.stream_wait(Toward::Device, ISSUED)?;
         for (t, tensor) in self.tensors.iter().enumerate() {
-            if tensor.write && !tensor.contiguous {
+            if tensor.write && !tensor.contiguous && tensor.bytes > 0 {
                 let block = self.whole[t].expect("strided tensors have whole buffers").block;
                 self.device.copy(Toward::Device, t, 0, block, 0, tensor.bytes)?;
             }
