@@ -346,8 +346,10 @@ uint64_t XcclRsBackend::getSequenceNumberForGroup() {
 
 #if XCCL_RS_TORCH_AT_LEAST(2, 9)
 void XcclRsBackend::setTimeout(std::chrono::milliseconds timeout) {
-  timeout_ = timeout;
-  comm().set_timeout_ms(static_cast<uint64_t>(timeout.count()));
+  timeout_ = timeout; // also for a communicator that reconfigure() makes later
+  if (comm_->comm.has_value()) {
+    (*comm_->comm)->set_timeout_ms(static_cast<uint64_t>(timeout.count()));
+  }
 }
 #endif
 

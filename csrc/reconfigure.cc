@@ -109,7 +109,14 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reconfigure(const c10d::Reconfigur
     (*comm_->comm)->shutdown();
   }
   const auto connect_timeout = checked_timeout(rank, size, opts.timeout.value_or(timeout_));
-  comm_->comm = connect(store, rank, size, connect_timeout);
+  try {
+    comm_->comm = connect(store, rank, size, connect_timeout);
+  } catch (...) {
+    // No half-made group: later ops say "not initialized, call reconfigure()", and a
+    // reconfigure with a fresh uuid may try again.
+    comm_->comm.reset();
+    throw;
+  }
   (*comm_->comm)->set_timeout_ms(static_cast<uint64_t>(timeout_.count()));
   rank_ = rank;
   size_ = size;

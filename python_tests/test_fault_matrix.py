@@ -47,6 +47,7 @@ def _collective(kind, rank, size):
     import torch
 
     t = torch.full((4096,), float(rank + 1))
+    n = 4096 // size * size  # divisible among the ranks
     if kind == "all_reduce":
         dist.all_reduce(t)
     elif kind == "broadcast":
@@ -56,9 +57,9 @@ def _collective(kind, rank, size):
     elif kind == "all_gather":
         dist.all_gather_into_tensor(torch.empty(4096 * size), t)
     elif kind == "reduce_scatter":
-        dist.reduce_scatter_tensor(torch.empty(4096 // size * size // size), t[: 4096 // size * size])
+        dist.reduce_scatter_tensor(torch.empty(n // size), t[:n])
     elif kind == "all_to_all":
-        dist.all_to_all_single(torch.empty(4096 // size * size), t[: 4096 // size * size])
+        dist.all_to_all_single(torch.empty(n), t[:n])
     elif kind == "barrier":
         dist.barrier()
 

@@ -44,8 +44,9 @@ def w_one_rank_stalls(rank, world_size):
             problems.append("the all_reduce without the stalled rank succeeded")
         except RuntimeError:
             pass
-        # The abort hooks ran when the group failed: torch's hook wrote the trace to disk.
-        deadline = time.monotonic() + 5
+        # The abort hooks ran when the group failed: torch's hook writes the trace to disk on
+        # their thread (symbolizing stacks takes seconds on a loaded machine; not what is tested).
+        deadline = time.monotonic() + 30
         path = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank)
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -152,7 +152,8 @@ impl Communicator {
     /// caller learns at the call, as with NCCL's revoked communicators).
     pub fn submit_with(&self, ops: Vec<Op<Buf>>, staged: Option<Staged>, done: OnDone, caller_waits: bool) -> Result<()> {
         if let Some(first) = self.failure.first() {
-            return Err(CommError::new(first.kind, failed_earlier(&first)));
+            let what = ops.first().map_or("job", |o| o.kind.name());
+            return Err(CommError::new(first.kind, format!("xccl_rs: rank {}: {what}: {}", self.rank, failed_earlier(&first))));
         }
         let local = |e: CommError| CommError::new(e.kind, format!("xccl_rs: rank {}: {}", self.rank, e.message));
         for op in &ops {

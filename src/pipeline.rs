@@ -13,6 +13,8 @@
 //! Chunks of shared-memory collectives follow each other without a pause: their blocks are
 //! consecutive generations of the same double-buffered slots (algorithms/host/blocks.rs).
 
+use std::borrow::Cow;
+
 use crate::buf::{Buf, Extent};
 use crate::error::Result;
 use crate::op::Op;
@@ -56,7 +58,8 @@ pub fn run_chunks(
 ) -> Result<()> {
     let (c, chunks) = plan(op, chunk_bytes);
     for k in 0..chunks {
-        let chunk = if chunks == 1 { op.clone() } else { chunk_op(op, c, k) };
+        // A small op is its own only chunk: no copy of its buffer lists.
+        let chunk = if chunks == 1 { Cow::Borrowed(op) } else { Cow::Owned(chunk_op(op, c, k)) };
         let on_host = match staging.as_deref_mut() {
             Some(s) => s.inputs_ready(index, k, &chunk),
             None => chunk.host(),
