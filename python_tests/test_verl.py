@@ -108,6 +108,112 @@ def test_verl_engine():
         ], res.value(rank)["keys"]
 
 
+# --------------------------------------------------------------------------------------
+# elastic rollouts: one dies mid-sync, the next round goes to the others, a newcomer joins
+# --------------------------------------------------------------------------------------
+
+# The processes taking part in each round: rank 0 is the trainer (actor world 1), ranks 1-3
+# rollouts. Rank 2 dies in the middle of round 1. Rank 1 stalls for longer than the timeout in
+# round 3, which fails that group on every member although nobody left: round 4, with the same
+# members, must not reuse it. Rank 3 is new in round 5; round 6 repeats round 5's members.
+ELASTIC_ROUNDS = [[0, 1, 2], [0, 1, 2], [0, 1], [0, 1], [0, 1], [0, 1, 3], [0, 1, 3]]
+DIES_IN_ROUND, DYING_RANK = 1, 2
+STALLS_IN_ROUND, STALLING_RANK = 3, 1
+ELASTIC_TIMEOUT_S = 4.0
+FAILING_ROUNDS = (DIES_IN_ROUND, STALLS_IN_ROUND)
+
+
+def _elastic_tensors(step):
+    """Several buckets' worth, so that a failure falls in the middle of the sync."""
+    return [(f"{i}.{n}", t) for i in range(3) for n, t in make_tensors(f"elastic{step}.{i}", BUCKET)]
+
+
+def w_verl_elastic(rank, world_size, rebuild):
+    import asyncio
+    import time
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    import xccl_rs.verl_engine  # noqa: F401 - what verl's custom_backend_module does: registers "xccl_rs"
+
+    store = ctx().connect_store()
+    cls = CheckpointEngineRegistry.get("xccl_rs")
+    engine = CheckpointEngineRegistry.new(
+        "xccl_rs", bucket_size=BUCKET, is_master=(rank == 0), rebuild_group=rebuild, device="cpu",
+        timeout_s=ELASTIC_TIMEOUT_S, group_name=f"elastic{int(rebuild)}",
+    )
+    out = {"problems": [], "rounds": {}}
+
+    async def receive(step):
+        got = []
+        async for item in engine.receive_weights(global_steps=step):
+            got.append(item)
+            if step == DIES_IN_ROUND and rank == DYING_RANK and len(got) == 2:
+                store.set("died_at", repr(time.time()))
+                os._exit(0)  # a rollout dies with buckets still to come
+            if step == STALLS_IN_ROUND and rank == STALLING_RANK and len(got) == 2:
+                time.sleep(ELASTIC_TIMEOUT_S + 1)  # alive, but too slow for the group's timeout
+        return got
+
+    for step, members in enumerate(ELASTIC_ROUNDS):
+        if rank not in members:
+            continue
+        # What verl's manager does each update: prepare on the live workers, then the topology.
+        me = members.index(rank)
+        store.set(f"meta{step}/{me}", pickle.dumps(engine.prepare()))
+        metadata = [pickle.loads(store.get(f"meta{step}/{i}")) for i in range(len(members))]
+        actor_kwargs, rollout_kwargs = cls.build_topology(1, len(members) - 1, metadata)
+        kw, i = (actor_kwargs, 0) if rank == 0 else (rollout_kwargs, me - 1)
+        group_before = engine.group
+        engine.init_process_group(**{k: v[i] for k, v in kw.items()})
+        record = {"key": engine.group_key and engine.group_key[1:], "kept": engine.group is group_before}
+        expected = _elastic_tensors(step)
+        try:
+            if rank == 0:
+                asyncio.run(engine.send_weights(iter(expected), global_steps=step))
+            else:
+                out["problems"] += [f"round {step}: {p}" for p in compare(asyncio.run(receive(step)), expected)]
+        except Exception as e:  # noqa: BLE001 - the round with the dead rollout must raise
+            record["error"] = f"{type(e).__name__}: {e}"
+            record["late_s"] = time.time() - float(store.get("died_at")) if step == DIES_IN_ROUND else None
+        engine.finalize()
+        out["rounds"][step] = record
+    return out
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["keep-group", "rebuild-group"])
+def test_verl_engine_elastic_rollouts(rebuild):
+    res = run_ranks(4, w_verl_elastic, rebuild, timeout_s=120, expect_fail_ranks=(DYING_RANK,))
+    problems = []
+    for rank in (0, 1, 3):
+        out = res.value(rank)
+        assert out is not None, res.report()
+        problems += [f"rank {rank}: {p}" for p in out["problems"]]
+        for step, rec in out["rounds"].items():
+            if step in FAILING_ROUNDS and rank in ELASTIC_ROUNDS[step]:
+                if "error" not in rec:
+                    problems.append(f"rank {rank}: round {step} did not fail")
+                elif step == DIES_IN_ROUND and rec["late_s"] > ELASTIC_TIMEOUT_S + 2:
+                    problems.append(f"rank {rank}: round {step} failed {rec['late_s']:.1f} s after the death")
+                elif step == DIES_IN_ROUND and rank == 0 and "rank 2" not in rec["error"]:
+                    problems.append(f"rank 0: the error does not name group rank 2: {rec['error']}")
+            elif "error" in rec:
+                problems.append(f"rank {rank}: round {step} failed: {rec['error']}")
+    assert not problems, "\n".join(problems)
+    keys = {step: rec["key"] for step, rec in res.value(0)["rounds"].items()}
+    kept = {step: rec["kept"] for step, rec in res.value(0)["rounds"].items()}
+    # (generation, world size, rank): with rebuild_group off the same members keep their group
+    # (rounds 0 -> 1, 2 -> 3, 5 -> 6) but a failed one is never reused (round 4); with it on
+    # every round has a new one.
+    sizes = [len(m) for m in ELASTIC_ROUNDS]
+    if rebuild:
+        assert keys == {step: (step + 1, sizes[step], 0) for step in range(len(sizes))}, keys
+    else:
+        gens = [1, 1, 2, 2, 3, 4, 4]
+        assert keys == {step: (gens[step], sizes[step], 0) for step in range(len(sizes))}, keys
+        assert [kept[s] for s in range(len(sizes))] == [False, True, False, True, False, False, True], kept
+
+
 def test_registry_and_topology():
     """In-process: registration, the ABC is satisfied, topology of 3 trainers and 2 rollouts."""
     import xccl_rs.verl_engine as ve

@@ -247,6 +247,16 @@ class _EngineImpl:
         self.group = None
         self.group_key = None
 
+    def _forget_group_after_failure(self, error: BaseException) -> None:
+        """A failed sync may leave the group failed on every member (a dead or stalled peer), and
+        a failed group refuses every later op. So this worker gives it up: its next
+        ``prepare()`` reports no group, and the next update builds a new generation (with
+        whichever workers are alive then) even with ``rebuild_group`` off."""
+        logger.warning("xccl_rs verl engine: the sync failed (%s); the next update builds a new group", error)
+        if self._receiver is not None:
+            self._receiver.release()
+        self._drop_group()
+
     def finalize(self):
         if self._sender is not None:
             self._sender.release()
@@ -280,6 +290,7 @@ class _EngineImpl:
             stats = await asyncio.to_thread(stream.finish)
         except BaseException as e:
             stream.abort(f"{type(e).__name__} after {name!r}: {e}")
+            self._forget_group_after_failure(e)
             raise
         logger.info("xccl_rs verl engine: step %s sent %s", global_steps, stats)
         return {
@@ -302,7 +313,11 @@ class _EngineImpl:
         it = self._receiver.receive(progress=self.progress)
         try:
             while True:
-                item = await asyncio.to_thread(next, it, _END)
+                try:
+                    item = await asyncio.to_thread(next, it, _END)
+                except BaseException as e:
+                    self._forget_group_after_failure(e)
+                    raise
                 if item is _END:
                     break
                 yield item
