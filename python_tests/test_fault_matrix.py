@@ -5,7 +5,7 @@ behind: no xccl_rs entry in /dev/shm, and the survivors' open file descriptors a
 back to their count from before the group.
 
 CI runs a subset (every case at 3 ranks over shared memory; all_reduce over TCP and in a mixed
-group; one case at 4 ranks); XCCL_RS_FAULT_MATRIX=full runs every collective kind, both
+group; a stop in a rooted op over TCP and in a mixed group; one case at 4 ranks); XCCL_RS_FAULT_MATRIX=full runs every collective kind, both
 signals, world sizes 2 to 4 and the three transports.
 """
 
@@ -137,6 +137,8 @@ def _cases():
     return (
         [("shm", 3, kind, how) for kind in ("all_reduce", "broadcast", "all_to_all") for how in ("kill", "stop")]
         + [(net, 3, "all_reduce", how) for net in ("tcp", "mixed") for how in ("kill", "stop")]
+        # a rank stopped in a rooted op: the ranks waiting for the root must still name it
+        + [("tcp", 4, "broadcast", "stop"), ("mixed", 3, "reduce", "stop")]
         + [("shm", 4, "reduce_scatter", "kill")]
     )
 

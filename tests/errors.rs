@@ -201,6 +201,35 @@ fn absent_rank_times_out_naming_it(net: Net) {
     failures.finish(&format!("absent rank times out naming it over {net:?}"));
 }
 
+/// Rank 3 is stuck (alive, but it never calls the reduce); the root, rank 0, waits for it in the
+/// reduce, and ranks 1 and 2, whose part of the reduce was only to send, wait for the root in the
+/// next broadcast. The root started late, so ranks 1 and 2 time out first, on the root; still,
+/// every rank must name rank 3, the stuck one, not the root (TCP: the timeout round; shared
+/// memory: the root is seen to wait for rank 3).
+fn stuck_rank_named_by_ranks_waiting_for_its_waiter(net: Net) {
+    let timeout = Duration::from_secs(2);
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, "rank 3 stuck", 4, net_config(net, timeout, 4096), move |rank, comm, barrier, f| {
+        if rank != 3 {
+            let what = format!("rank {rank}");
+            if rank == 0 {
+                std::thread::sleep(Duration::from_millis(400));
+            }
+            let mut a = f32::to_bytes(&[1.0; 100]);
+            let mut b = f32::to_bytes(&[2.0; 100]);
+            let reduce = op_with(OpKind::Reduce, DType::Float32, vec![], vec![buf(&mut a)]);
+            let broadcast = op_with(OpKind::Broadcast, DType::Float32, vec![], vec![buf(&mut b)]);
+            let (r, took) = timed(&comm, vec![reduce]);
+            let r = if r.is_ok() { timed(&comm, vec![broadcast]).0 } else { r };
+            expect_err_mentioning(f, r, &["timed out", "[3]"], &what);
+            f.check(took < timeout + Duration::from_millis(2500), || format!("{what}: took {took:?}"));
+        }
+        barrier.wait();
+        Ok(())
+    });
+    failures.finish(&format!("stuck rank named by ranks waiting for its waiter over {net:?}"));
+}
+
 /// `set_timeout` applies to the next operations.
 fn set_timeout_shortens_the_wait(net: Net) {
     let mut failures = Failures::new();
@@ -209,7 +238,9 @@ fn set_timeout_shortens_the_wait(net: Net) {
             comm.set_timeout(Duration::from_millis(700));
             let (r, took) = timed(&comm, vec![barrier_op()]);
             expect_err_mentioning(f, r, &["timed out", "700 ms", "not heard from: [1]"], "rank 0: set_timeout, barrier alone");
-            f.check(took >= Duration::from_millis(650) && took < Duration::from_millis(2500), || format!("rank 0: set_timeout: took {took:?}"));
+            f.check(took >= Duration::from_millis(650) && took < Duration::from_millis(2500), || {
+                format!("rank 0: set_timeout: took {took:?}")
+            });
         }
         barrier.wait();
         Ok(())
@@ -354,7 +385,11 @@ fn submit_validates_layout() {
             (f32op(OpKind::ReduceScatter, vec![bx, bz], vec![by]), &["reduce_scatter", "input for rank 1 has 3 elements"]),
             (f32op(OpKind::AllToAll, vec![bx], vec![by, bz]), &["alltoall", "expected 2 input and 2 output"]),
             (
-                f32op(OpKind::AllToAll, if rank == 0 { vec![bx, by] } else { vec![by, bx] }, if rank == 0 { vec![bz, by] } else { vec![by, bz] }),
+                f32op(
+                    OpKind::AllToAll,
+                    if rank == 0 { vec![bx, by] } else { vec![by, bx] },
+                    if rank == 0 { vec![bz, by] } else { vec![by, bz] },
+                ),
                 &["alltoall", "sends itself 4 elements but expects 3"],
             ),
             (f32op(OpKind::Barrier, vec![bx], vec![]), &["barrier", "expected 0 input and 0 output"]),
@@ -385,7 +420,9 @@ fn submit_validates_layout() {
             let desc = format!("case {i} ({:?} {} {:?} root {}, expecting {needles:?}) rank {rank}", o.kind, o.dtype, o.reduce_op, o.root);
             let Some(e) = expect_err(f, run(&comm, vec![o]), &desc) else { continue };
             f.check(e.kind == ErrorKind::InvalidArgument, || format!("{desc}: kind {:?}, expected InvalidArgument: {}", e.kind, e.message));
-            f.check(e.message.starts_with(&format!("xccl_rs: rank {rank}: ")), || format!("{desc}: the message should start by naming the rank: {}", e.message));
+            f.check(e.message.starts_with(&format!("xccl_rs: rank {rank}: ")), || {
+                format!("{desc}: the message should start by naming the rank: {}", e.message)
+            });
             mentions(f, &e, needles, &desc);
         }
         // A job with one bad op is refused whole.
@@ -413,6 +450,7 @@ both_nets!(
     different_collectives_sending_root,
     large_broadcast_root_learns_of_receiver_failure,
     absent_rank_times_out_naming_it,
+    stuck_rank_named_by_ranks_waiting_for_its_waiter,
     set_timeout_shortens_the_wait,
     dead_rank_during_allreduce,
     dead_rank_before_allreduce,
@@ -528,7 +566,8 @@ fn bad_rank_or_size_in_new() {
             failures.fail(format!("{what}: expected an error, got a communicator"));
             continue;
         };
-        failures.check(e.kind == ErrorKind::InvalidArgument, || format!("{what}: kind {:?}, expected InvalidArgument: {}", e.kind, e.message));
+        failures
+            .check(e.kind == ErrorKind::InvalidArgument, || format!("{what}: kind {:?}, expected InvalidArgument: {}", e.kind, e.message));
         failures.check(e.message.contains(&format!("rank {rank}")), || format!("{what}: the error should name the rank: {}", e.message));
     }
     failures.finish("bad rank or size in Communicator::new");

@@ -23,7 +23,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         op.inputs[0].copy_to(op.outputs[rank]);
     }
     if hosts.leader(my_host) == rank {
-        among(step, &leaders(hosts), |s| {
+        among(mixed.shm.as_ref(), step, &leaders(hosts), |s| {
             let mut phase = s.phase();
             for other in (0..hosts.host_count()).filter(|&h| h != my_host) {
                 // Both sides list a host's views in rank order: same-peer transfers complete

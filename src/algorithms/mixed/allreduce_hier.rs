@@ -23,7 +23,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         reduce_shm::run(shm, ctx, &first, desc)?;
     }
     if is_leader {
-        among(step, &leaders, |s| allreduce_direct::run(s, op))?;
+        among(mixed.shm.as_ref(), step, &leaders, |s| allreduce_direct::run(s, op))?;
     }
     if let Some(shm) = mixed.shm.as_mut() {
         broadcast_shm::run(shm, &behind_remote(ctx), &rooted(op, 0), desc)?;

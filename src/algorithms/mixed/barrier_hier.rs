@@ -19,7 +19,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, desc: Desc) -> Result<()> {
         barrier_shm::run(shm, ctx, desc)?;
     }
     if is_leader {
-        among(step, &leaders, barrier_direct::run)?;
+        among(mixed.shm.as_ref(), step, &leaders, barrier_direct::run)?;
     }
     if let Some(shm) = mixed.shm.as_mut() {
         barrier_shm::run(shm, &behind_remote(ctx), desc)?;

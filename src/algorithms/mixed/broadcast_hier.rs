@@ -31,7 +31,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         }
         // The representatives' indices are host indices.
         let others: Vec<usize> = (0..reps.len()).filter(|&h| h != root_host).collect();
-        return among(step, &reps, |s| {
+        return among(mixed.shm.as_ref(), step, &reps, |s| {
             let mut phase = s.phase();
             for &h in &others {
                 phase.send(h, buf, s.count);
@@ -41,7 +41,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         });
     }
     if rank == my_rep {
-        among(step, &reps, |s| {
+        among(mixed.shm.as_ref(), step, &reps, |s| {
             let mut phase = s.phase();
             phase.recv(root_host, buf, s.count);
             s.run(phase)
@@ -51,7 +51,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         broadcast_shm::run(shm, &behind_remote(ctx), &local, desc)?;
     }
     if rank == my_rep {
-        among(step, &reps, |s| s.confirm(&[root_host], &[]))?;
+        among(mixed.shm.as_ref(), step, &reps, |s| s.confirm(&[root_host], &[]))?;
     }
     Ok(())
 }

@@ -35,6 +35,7 @@ use crate::error::Result;
 use crate::hosts::HostMap;
 use crate::op::Op;
 use crate::transport::OpCtx;
+use crate::transport::shm::ShmGroup;
 use crate::transport::subset::Subset;
 use crate::types::ReduceOp;
 
@@ -74,7 +75,17 @@ pub fn behind_remote(ctx: &OpCtx) -> OpCtx {
 /// Runs `f` on a step among `members` (ranks of the group, this rank among them), over the
 /// group's TCP connections; frames keep the op's header fields (sequence number, count, root as
 /// the group numbers it), so the members check each other's exactly as in a direct step.
-pub fn among<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut Step<'_>) -> Result<R>) -> Result<R> {
+/// Meanwhile this rank is marked in its host's shared memory (`shm`) as waiting on a remote
+/// step, so that a local rank waiting for it gives it time to report whom it waits for
+/// (ShmGroup::in_remote_step).
+pub fn among<R>(shm: Option<&ShmGroup>, step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut Step<'_>) -> Result<R>) -> Result<R> {
+    match shm {
+        Some(g) => g.in_remote_step(|| among_over_tcp(step, members, f)),
+        None => among_over_tcp(step, members, f),
+    }
+}
+
+fn among_over_tcp<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut Step<'_>) -> Result<R>) -> Result<R> {
     let me = members.iter().position(|&m| m == step.rank()).expect("this rank takes part in the TCP step");
     let mut sub = Subset::new(&mut *step.transport, members, me);
     let mut inner = Step {

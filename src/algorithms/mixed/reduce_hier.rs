@@ -33,7 +33,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
     }
     if rank == my_rep {
         let second = Op { outputs: vec![partial], ..rooted(op, root_host) };
-        among(step, &reps, |s| reduce_direct::run(s, &second))?;
+        among(mixed.shm.as_ref(), step, &reps, |s| reduce_direct::run(s, &second))?;
     }
     Ok(())
 }

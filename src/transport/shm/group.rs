@@ -13,7 +13,7 @@
 //! waking every 100 ms to check the deadline, the group's abort switch (abort.rs), peers' abort flags and whether peers' processes
 //! still exist.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use super::futex;
@@ -30,6 +30,27 @@ pub enum Counter {
     Produced,
     Reduced,
     Consumed,
+}
+
+/// How much longer a rank waits, once, when every rank it waits for is in a step over TCP: long
+/// enough for their own timeout, and their TCP timeout round (transport/tcp/timeout_round.rs),
+/// to come first.
+pub const WAITING_PEER_GRACE: Duration = Duration::from_millis(1500);
+
+/// Marks this rank as in a step over TCP (RankHeader::remote_wait) while it lives.
+struct RemoteWait<'a>(&'a AtomicU32);
+
+impl<'a> RemoteWait<'a> {
+    fn new(flag: &'a AtomicU32) -> RemoteWait<'a> {
+        flag.store(1, Ordering::Release);
+        RemoteWait(flag)
+    }
+}
+
+impl Drop for RemoteWait<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Release);
+    }
 }
 
 /// The shared-memory group of some ranks on one host: every rank of a single-host group, or
@@ -106,16 +127,12 @@ impl ShmGroup {
                 segments.push(own.take().expect("own segment placed once"));
                 continue;
             }
-            let peer_name = store
-                .get(&format!("xccl_rs/shm{namespace}/{peer}"), timeout)
-                .map_err(|e| rendezvous_error(me, member, e))?;
+            let peer_name = store.get(&format!("xccl_rs/shm{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
             segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), chunk)?);
         }
         store.set(&format!("xccl_rs/shm_mapped{namespace}/{rank}"), b"1")?;
         for (peer, &member) in members.iter().enumerate() {
-            store
-                .get(&format!("xccl_rs/shm_mapped{namespace}/{peer}"), timeout)
-                .map_err(|e| rendezvous_error(me, member, e))?;
+            store.get(&format!("xccl_rs/shm_mapped{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
         }
         segments[rank].unlink();
         for (peer, seg) in segments.iter().enumerate() {
@@ -264,6 +281,8 @@ impl ShmGroup {
         }
         let ctl = self.header(0);
         let mut next_liveness_check = Instant::now();
+        let mut deadline = ctx.deadline;
+        let mut extended = false;
         loop {
             let epoch = ctl.epoch.0.load(Ordering::SeqCst);
             if lagging().next().is_none() {
@@ -277,12 +296,22 @@ impl ShmGroup {
                 self.check_peers(lagging(), ctx)?;
                 next_liveness_check = now + Duration::from_millis(100);
             }
-            if now >= ctx.deadline {
+            // The ranks we wait for all wait on remote ranks: they will time out on those and say
+            // whom (their abort is seen within 100 ms), which names the right rank here too;
+            // blaming them now would not. (Local ranks never wait for each other alone: every
+            // op begins by waiting for every local rank's description.)
+            if now >= deadline && !extended && lagging().all(|r| self.in_remote_wait(r)) {
+                deadline += WAITING_PEER_GRACE;
+                extended = true;
+            }
+            if now >= deadline {
                 let silent: Vec<usize> = lagging().map(|r| self.members[r]).collect();
+                let waits: Vec<String> = lagging().filter_map(|r| self.waits_of(r)).collect();
+                let waits = if waits.is_empty() { String::new() } else { format!(" ({})", waits.join(", ")) };
                 return Err(CommError::new(
                     ErrorKind::Timeout,
                     format!(
-                        "{}: timed out after {} ms; ranks not heard from: {silent:?} (is a rank stuck, dead, or in a different collective?)",
+                        "{}: timed out after {} ms; ranks not heard from: {silent:?}{waits} (is a rank stuck, dead, or in a different collective?)",
                         ctx.describe(),
                         ctx.timeout.as_millis()
                     ),
@@ -290,11 +319,27 @@ impl ShmGroup {
             }
             ctl.sleepers.0.fetch_add(1, Ordering::SeqCst);
             if lagging().next().is_some() {
-                let nap = (ctx.deadline - now).min(Duration::from_millis(100));
+                let nap = deadline.saturating_duration_since(now).min(Duration::from_millis(100));
                 futex::wait(&ctl.epoch.0, epoch, nap);
             }
             ctl.sleepers.0.fetch_sub(1, Ordering::SeqCst);
         }
+    }
+
+    /// Runs `f`, a step over TCP, with this rank marked as waiting on it (see `wait_for`).
+    pub fn in_remote_step<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _waiting = RemoteWait::new(&self.header(self.rank).remote_wait.0);
+        f()
+    }
+
+    /// Whether local rank `r` is in a step over TCP (in_remote_step).
+    fn in_remote_wait(&self, r: usize) -> bool {
+        self.header(r).remote_wait.0.load(Ordering::Acquire) != 0
+    }
+
+    /// What a rank in `lagging` is waiting for, for a timeout message.
+    fn waits_of(&self, local: usize) -> Option<String> {
+        self.in_remote_wait(local).then(|| format!("rank {} waits for a remote rank", self.members[local]))
     }
 
     pub fn wait_all(&self, c: Counter, g: u64, ctx: &OpCtx) -> Result<()> {

@@ -75,6 +75,9 @@ pub struct RankHeader {
     pub aborted: Padded<AtomicU32>,
     pub epoch: Padded<AtomicU32>,
     pub sleepers: Padded<AtomicU32>,
+    /// Nonzero while this rank is in a step over TCP (a mixed group's representatives), so that
+    /// a local rank waiting for it can tell it from a stuck rank (group.rs, `wait_for`).
+    pub remote_wait: Padded<AtomicU32>,
     pub desc: [Padded<OpDesc>; 2],
     pub abort_len: Padded<AtomicU64>,
     /// UTF-8 bytes of the failure, packed little-endian into words.

@@ -10,11 +10,16 @@
 //! Every received header is checked against what this rank expects before a byte of payload
 //! is written, and the payload length must match exactly: a peer can never make us write
 //! outside the buffer the algorithm chose.
+//!
+//! A phase that times out, or hears a peer's timeout notice, does not fail at once: it runs a
+//! *timeout round* (timeout_round.rs) to find out which ranks are stuck, so that every rank
+//! names them rather than whom it happened to wait for.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Instant;
 
-use super::frame::{FrameKind, HEADER_LEN, Header, MAX_ABORT_MESSAGE};
+use super::frame::{FrameKind, HEADER_LEN, Header, MAX_ABORT_MESSAGE, decode_waits, encode_waits, max_waits_len};
+use super::timeout_round::TimeoutRound;
 use super::{Peer, TcpTransport, socket};
 use crate::error::{CommError, ErrorKind, Result};
 use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
@@ -25,6 +30,7 @@ enum Reading {
     Header { got: usize },
     Body { got: usize },
     Abort { message: Vec<u8>, got: usize },
+    Notice { payload: Vec<u8>, got: usize },
 }
 
 /// One peer's share of a phase.
@@ -41,6 +47,11 @@ struct PeerPhase {
     /// Reading a frame we learned (by peeking) is an abort, though no receive is pending.
     abort_pending: bool,
     watch: bool,
+    /// In a timeout round: our notice to this peer, and how much of it is written.
+    outbox: Vec<u8>,
+    outbox_sent: usize,
+    /// The ranks this peer's timeout notice listed, once read.
+    notice: Option<Vec<usize>>,
 }
 
 impl PeerPhase {
@@ -56,13 +67,27 @@ impl PeerPhase {
             reading: Reading::Header { got: 0 },
             abort_pending: false,
             watch: true,
+            outbox: Vec::new(),
+            outbox_sent: 0,
+            notice: None,
         }
+    }
+    /// A peer this phase is done with: nothing to send, receive or watch.
+    fn idle() -> Self {
+        PeerPhase { watch: false, ..PeerPhase::new() }
     }
     fn sending(&self) -> bool {
         self.next_send < self.sends.len()
     }
     fn receiving(&self) -> bool {
         self.next_recv < self.recvs.len() || self.abort_pending
+    }
+    fn notice_pending(&self) -> bool {
+        self.outbox_sent < self.outbox.len()
+    }
+    /// In a timeout round only a data frame already begun is finished, then the notice goes.
+    fn wants_out(&self, in_round: bool) -> bool {
+        if in_round { (self.sending() && self.sent > 0) || self.notice_pending() } else { self.sending() }
     }
 }
 
@@ -91,10 +116,7 @@ unsafe fn bytes_mut<'a>(buf: &RawBuf) -> &'a mut [u8] {
 }
 
 fn closed_error(ctx: &OpCtx, peer: usize, detail: &str) -> CommError {
-    CommError::peer(format!(
-        "{}: rank {peer} closed its connection{detail} (did it exit or crash?)",
-        ctx.describe()
-    ))
+    CommError::peer(format!("{}: rank {peer} closed its connection{detail} (did it exit or crash?)", ctx.describe()))
 }
 
 /// Compares a received header with the expectation (`expect`, and a payload of `expect_len`
@@ -153,11 +175,7 @@ fn check_header(expect: &MessageId, expect_len: u64, got: &Header, peer: usize, 
 }
 
 fn peer_abort_error(ctx: &OpCtx, peer: usize, message: &[u8]) -> CommError {
-    CommError::peer(format!(
-        "{}: rank {peer} failed and aborted the group: {}",
-        ctx.describe(),
-        String::from_utf8_lossy(message)
-    ))
+    CommError::peer(format!("{}: rank {peer} failed and aborted the group: {}", ctx.describe(), String::from_utf8_lossy(message)))
 }
 
 impl TcpTransport {
@@ -169,10 +187,11 @@ impl TcpTransport {
         self.peers[peer].as_mut().expect("peer index checked by the caller")
     }
 
-    /// Writes as much of `peer`'s send queue as the socket takes.
-    fn pump_send(&mut self, peer: usize, st: &mut PeerPhase, transfers: &[Transfer], ctx: &OpCtx) -> Result<()> {
+    /// Writes as much of `peer`'s send queue as the socket takes; in a timeout round, only the
+    /// rest of a frame already begun, then the notice.
+    fn pump_send(&mut self, peer: usize, st: &mut PeerPhase, transfers: &[Transfer], ctx: &OpCtx, in_round: bool) -> Result<()> {
         let fd = self.fd(peer);
-        while st.sending() {
+        while st.sending() && !(in_round && st.sent == 0) {
             let t = &transfers[st.sends[st.next_send]];
             if st.sent == 0 {
                 st.send_header = Header::data(t.id, t.buf.len() as u64).encode();
@@ -181,11 +200,8 @@ impl TcpTransport {
             // into memory they send from in the same phase).
             let body = unsafe { bytes(&t.buf) };
             let total = HEADER_LEN + body.len();
-            let (first, second) = if st.sent < HEADER_LEN {
-                (&st.send_header[st.sent..], body)
-            } else {
-                (&[][..], &body[st.sent - HEADER_LEN..])
-            };
+            let (first, second) =
+                if st.sent < HEADER_LEN { (&st.send_header[st.sent..], body) } else { (&[][..], &body[st.sent - HEADER_LEN..]) };
             match socket::send2(fd, first, second) {
                 Ok(n) => {
                     st.sent += n;
@@ -206,6 +222,15 @@ impl TcpTransport {
                     return Err(closed_error(ctx, peer, &format!(" while rank {} was sending ({e})", ctx.rank)));
                 }
             }
+        }
+        if in_round && st.sent == 0 && st.notice_pending() {
+            match socket::send2(fd, &st.outbox[st.outbox_sent..], &[]) {
+                Ok(n) => st.outbox_sent += n,
+                Err(e) if socket::would_block(&e) => {}
+                Err(e) => return Err(closed_error(ctx, peer, &format!(" while rank {} sent its timeout notice ({e})", ctx.rank))),
+            }
+            // Half a notice leaves the stream unframed: a later abort closes it instead.
+            self.peer_mut(peer).broken_out = st.notice_pending();
         }
         Ok(())
     }
@@ -241,6 +266,7 @@ impl TcpTransport {
                     socket::recv(fd, &mut dst[*got..])
                 }
                 Reading::Abort { message, got } => socket::recv(fd, &mut message[*got..]),
+                Reading::Notice { payload, got } => socket::recv(fd, &mut payload[*got..]),
             };
             let n = match step {
                 Ok(0) => {
@@ -260,8 +286,17 @@ impl TcpTransport {
                     if *got < HEADER_LEN {
                         continue;
                     }
-                    let h = Header::decode(&st.header)
-                        .map_err(|m| CommError::io(format!("{}: from rank {peer}: {m}", ctx.describe())))?;
+                    let h = Header::decode(&st.header).map_err(|m| CommError::io(format!("{}: from rank {peer}: {m}", ctx.describe())))?;
+                    if h.kind == FrameKind::TimeoutNotice {
+                        if h.payload_len > max_waits_len(self.size) {
+                            return Err(CommError::io(format!("{}: rank {peer} sent a corrupt timeout notice", ctx.describe())));
+                        }
+                        st.reading = Reading::Notice { payload: vec![0; h.payload_len as usize], got: 0 };
+                        if h.payload_len == 0 {
+                            self.finish_notice(peer, st, ctx)?;
+                        }
+                        continue;
+                    }
                     if h.kind == FrameKind::Abort {
                         if h.payload_len > MAX_ABORT_MESSAGE {
                             return Err(CommError::io(format!("{}: rank {peer} sent a corrupt abort frame", ctx.describe())));
@@ -295,8 +330,29 @@ impl TcpTransport {
                         return Err(peer_abort_error(ctx, peer, message));
                     }
                 }
+                Reading::Notice { payload, got } => {
+                    *got += n;
+                    if *got == payload.len() {
+                        self.finish_notice(peer, st, ctx)?;
+                    }
+                }
             }
         }
+        Ok(())
+    }
+
+    /// A whole timeout notice was read: the peer sends no more data, so nothing more is read
+    /// from it in this phase.
+    fn finish_notice(&self, peer: usize, st: &mut PeerPhase, ctx: &OpCtx) -> Result<()> {
+        let payload = match std::mem::replace(&mut st.reading, Reading::Header { got: 0 }) {
+            Reading::Notice { payload, .. } => payload,
+            _ => Vec::new(),
+        };
+        let waits = decode_waits(&payload, self.size).map_err(|m| CommError::io(format!("{}: from rank {peer}: {m}", ctx.describe())))?;
+        st.notice = Some(waits);
+        st.next_recv = st.recvs.len();
+        st.abort_pending = false;
+        st.watch = false;
         Ok(())
     }
 
@@ -319,7 +375,8 @@ impl TcpTransport {
         }
     }
 
-    fn timeout_error(&self, phases: &[PeerPhase], ctx: &OpCtx) -> CommError {
+    /// What this rank's own timeout says: whom it waited for.
+    fn timeout_message(&self, phases: &[PeerPhase], ctx: &OpCtx) -> String {
         let silent: Vec<usize> = (0..self.size).filter(|&p| p != self.rank && phases[p].next_recv < phases[p].recvs.len()).collect();
         let blocked: Vec<usize> = (0..self.size).filter(|&p| p != self.rank && phases[p].sending()).collect();
         let mut msg = format!("{}: timed out after {} ms", ctx.describe(), ctx.timeout.as_millis());
@@ -329,8 +386,39 @@ impl TcpTransport {
         if !blocked.is_empty() {
             msg += &format!("; ranks not accepting data: {blocked:?}");
         }
-        msg += " (is a rank stuck, dead, or in a different collective?)";
-        CommError::new(ErrorKind::Timeout, msg)
+        msg
+    }
+
+    /// Begins a timeout round: after this rank's own timeout (`notice` None), or after `notice`
+    /// = (peer, the ranks it waits for). Every open peer gets this rank's notice.
+    fn begin_round(&mut self, phases: &mut [PeerPhase], ctx: &OpCtx, notice: Option<(usize, Vec<usize>)>) -> TimeoutRound {
+        let now = Instant::now();
+        let from = notice.as_ref().map(|(p, _)| *p);
+        let mine: Vec<usize> = (0..self.size)
+            .filter(|&p| p != self.rank && Some(p) != from && (phases[p].next_recv < phases[p].recvs.len() || phases[p].sending()))
+            .collect();
+        let mut round = match notice {
+            None => TimeoutRound::after_timeout(self.rank, self.size, mine, self.timeout_message(phases, ctx), now),
+            Some((p, waits)) => TimeoutRound::after_notice(self.rank, self.size, mine, p, &waits, ctx, now),
+        };
+        let payload = encode_waits(round.waits());
+        let id = MessageId { op: ctx.op as u8, seq: ctx.seq, ..MessageId::default() };
+        let mut frame = Header { kind: FrameKind::TimeoutNotice, id, payload_len: payload.len() as u64 }.encode().to_vec();
+        frame.extend_from_slice(&payload);
+        for p in (0..self.size).filter(|&p| p != self.rank) {
+            let peer = self.peers[p].as_ref().expect("every other rank has a connection");
+            if peer.closed {
+                round.closed(p);
+                phases[p] = PeerPhase::idle();
+                continue;
+            }
+            // A stream left half written by an earlier phase cannot carry a frame.
+            if !peer.broken_out || phases[p].sent > 0 {
+                phases[p].outbox = frame.clone();
+            }
+            phases[p].watch = !round.answered(p);
+        }
+        round
     }
 
     fn poll_timeout_ms(deadline: Instant) -> Option<i32> {
@@ -375,16 +463,18 @@ impl Transport for TcpTransport {
 
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.size);
         let mut owners: Vec<usize> = Vec::with_capacity(self.size);
+        let mut round: Option<TimeoutRound> = None;
         loop {
             fds.clear();
             owners.clear();
+            let in_round = round.is_some();
             let mut busy = false;
             for (p, st) in phases.iter().enumerate() {
                 if p == self.rank {
                     continue;
                 }
                 let mut events = 0;
-                if st.sending() {
+                if st.wants_out(in_round) {
                     events |= libc::POLLOUT;
                     busy = true;
                 }
@@ -399,14 +489,21 @@ impl Transport for TcpTransport {
                     owners.push(p);
                 }
             }
-            if !busy {
+            if let Some(r) = &round {
+                if r.settled() || Instant::now() >= r.until {
+                    return Err(r.error());
+                }
+            } else if !busy {
                 return Ok(());
             }
             if let Some(e) = ctx.aborted() {
                 return Err(e);
             }
-            let Some(wait_ms) = Self::poll_timeout_ms(ctx.deadline) else {
-                return Err(self.timeout_error(&phases, ctx));
+            let Some(wait_ms) = Self::poll_timeout_ms(round.as_ref().map_or(ctx.deadline, |r| r.until)) else {
+                if round.is_none() {
+                    round = Some(self.begin_round(&mut phases, ctx, None));
+                }
+                continue;
             };
             if let Some(fd) = ctx.abort.as_ref().and_then(|a| a.fd()) {
                 fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
@@ -418,16 +515,19 @@ impl Transport for TcpTransport {
                 if ev == 0 {
                     continue;
                 }
+                let in_round = round.is_some();
                 let mut st = std::mem::replace(&mut phases[p], PeerPhase::new());
+                let mut moved_on = false;
                 let result = (|| {
-                    if st.sending() && ev & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP) != 0 {
-                        self.pump_send(p, &mut st, transfers, ctx)?;
+                    if st.wants_out(in_round) && ev & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP) != 0 {
+                        self.pump_send(p, &mut st, transfers, ctx, in_round)?;
                     }
                     if ev & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0 {
                         if st.receiving() {
                             self.pump_recv(p, &mut st, transfers, ctx)?;
                         } else if st.watch {
                             self.inspect_watched(p, &mut st);
+                            moved_on = !st.watch && !self.peer_mut(p).closed;
                             if st.abort_pending {
                                 self.pump_recv(p, &mut st, transfers, ctx)?;
                             }
@@ -435,8 +535,35 @@ impl Transport for TcpTransport {
                     }
                     Ok(())
                 })();
+                let notice = st.notice.take();
                 phases[p] = st;
-                result?;
+                match (round.as_mut(), result) {
+                    (None, Err(e)) => return Err(e),
+                    // In a round a peer's failure or its data for a later op is an answer: it
+                    // is dead (closed) or alive.
+                    (Some(r), Err(_)) => {
+                        if self.peer_mut(p).closed {
+                            r.closed(p);
+                        } else if !r.answered(p) {
+                            r.hear(p, Vec::new());
+                        }
+                        phases[p] = PeerPhase::idle();
+                    }
+                    (Some(r), Ok(())) if moved_on || self.peer_mut(p).closed => {
+                        if self.peer_mut(p).closed {
+                            r.closed(p)
+                        } else {
+                            r.hear(p, Vec::new())
+                        }
+                    }
+                    _ => {}
+                }
+                if let Some(waits) = notice {
+                    match round.as_mut() {
+                        Some(r) => r.hear(p, waits),
+                        None => round = Some(self.begin_round(&mut phases, ctx, Some((p, waits)))),
+                    }
+                }
             }
         }
     }
@@ -461,11 +588,7 @@ impl Transport for TcpTransport {
             let Some(wait_ms) = Self::poll_timeout_ms(ctx.deadline) else {
                 return Err(CommError::new(
                     ErrorKind::Timeout,
-                    format!(
-                        "{}: timed out after {} ms: no rank sent a matching message",
-                        ctx.describe(),
-                        ctx.timeout.as_millis()
-                    ),
+                    format!("{}: timed out after {} ms: no rank sent a matching message", ctx.describe(), ctx.timeout.as_millis()),
                 ));
             };
             if fds.is_empty() {
@@ -492,6 +615,12 @@ impl Transport for TcpTransport {
                         // Read the abort to completion (it arrives whole; retry until it has).
                         loop {
                             self.pump_recv(p, &mut st, &[], ctx)?;
+                            if let Some(waits) = st.notice {
+                                return Err(CommError::peer(format!(
+                                    "{}: rank {p} timed out waiting for ranks {waits:?} and failed the group",
+                                    ctx.describe()
+                                )));
+                            }
                             if Self::poll_timeout_ms(ctx.deadline).is_none() {
                                 return Err(closed_error(ctx, p, " in the middle of an abort message"));
                             }

@@ -1,7 +1,8 @@
 //! The frame: every message on a connection is a fixed 40-byte header followed by `payload_len`
 //! bytes. The header carries the message's identity (`MessageId`, transport/mod.rs), so a
 //! receiver can check that both ranks are in the same collective with the same sizes before it
-//! writes a byte of the payload; an abort frame carries the failed operation's kind and number.
+//! writes a byte of the payload; an abort frame carries the failed operation's kind and number,
+//! and a timeout notice the ranks its sender was still waiting for (timeout_round.rs).
 //!
 //! Layout (little endian):
 //! ```text
@@ -29,6 +30,9 @@ pub enum FrameKind {
     Data = 1,
     /// The sender failed this operation; the payload says why (UTF-8).
     Abort = 2,
+    /// The sender's operation timed out, or it heard of a timeout; the payload lists the ranks
+    /// it was still waiting for (u32 LE each). It sends no more data frames on the connection.
+    TimeoutNotice = 3,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +72,7 @@ impl Header {
         let kind = match b[4] {
             1 => FrameKind::Data,
             2 => FrameKind::Abort,
+            3 => FrameKind::TimeoutNotice,
             k => return Err(format!("unknown frame kind {k}")),
         };
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
@@ -75,9 +80,35 @@ impl Header {
         Ok(Header { kind, id, payload_len: u64_at(32) })
     }
 
-    /// Whether the first bytes of a stream (at least 5) start an abort frame.
+    /// Whether the first bytes of a stream (at least 5) start a failure frame: an abort or a
+    /// timeout notice, which end the sender's data on the connection.
     pub fn peek_is_abort(prefix: &[u8]) -> bool {
-        prefix.len() >= 5 && prefix[0..4] == MAGIC.to_le_bytes() && prefix[4] == FrameKind::Abort as u8
+        prefix.len() >= 5
+            && prefix[0..4] == MAGIC.to_le_bytes()
+            && (prefix[4] == FrameKind::Abort as u8 || prefix[4] == FrameKind::TimeoutNotice as u8)
+    }
+}
+
+/// A timeout notice's payload: the ranks its sender waits for.
+pub fn encode_waits(ranks: &[usize]) -> Vec<u8> {
+    ranks.iter().flat_map(|&r| (r as u32).to_le_bytes()).collect()
+}
+
+/// The longest timeout-notice payload a group of `size` ranks can send (each rank once).
+pub fn max_waits_len(size: usize) -> u64 {
+    4 * size as u64
+}
+
+/// Parses a timeout notice's payload from a peer of a group of `size`: whole u32s, each a rank
+/// of the group.
+pub fn decode_waits(payload: &[u8], size: usize) -> Result<Vec<usize>, String> {
+    if payload.len() % 4 != 0 || payload.len() as u64 > max_waits_len(size) {
+        return Err(format!("a timeout notice of {} bytes (a group of {size} ranks)", payload.len()));
+    }
+    let ranks: Vec<usize> = payload.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize).collect();
+    match ranks.iter().find(|&&r| r >= size) {
+        Some(r) => Err(format!("a timeout notice names rank {r} of a group of {size}")),
+        None => Ok(ranks),
     }
 }
 
@@ -97,6 +128,18 @@ mod tests {
         assert!(!Header::peek_is_abort(&h.encode()));
         let a = Header { kind: FrameKind::Abort, ..h };
         assert!(Header::peek_is_abort(&a.encode()));
+    }
+
+    #[test]
+    fn timeout_notice_round_trip_and_bounds() {
+        assert_eq!(decode_waits(&encode_waits(&[3, 0]), 4).unwrap(), vec![3, 0]);
+        assert_eq!(decode_waits(&[], 4).unwrap(), Vec::<usize>::new());
+        assert!(decode_waits(&encode_waits(&[4]), 4).is_err(), "a rank outside the group");
+        assert!(decode_waits(&[1, 0, 0], 4).is_err(), "not whole u32s");
+        assert!(decode_waits(&encode_waits(&[0, 1, 0]), 2).is_err(), "longer than one entry per rank");
+        let n = Header { kind: FrameKind::TimeoutNotice, id: MessageId::default(), payload_len: 4 };
+        assert_eq!(Header::decode(&n.encode()).unwrap(), n);
+        assert!(Header::peek_is_abort(&n.encode()));
     }
 
     #[test]

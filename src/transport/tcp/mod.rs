@@ -6,6 +6,7 @@
 pub mod connect;
 pub mod exchange;
 pub mod frame;
+mod timeout_round;
 mod socket;
 
 use std::net::TcpStream;
