@@ -121,6 +121,7 @@ fn build_bridge() {
         "csrc/communicator.cc",
         "csrc/backend.cc",
         "csrc/reconfigure.cc",
+        "csrc/split.cc",
         "csrc/hooks.cc",
         "csrc/device.cc",
         "csrc/work.cc",

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,8 +31,17 @@ struct CommHandle {
   // reconfigure() replaces it.
   std::optional<rust::Box<RustComm>> comm;
   c10::intrusive_ptr<c10d::Store> store; // keeps the rendezvous store (and its identity) alive
+  // The communicators of child groups (split.cc) by key, made by `make` on first use.
+  std::shared_ptr<CommHandle> child(const std::string& key, const std::function<std::shared_ptr<CommHandle>()>& make);
+  std::mutex children_mu;
+  std::map<std::string, std::weak_ptr<CommHandle>> children;
   ~CommHandle();
 };
+
+// torch's child groups reach the backend (split_group, shrink_group, merge_remote_group).
+#if XCCL_RS_TORCH_AT_LEAST(2, 15)
+#define XCCL_RS_HAS_CHILD_GROUPS 1
+#endif
 
 class XcclRsBackend : public c10d::Backend {
  public:
@@ -60,6 +72,35 @@ class XcclRsBackend : public c10d::Backend {
   c10d::ReconfigureHandle get_reconfigure_handle() const override;
   c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
   c10d::ErrorType getError() override;
+#endif
+#ifdef XCCL_RS_HAS_CHILD_GROUPS
+  // Child groups (split.cc).
+  bool supportsSplitting() const override {
+    return true;
+  }
+  bool isInitialized() override {
+    return comm_->comm.has_value();
+  }
+  // What torch copies (and changes) for a child: the name and this group's timeout.
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>(getBackendName(), timeout_);
+  }
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<Options>& opts) override;
+  c10::intrusive_ptr<c10d::Backend> merge(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      const c10::intrusive_ptr<Options>& opts,
+      const int& rank,
+      const int& size) override;
+  bool supportsShrinking() const override {
+    return true;
+  }
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranks_to_exclude,
+      int shrink_flags,
+      const c10::intrusive_ptr<Options>& opts_override) override;
 #endif
 #ifdef C10D_BACKEND_HAS_HOOKS
   bool supportsAbortHooks() const override {
@@ -191,6 +232,19 @@ class XcclRsBackend : public c10d::Backend {
   std::shared_ptr<CompletionHooks> completion_hooks_ = std::make_shared<CompletionHooks>();
   // A new job's state, told the completion hooks.
   std::shared_ptr<WorkState> new_job_state(const char* what);
+#ifdef XCCL_RS_HAS_CHILD_GROUPS
+  // A child group's backend over `store`, its communicator shared under `key` (split.cc).
+  c10::intrusive_ptr<c10d::Backend> child(
+      const std::string& key,
+      const c10::intrusive_ptr<c10d::Store>& store,
+      int rank,
+      int size,
+      const c10::intrusive_ptr<Options>& opts);
+#endif
+  // How many children of each kind this backend made: the keys its siblings share.
+  uint64_t split_count_ = 0;
+  uint64_t merge_count_ = 0;
+  uint64_t shrink_count_ = 0;
   // This backend's identity in reconfigure handles, and the uuid of its current generation.
   uint64_t instance_id_;
   int64_t reconfigure_uuid_ = -1;
