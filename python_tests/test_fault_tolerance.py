@@ -2,7 +2,8 @@
 ``init_process_group(..., enable_reconfigure=True)`` connects at ``dist._reconfigure`` and can be
 rebuilt over any subset of its ranks; ``abort()`` stops a blocked op on every rank; a timeout is
 found with nobody waiting, fires the abort hooks and shows in ``get_error()``; a reused uuid is
-refused. Results are checked against sums computed here from the ranks' inputs.
+refused. World sizes 2 to 5, over shared memory, TCP and in mixed groups, on CPU tensors and
+on the emulated XPU. Results are checked against sums computed here from the ranks' inputs.
 
 (torch's own suite, test/distributed/test_c10d_fault_tolerance.py, also passes with xccl_rs
 added to its backend list: docs/reliability.md says how to run it.)
@@ -56,15 +57,16 @@ def _barrier(store, key, members):
         store.get(f"{key}/{m}")
 
 
-def _check_sum(problems, what, contributors):
-    """all_reduce of (new rank + 1) * 10 + 0..3: compared with the sum over the contributors."""
+def _check_sum(problems, what, contributors, device="cpu"):
+    """all_reduce of (new rank + 1) * 10 + 0..3 on `device`: compared with the sum over the
+    contributors."""
     import torch
 
-    t = torch.arange(4, dtype=torch.float32) + (dist.get_rank() + 1) * 10
+    t = (torch.arange(4, dtype=torch.float32) + (dist.get_rank() + 1) * 10).to(device)
     dist.all_reduce(t)
     want = sum(torch.arange(4, dtype=torch.float32) + (r + 1) * 10 for r in range(contributors))
-    if not torch.equal(t, want):
-        problems.append(f"{what}: all_reduce gave {t.tolist()}, expected {want.tolist()}")
+    if not torch.equal(t.cpu(), want):
+        problems.append(f"{what}: all_reduce on {device} gave {t.cpu().tolist()}, expected {want.tolist()}")
 
 
 def _expect(problems, what, got, want):
@@ -72,24 +74,24 @@ def _expect(problems, what, got, want):
         problems.append(f"{what}: {got!r}, expected {want!r}")
 
 
-def w_shrink_late_join_reuse(rank, world_size):
+def w_shrink_late_join_reuse(rank, world_size, device="cpu"):
     problems = []
     store = _init(rank, world_size)
     everyone = list(range(world_size))
     dist._reconfigure(1, _handles(store, "all1", everyone)).wait()
-    _check_sum(problems, "after the first reconfigure", world_size)
-    # Drop rank 1: the others renumber (rank 2 becomes 1, ...).
+    _check_sum(problems, "after the first reconfigure", world_size, device)
+    # Drop rank 1 (the last one at 2 ranks, a middle one above): the others renumber.
     survivors = [r for r in everyone if r != 1]
     if rank != 1:
         dist._reconfigure(2, _handles(store, "shrink", survivors)).wait()
         _expect(problems, "size after the shrink", dist.get_world_size(), world_size - 1)
         _expect(problems, "rank after the shrink", dist.get_rank(), survivors.index(rank))
-        _check_sum(problems, "after the shrink", world_size - 1)
+        _check_sum(problems, "after the shrink", world_size - 1, device)
     _barrier(store, "shrunk", everyone)
     # Rank 1 joins again: the group is whole.
     dist._reconfigure(3, _handles(store, "all3", everyone)).wait()
     _expect(problems, "rank after the late join", dist.get_rank(), rank)
-    _check_sum(problems, "after the late join", world_size)
+    _check_sum(problems, "after the late join", world_size, device)
     # Every rank alone, twice with the same uuid: refused the second time, and it still works.
     dist._reconfigure(100 + rank, [dist._get_reconfigure_handle()]).wait()
     try:
@@ -98,7 +100,7 @@ def w_shrink_late_join_reuse(rank, world_size):
     except RuntimeError as e:
         if "already used" not in str(e):
             problems.append(f"a reused uuid: {e}")
-    _check_sum(problems, "alone", 1)
+    _check_sum(problems, "alone", 1, device)
     dist.destroy_process_group()
     return problems
 
@@ -165,15 +167,35 @@ def w_abort_unblocks(rank, world_size):
     return problems
 
 
-def _run(world, fn):
-    res = run_ranks(world, fn, init="none", timeout_s=120)
+def _run(world, fn, *args, **kwargs):
+    res = run_ranks(world, fn, *args, init="none", timeout_s=120, **kwargs)
     problems = [f"rank {r}: {p}" for r in range(world) for p in res.value(r)]
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_shrink_late_join_and_reused_uuid(world):
-    _run(world, w_shrink_late_join_reuse)
+# How the group's ranks reach each other: one host (shared memory), TCP between every pair, or
+# two hosts (ranks 0 and 1 on one, the others on the other: mixed).
+NETS = {
+    "shm": {},
+    "tcp": {"env": {"XCCL_RS_TRANSPORT": "tcp"}},
+    "mixed": {"rank_env": lambda r: {"XCCL_RS_HOST_ID": "a" if r < 2 else "b"}},
+}
+
+
+@pytest.mark.parametrize(
+    "world,net", [(2, "shm"), (3, "shm"), (4, "shm"), (5, "shm"), (3, "tcp"), (5, "tcp"), (4, "mixed"), (5, "mixed")]
+)
+def test_shrink_late_join_and_reused_uuid(world, net):
+    _run(world, w_shrink_late_join_reuse, **NETS[net])
+
+
+def test_shrink_late_join_and_reused_uuid_on_xpu():
+    import xpu_emu
+
+    if reason := xpu_emu.unavailable_reason():
+        pytest.skip(reason)
+    xpu_emu.load()
+    _run(3, w_shrink_late_join_reuse, "xpu", setup=xpu_emu.ACTIVATE)
 
 
 def test_timeout_revokes_the_group_without_a_waiter():
