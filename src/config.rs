@@ -105,12 +105,8 @@ settings! {
     /// one-shot path (every rank reduces the whole tensor from every rank's slot: one
     /// synchronization instead of two).
     shm_oneshot_bytes: usize = "XCCL_RS_SHM_ONESHOT_BYTES", default 64 << 10, parse |v| bytes_at_least(v, 0);
-    /// `XCCL_RS_SPIN_US` (default: 1000 where the host's ranks and their threads fit on its
-    /// cores, else 50): how long a waiting rank polls (spinning, then yielding its core between
-    /// polls) before it sleeps on a futex. Waking a sleeping rank costs tens to hundreds of
-    /// microseconds on a virtual machine (its idle vCPU must be scheduled again); with more ranks
-    /// than cores the short budget lets the ranks that hold the cores progress.
-    spin: Option<Duration> = "XCCL_RS_SPIN_US", default None, parse |v| number(v, "microseconds").map(|us| Some(Duration::from_micros(us)));
+    /// `XCCL_RS_SPIN_US` (default 50): how long a waiting rank spins before it sleeps on a futex.
+    spin: Duration = "XCCL_RS_SPIN_US", default Duration::from_micros(50), parse |v| number(v, "microseconds").map(Duration::from_micros);
     /// `XCCL_RS_THREADS` (default 0: the cores available to this process divided by the ranks
     /// on this host, at most 8): threads a rank uses for the copies and reductions of large
     /// shared-memory blocks.
@@ -157,22 +153,9 @@ impl Config {
         if self.threads > 0 {
             return self.threads;
         }
-        (cores() / local_ranks.max(1)).clamp(1, 8)
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        (cores / local_ranks.max(1)).clamp(1, 8)
     }
-
-    /// How long a waiting rank polls before it sleeps (see `spin`) when `local_ranks` ranks of
-    /// `threads` threads each share this host.
-    pub fn spin_for(&self, local_ranks: usize, threads: usize) -> Duration {
-        self.spin.unwrap_or(if local_ranks * threads.max(1) <= cores() { LONG_SPIN } else { SHORT_SPIN })
-    }
-}
-
-/// The spin budgets of `XCCL_RS_SPIN_US`'s default: the cores suffice, or they do not.
-pub const LONG_SPIN: Duration = Duration::from_micros(1000);
-pub const SHORT_SPIN: Duration = Duration::from_micros(50);
-
-fn cores() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 /// `XCCL_RS_LOG` (default off): a `tracing` filter such as `info` or `xccl_rs=debug`; logs go to
@@ -203,9 +186,7 @@ mod tests {
     fn unset_and_empty_take_the_defaults() {
         let c = from(&[("XCCL_RS_TRANSPORT", " "), ("XCCL_RS_SPIN_US", "")]).unwrap();
         assert_eq!(c.transport, TransportChoice::Auto);
-        assert_eq!(c.spin, None);
-        assert_eq!(c.spin_for(usize::MAX / 2, 1), SHORT_SPIN, "more ranks than cores");
-        assert_eq!(c.spin_for(1, 1), LONG_SPIN, "one rank always fits");
+        assert_eq!(c.spin, Duration::from_micros(50));
         assert_eq!(c.segment_bytes, DEFAULT_SEGMENT_BYTES);
         assert_eq!(c.pipeline_chunk_bytes, DEFAULT_PIPELINE_CHUNK_BYTES);
     }
@@ -223,7 +204,7 @@ mod tests {
         assert_eq!(c.transport, TransportChoice::Tcp);
         assert_eq!(c.shm_chunk_bytes, 4992);
         assert_eq!(c.pipeline_chunk_bytes, 65536);
-        assert_eq!(c.spin_for(1, 1), Duration::from_micros(7));
+        assert_eq!(c.spin, Duration::from_micros(7));
         assert_eq!(c.host_id.as_deref(), Some("a"));
     }
 
@@ -245,9 +226,7 @@ mod tests {
             };
             failures.eq((err.name, err.value.as_str()), (name, value), &what);
             let text = err.to_string();
-            failures.check(text.contains(name) && text.contains(value) && text.contains(allowed), || {
-                format!("{what}: {text:?} should name the variable, the value and {allowed:?}")
-            });
+            failures.check(text.contains(name) && text.contains(value) && text.contains(allowed), || format!("{what}: {text:?} should name the variable, the value and {allowed:?}"));
         }
         failures.finish("invalid settings");
     }
@@ -257,7 +236,8 @@ mod tests {
     fn docs_list_exactly_the_declared_settings() {
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/env.md")).unwrap();
         let runtime = doc.split("## Runtime").nth(1).unwrap().split("\n## ").next().unwrap();
-        let mut documented: Vec<&str> = runtime.lines().filter_map(|l| l.strip_prefix("| `")).filter_map(|l| l.split('`').next()).collect();
+        let mut documented: Vec<&str> =
+            runtime.lines().filter_map(|l| l.strip_prefix("| `")).filter_map(|l| l.split('`').next()).collect();
         let mut declared = SETTINGS.to_vec();
         documented.sort();
         declared.sort();

@@ -121,9 +121,8 @@ impl Fabric {
         let host = hosts.host_of(rank);
         let local = hosts.ranks(host).to_vec();
         let setup = |namespace: &str| {
-            let threads = config.threads_for(local.len());
-            let par = Par::new(threads, config.thread_min_bytes);
-            let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin_for(local.len(), threads), config.timeout);
+            let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes);
+            let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin, config.timeout);
             ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par)
         };
         let count = hosts.host_count();
