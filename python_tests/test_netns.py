@@ -105,6 +105,7 @@ def w_collectives(rank, world_size, addresses, host_of_rank):
     shares = host_of_rank.count(me) > 1
     if netns.maps_shared_memory() != shares:
         problems.append(f"maps shared memory: {not shares}, expected {shares} ({host_of_rank.count(me)} ranks in this namespace)")
+    dist.barrier()  # nobody closes its connections before every rank has looked at its own
     return problems
 
 

@@ -3,6 +3,8 @@
 Runs N local ranks and times all_reduce, broadcast, all_gather and reduce_scatter on gloo and
 on xccl_rs side by side, in one run, over the same tensors. Prints time, algorithm bandwidth,
 bus bandwidth (nccl-tests formulas) and xccl_rs's speed-up over gloo; writes JSON with --json.
+`--peer deepspeed` adds DeepSpeed's CPU shared-memory all-reduce (when DeepSpeed imports) and
+`--memory-bound` the bound the machine's copy bandwidth sets (bench_peers.py says how both work).
 
 Bus bandwidth (n ranks, S bytes, t seconds; nccl-tests' PERFORMANCE.md):
   all_reduce      algbw = S / t,  busbw = algbw * 2 (n-1) / n   (all_reduce_avg: ReduceOp.AVG)
@@ -26,7 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 OPS = ["all_reduce", "all_reduce_avg", "broadcast", "all_gather", "reduce_scatter"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_DTYPES = ["float32", "bfloat16"]
 DEFAULT_SIZES = ["8", "1K", "64K", "1M", "16M", "64M", "256M"]
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -117,8 +120,27 @@ def _sync(device: torch.device) -> None:
         getattr(torch, device.type).synchronize(device)
 
 
+def _time(run, group, iters, device, control, nbytes, op, world, warm=True) -> dict:
+    """The slowest rank's mean time per call of `run(group)`, all ranks starting together."""
+    if warm:
+        for _ in range(max(1, iters // 10)):
+            run(group)
+    dist.barrier(group=control)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run(group)
+    _sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
+    sec = elapsed.item()
+    algbw = nbytes / sec / 1e9
+    return {"time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](world)}
+
+
 def _worker(rank, world, port, args, queue):
     import xccl_rs  # noqa: F401
+
+    from xccl_rs.bench_peers import DeepSpeedPeer, copy_bandwidth
 
     torch.set_num_threads(1)
     if args.fake_hosts > 1:
@@ -135,6 +157,7 @@ def _worker(rank, world, port, args, queue):
     groups = {"gloo": dist.group.WORLD, "xccl_rs": dist.new_group(backend="xccl_rs")}
     groups = {k: v for k, v in groups.items() if k in args.backends}
     control = dist.new_group(backend="gloo")
+    peer = DeepSpeedPeer(rank, world, port, control) if args.peer == "deepspeed" else None
     rows = []
     if args.issue_async and "xccl_rs" in groups:
         rows.append(_issue_async(groups["xccl_rs"], control, device, args.issue_async))
@@ -160,18 +183,18 @@ def _worker(rank, world, port, args, queue):
                     dist.all_reduce(failed, group=control)
                     if failed.item():
                         continue
-                    dist.barrier(group=control)
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        run(group)
-                    _sync(device)
-                    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
-                    sec = elapsed.item()
-                    algbw = nbytes / sec / 1e9
-                    row[name] = {"time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](world)}
+                    row[name] = _time(run, group, iters, device, control, nbytes, op, world, warm=False)
+                if peer is not None and peer.supports(op, dname) is None:
+                    run = peer.make(nbytes, DTYPES[dname], rank, world, control)
+                    row["deepspeed"] = _time(run, None, iters, device, control, nbytes, op, world)
+                if args.memory_bound:
+                    per_rank = copy_bandwidth(nbytes, iters, control)
+                    sec = nbytes * BUS_FACTOR[op](world) / per_rank
+                    row["bound"] = {"time_us": sec * 1e6, "algbw_GBps": nbytes / sec / 1e9, "busbw_GBps": per_rank / 1e9}
                 if "gloo" in row and "xccl_rs" in row:
                     row["speedup"] = row["gloo"]["time_us"] / row["xccl_rs"]["time_us"]
+                if "deepspeed" in row and "xccl_rs" in row:
+                    row["vs_deepspeed"] = row["deepspeed"]["time_us"] / row["xccl_rs"]["time_us"]
                 rows.append(row)
                 if rank == 0:
                     queue.put(("row", row))
@@ -181,13 +204,21 @@ def _worker(rank, world, port, args, queue):
     dist.destroy_process_group()
 
 
-def _print_row(row, backends):
+def _columns(args) -> list[str]:
+    """What each row shows, left to right: the backends, then the peer, then the bound."""
+    return list(args.backends) + (["deepspeed"] if args.peer else []) + (["bound"] if args.memory_bound else [])
+
+
+def _print_row(row, columns):
     cells = [f"{row['op']:<15}", f"{row['dtype']:<9}", f"{human(row['bytes']):>9}"]
-    for b in backends:
+    for b in columns:
         r = row.get(b)
-        cells.append(f"{r['time_us']:>12.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f}" if r else " " * 28)
-    if "speedup" in row:
-        cells.append(f"{row['speedup']:>8.2f}x")
+        cells.append(f"{r['time_us']:>12.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f}" if r else f"{'-':>12} {'':>7} {'':>7}")
+    for key in ("speedup", "vs_deepspeed"):
+        if key in row:
+            cells.append(f"{row[key]:>8.2f}x")
+        elif key == "vs_deepspeed" and "deepspeed" in columns:
+            cells.append(f"{'-':>9}")
     print(" ".join(cells), flush=True)
 
 
@@ -195,7 +226,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--dtypes", nargs="+", default=DEFAULT_DTYPES, choices=list(DTYPES))
     p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="bytes, e.g. 8 64K 16M")
     p.add_argument("--backends", nargs="+", default=["gloo", "xccl_rs"], choices=["gloo", "xccl_rs"])
     p.add_argument("--device", default="cpu", help="where the tensors live: cpu, cuda, xpu (every rank on this device)")
@@ -204,16 +235,34 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of iterations")
     p.add_argument("--fake-hosts", type=int, default=1, metavar="H",
                    help="xccl_rs: the ranks pose as H hosts (consecutive blocks, through XCCL_RS_HOST_ID)")
+    p.add_argument("--peer", choices=["deepspeed"], help="also time this peer's all-reduce (SUM) where it supports the dtype")
+    p.add_argument("--memory-bound", action="store_true",
+                   help="also measure the copy bandwidth of as many concurrent copiers as ranks and print each op's bound")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.peer and args.device != "cpu":
+        print(f"--peer {args.peer}: not run (it takes CPU tensors only)", flush=True)
+        args.peer = None
+    if args.peer == "deepspeed":
+        from xccl_rs.bench_peers import build_deepspeed_op, deepspeed_available
+
+        why = deepspeed_available()
+        if why is None:
+            _, why = build_deepspeed_op()  # once here, so that the ranks load the cached build
+        if why is not None:
+            print(f"--peer deepspeed: not run ({why})", flush=True)
+            args.peer = None
     hosts = f" as {args.fake_hosts} hosts" if args.fake_hosts > 1 else ""
     print(f"xccl_rs.bench: {args.ranks} ranks{hosts}, {args.device} tensors, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     header = [f"{'op':<15}", f"{'dtype':<9}", f"{'size':>9}"]
-    for b in args.backends:
+    columns = _columns(args)
+    for b in columns:
         header.append(f"{b + ' time(us)':>12} {'algbw':>7} {'busbw':>7}")
     if len(args.backends) == 2:
-        header.append(f"{'speedup':>9}")
+        header.append(f"{'vs gloo':>9}")
+    if args.peer:
+        header.append(f"{'vs ds':>9}")
     print(" ".join(header))
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -242,7 +291,7 @@ def main(argv=None) -> int:
             rows.append(row)
             continue
         rows.append(row)
-        _print_row(row, args.backends)
+        _print_row(row, columns)
     for proc in procs:
         proc.join()
     if args.json:

@@ -23,7 +23,8 @@ shift || true
 LOG="$OUT/${XCCL_RS_RUN_TAG:-$what}.log"  # XCCL_RS_RUN_TAG: name this run's log (several per call)
 case "$what" in
   tests) python3 -m pytest python_tests -q -ra -m gpu -p no:cacheprovider "$@" 2>&1 | tee "$LOG" ;;
-  bench) python3 -m xccl_rs.bench --json "${LOG%.log}.json" "$@" 2>&1 | tee "$LOG" ;;
+  bench) case " $* " in *" --peer deepspeed "*) source "$ROOT/scripts/gpu/peer_deepspeed.sh" ;; esac
+    python3 -m xccl_rs.bench --json "${LOG%.log}.json" "$@" 2>&1 | tee "$LOG" ;;
   demo) python3 -m xccl_rs.demo "$@" 2>&1 | tee "$LOG" ;;
   *) echo "unknown: $what (tests | bench | demo)" >&2; exit 2 ;;
 esac

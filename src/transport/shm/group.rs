@@ -13,7 +13,7 @@
 //! waking every 100 ms to check the deadline, the group's abort switch (abort.rs), peers' abort flags and whether peers' processes
 //! still exist.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use super::futex;
@@ -24,6 +24,10 @@ use crate::par::Par;
 use crate::rendezvous::{Store, rendezvous_error};
 use crate::transport::{OpCtx, RawBuf};
 use crate::types::{DType, OpKind, ReduceOp};
+
+/// Turns of the busy spin (a `pause` each, then a poll) before a waiting rank starts yielding
+/// its core between polls.
+const SPIN_TURNS: u32 = 512;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Counter {
@@ -188,7 +192,7 @@ impl ShmGroup {
     fn counter(&self, rank: usize, c: Counter) -> u64 {
         let h = self.header(rank);
         let a = match c {
-            Counter::Produced => &h.produced.0,
+            Counter::Produced => &h.line.0.produced,
             Counter::Reduced => &h.reduced.0,
             Counter::Consumed => &h.consumed.0,
         };
@@ -199,7 +203,7 @@ impl ShmGroup {
     pub fn publish(&self, c: Counter, g: u64) {
         let h = self.header(self.rank);
         let a = match c {
-            Counter::Produced => &h.produced.0,
+            Counter::Produced => &h.line.0.produced,
             Counter::Reduced => &h.reduced.0,
             Counter::Consumed => &h.consumed.0,
         };
@@ -207,25 +211,36 @@ impl ShmGroup {
         self.wake();
     }
 
+    /// Wakes the ranks asleep on the group futex, if any. The common case, every waiter still
+    /// spinning, costs a fence and a load of a line that only sleepers write: no rank writes a
+    /// shared line per publish (an `epoch` increment on every publish made all ranks of the
+    /// group contend for rank 0's line, several times per op).
+    ///
+    /// Dekker-style with `wait_for`: we store the counter, fence, read `sleepers`; a waiter
+    /// increments `sleepers`, fences, re-reads the counters, then sleeps only while `epoch`
+    /// still has the value it read before that re-check. So either we see the sleeper (and bump
+    /// `epoch` and wake it: its futex wait then returns at once or is woken), or it sees our
+    /// counter and does not sleep.
     fn wake(&self) {
         let ctl = self.header(0);
-        ctl.epoch.0.fetch_add(1, Ordering::SeqCst);
-        if ctl.sleepers.0.load(Ordering::SeqCst) > 0 {
+        fence(Ordering::SeqCst);
+        if ctl.sleepers.0.load(Ordering::Relaxed) > 0 {
+            ctl.epoch.0.fetch_add(1, Ordering::SeqCst);
             futex::wake_all(&ctl.epoch.0);
         }
     }
 
     /// Records this rank's description of the operation starting at block `g`.
     pub fn describe(&self, g: u64, desc: Desc) {
-        self.header(self.rank).desc[(g % 2) as usize].0.store(desc);
+        self.header(self.rank).line.0.desc[(g % 2) as usize].store(desc);
     }
 
     /// After every rank's `Produced` ≥ g: checks that all ranks described the same operation.
     /// Every rank runs the same comparison, so a mismatch fails every rank at once.
     pub fn check_descs(&self, g: u64, ctx: &OpCtx) -> Result<()> {
-        let mine = self.header(self.rank).desc[(g % 2) as usize].0.load();
+        let mine = self.header(self.rank).line.0.desc[(g % 2) as usize].load();
         for peer in (0..self.size).filter(|&p| p != self.rank) {
-            let theirs = self.header(peer).desc[(g % 2) as usize].0.load();
+            let theirs = self.header(peer).line.0.desc[(g % 2) as usize].load();
             if theirs != mine {
                 let what = if theirs.seq != mine.seq || (theirs.kind & 0xff) != (mine.kind & 0xff) {
                     "ranks must call the same collectives in the same order"
@@ -256,26 +271,42 @@ impl ShmGroup {
     /// Waits until every rank in `ranks` has counter `c` ≥ g.
     pub fn wait_for(&self, c: Counter, g: u64, ranks: impl Iterator<Item = usize> + Clone, ctx: &OpCtx) -> Result<()> {
         let lagging = || ranks.clone().filter(|&r| self.counter(r, c) < g);
-        if lagging().next().is_none() {
+        // Counters only grow, so ranks found done stay done: the spin re-reads only from the
+        // first rank still lagging (one cache line per poll while waiting for it).
+        let mut done_before = 0usize;
+        let mut all_done = || match ranks.clone().enumerate().skip(done_before).find(|&(_, r)| self.counter(r, c) < g) {
+            Some((i, _)) => {
+                done_before = i;
+                false
+            }
+            None => true,
+        };
+        if all_done() {
             return Ok(());
         }
-        // Spin briefly, then keep checking while yielding the core (a peer may need it: ranks
-        // can outnumber cores), then sleep on the futex.
-        let spin_until = Instant::now() + self.spin;
+        // Spin briefly, polling on every turn (a peer's publish is seen within a cache-line
+        // transfer), then keep polling while yielding the core (a peer may need it: ranks can
+        // outnumber cores), then sleep on the futex. Bounded by `XCCL_RS_SPIN_US` in all.
+        // The clock is first read after 64 turns: most waits end sooner, and a clock read
+        // costs more than a poll.
+        let mut spin_until: Option<Instant> = None;
         let mut n = 0u32;
         loop {
-            if n < 256 {
+            if n < SPIN_TURNS {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
             }
             n = n.saturating_add(1);
-            if n % 16 == 0 || n > 256 {
-                if lagging().next().is_none() {
-                    return Ok(());
-                }
-                if Instant::now() >= spin_until {
-                    break;
+            if all_done() {
+                return Ok(());
+            }
+            if n % 64 == 0 || n > SPIN_TURNS {
+                let now = Instant::now();
+                match spin_until {
+                    None => spin_until = Some(now + self.spin),
+                    Some(until) if now >= until => break,
+                    Some(_) => {}
                 }
             }
         }
@@ -318,6 +349,7 @@ impl ShmGroup {
                 ));
             }
             ctl.sleepers.0.fetch_add(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst); // pairs with the fence in `wake`
             if lagging().next().is_some() {
                 let nap = deadline.saturating_duration_since(now).min(Duration::from_millis(100));
                 futex::wait(&ctl.epoch.0, epoch, nap);

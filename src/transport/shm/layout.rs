@@ -8,7 +8,8 @@
 //!   They count blocks: "I have finished step X of block g" is the value g (monotonic for the
 //!   life of the group).
 //! - `desc[slot]`: written by the owner before it publishes `produced` for the first block of
-//!   an operation (which uses that slot); read by peers after they see that `produced`.
+//!   an operation (which uses that slot); read by peers after they see that `produced`. It
+//!   lives on `produced`'s cache line (`ProducedLine`).
 //! - `aborted`: set (Release) by the owner when it fails (`ABORT_FAILED`, after writing
 //!   `abort_message`) or when it closes its communicator (`ABORT_CLOSED`); peers check it while
 //!   waiting on that rank.
@@ -22,7 +23,7 @@ pub const ABORT_FAILED: u32 = 1;
 pub const ABORT_CLOSED: u32 = 2;
 /// Bytes of an abort message kept in the header (longer ones are cut).
 pub const ABORT_MESSAGE_BYTES: usize = 1024;
-const MAGIC: u64 = u64::from_le_bytes(*b"XCRSHM01");
+const MAGIC: u64 = u64::from_le_bytes(*b"XCRSHM02");
 
 /// One value alone on its cache lines (128 bytes: adjacent-line prefetch pairs lines).
 #[repr(C, align(128))]
@@ -65,11 +66,22 @@ impl OpDesc {
     }
 }
 
+/// `produced` and the two op descriptions share one cache line: a peer that waits for
+/// `produced` and then checks the description (every op's first block) takes one cache miss
+/// for both, not two (the owner writes both before it publishes `produced`).
+#[repr(C)]
+pub struct ProducedLine {
+    pub produced: AtomicU64,
+    pub desc: [OpDesc; 2],
+}
+
+const _: () = assert!(std::mem::size_of::<ProducedLine>() <= 128);
+
 #[repr(C)]
 pub struct RankHeader {
     pub magic: Padded<AtomicU64>,
     pub pid: Padded<AtomicU64>,
-    pub produced: Padded<AtomicU64>,
+    pub line: Padded<ProducedLine>,
     pub reduced: Padded<AtomicU64>,
     pub consumed: Padded<AtomicU64>,
     pub aborted: Padded<AtomicU32>,
@@ -78,7 +90,6 @@ pub struct RankHeader {
     /// Nonzero while this rank is in a step over TCP (a mixed group's representatives), so that
     /// a local rank waiting for it can tell it from a stuck rank (group.rs, `wait_for`).
     pub remote_wait: Padded<AtomicU32>,
-    pub desc: [Padded<OpDesc>; 2],
     pub abort_len: Padded<AtomicU64>,
     /// UTF-8 bytes of the failure, packed little-endian into words.
     pub abort_message: [AtomicU64; ABORT_MESSAGE_BYTES / 8],
