@@ -35,7 +35,7 @@ if [ "${XCCL_RS_SETUP_TORCH_ONLY:-0}" = 1 ]; then
 fi
 # Build tools (setuptools-rust for the extension; cmake and ninja for the C++ package's test and
 # the emulated XPU device of the tests), and the test tools.
-"$PY" -m pip install -q "setuptools>=68" "setuptools-rust>=1.9" wheel pytest numpy tqdm cmake ninja
+"$PY" -m pip install -q "setuptools>=68" "setuptools-rust>=1.9" wheel pytest hypothesis numpy tqdm cmake ninja
 
 echo "== building xccl_rs against torch $("$PY" -c 'import torch; print(torch.__version__)')"
 # --no-build-isolation: the extension must be compiled against the torch installed here.

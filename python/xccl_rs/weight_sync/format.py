@@ -49,7 +49,25 @@ MAX_BUCKET_BYTES = 1 << 40
 MAX_META_BYTES = 1 << 30
 MAX_OFFER_BYTES = 1 << 16
 MAX_ABORT_CHARS = 2000
+#: A tensor name's length, in characters (state_dict keys are far shorter).
+MAX_NAME_CHARS = 4096
+#: One tensor's bytes: a split tensor is allocated whole on the receiver before its chunks arrive.
+MAX_TENSOR_BYTES = 1 << 40
+MAX_DIMS = 64
 _MAX_INT64 = (1 << 63) - 1
+
+#: The dtypes that travel: every one can be allocated, viewed from bytes and copied on CPU.
+#: Not the quantized ones (no strided allocation) nor the sub-byte int1..7/uint1..7 (no copy).
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bcomplex32", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+)
+#: canonical name -> dtype, for the dtypes this torch has (older ones lack some float8s).
+DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -73,18 +91,34 @@ def _int(where: str, name: str, value: Any, lo: int, hi: int, expected: Optional
     return value
 
 
-def _str(where: str, name: str, value: Any, max_len: int = _MAX_INT64) -> str:
+def _str(where: str, name: str, value: Any, max_len: int) -> str:
     if not isinstance(value, str):
         raise _bad(where, name, value, "a string")
     if len(value) > max_len:
         raise _bad(where, name, value, f"at most {max_len} characters")
+    try:
+        # JSON's "\ud800" escapes decode to lone surrogates, which no UTF-8 string holds (and
+        # which fail later, wherever the name is encoded again).
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(where, name, value, "valid Unicode (it has a lone surrogate)") from None
     return value
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    obj: dict = {}
+    for k, v in pairs:
+        if k in obj:
+            raise ValueError(f"duplicate key {k[:80]!r}")  # else the last one would silently win
+        obj[k] = v
+    return obj
 
 
 def _json(raw: bytes, where: str, name: str) -> dict:
     try:
-        obj = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+        obj = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # RecursionError: "[[[[..." nested past the interpreter's limit (the scanner stops there).
         raise WeightSyncError(f"weight sync: {where}: field {name!r} is not UTF-8 JSON ({e})") from None
     if not isinstance(obj, dict):
         raise _bad(where, name, obj, "a JSON object")
@@ -100,11 +134,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_of(name: Any, where: str = "metadata") -> torch.dtype:
-    """The dtype a name in the metadata stands for (``"bfloat16"`` -> ``torch.bfloat16``)."""
-    dt = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
-    if not isinstance(dt, torch.dtype):
-        raise _bad(where, "dtype", name, "the name of a torch dtype")
+    """The dtype a name in the metadata stands for (``"bfloat16"`` -> ``torch.bfloat16``): only
+    the canonical names of :data:`DTYPES` (no aliases such as ``"float"``)."""
+    dt = DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
+        raise _bad(where, "dtype", name, "the name of a supported torch dtype (" + ", ".join(DTYPES) + ")")
     return dt
+
+
+def check_dtype(dtype: torch.dtype, name: str) -> None:
+    """The sender's check that ``dtype`` can travel (the receiver would refuse it)."""
+    if dtype_name(dtype) not in DTYPES:
+        raise TypeError(f"{name!r} has dtype {dtype}, which weight sync does not support")
 
 
 def check_length(n: Any, where: str, name: str, limit: int) -> int:
@@ -189,15 +230,20 @@ class Entry:
         if not isinstance(raw, list) or len(raw) != 7:
             raise _bad(where, "entry", raw, "[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes]")
         name, dname, shape, offset, nbytes, chunk_offset, total = raw
-        where = f"{where} ({_str(where, 'name', name)[:100]!r})"
+        where = f"{where} ({_str(where, 'name', name, MAX_NAME_CHARS)[:100]!r})"
         dtype = dtype_of(dname, where)
-        if not isinstance(shape, list) or len(shape) > 64:
-            raise _bad(where, "shape", shape, "a list of at most 64 dimensions")
-        numel = 1
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            raise _bad(where, "shape", shape, f"a list of at most {MAX_DIMS} dimensions")
+        numel, span = 1, 1
         for s in shape:
-            numel *= _int(where, "shape", s, 0, _MAX_INT64)
+            s = _int(where, "shape", s, 0, _MAX_INT64)
+            numel *= s
+            span *= max(s, 1)  # torch computes contiguous strides with zero sizes as 1
         elsize = dtype.itemsize
+        if span > _MAX_INT64:  # the strides (in elements), even of a zero-size tensor, must fit
+            raise _bad(where, "shape", shape, "sizes whose product (zeros as ones) fits in int64")
         _int(where, "total_nbytes", total, numel * elsize, numel * elsize, f"{numel * elsize} ({shape} of {dname})")
+        _int(where, "total_nbytes", total, 0, MAX_TENSOR_BYTES)
         _int(where, "offset", offset, 0, used_bytes, f"in [0, {used_bytes}] (the bucket's used bytes)")
         _int(where, "chunk_offset", chunk_offset, 0, total)
         _int(where, "nbytes", nbytes, 1 if total else 0, min(total - chunk_offset, used_bytes - offset),
@@ -224,8 +270,8 @@ class Announcement:
     @classmethod
     def decode(cls, obj: Any, where: str, nbytes: int, prefix: str = "w") -> "Announcement":
         """A window of two buckets, ``nbytes`` in all (the header's bucket size says how many)."""
-        if not isinstance(obj, dict):
-            raise _bad(where, prefix, obj, "a JSON object")
+        if not isinstance(obj, dict) or set(obj) - {"name", "host", "bytes", "reused"}:
+            raise _bad(where, prefix, obj, "a JSON object of name, host, bytes and reused")
         name = _str(where, f"{prefix}.name", obj.get("name"), 255)
         host = _str(where, f"{prefix}.host", obj.get("host"), 4096)
         _int(where, f"{prefix}.bytes", obj.get("bytes"), nbytes, nbytes, f"{nbytes} (two buckets)")
@@ -264,6 +310,10 @@ class BucketMeta:
     def decode(cls, raw: bytes, header: Header, where: str) -> "BucketMeta":
         """The metadata that followed ``header``."""
         obj = _json(raw, where, "metadata")
+        # Both sides run the same version: a key it does not know is not from a sender.
+        keys = {"i", "abort"} if header.aborted else {"i", "total", "e", "w"}
+        if set(obj) - keys:
+            raise _bad(where, "metadata", sorted(obj), f"only the keys {sorted(keys)}")
         _int(where, "i", obj.get("i"), header.index, header.index)
         if header.aborted:
             return cls(header.index, abort=_str(where, "abort", obj.get("abort"), MAX_ABORT_CHARS))
@@ -272,6 +322,23 @@ class BucketMeta:
         if not isinstance(raw_entries, list):
             raise _bad(where, "e", raw_entries, "a list of entries")
         entries = [Entry.decode(e, f"{where}, entry {k}", header.used_bytes) for k, e in enumerate(raw_entries)]
+        seen: set[str] = set()
+        prev_end = 0
+        for k, e in enumerate(entries):
+            ew = f"{where}, entry {k} ({e.name[:100]!r})"
+            # A bucket holds at most one piece of a tensor: a repeated name would hand the
+            # receiver two tensors of one name (or two chunks to reassemble out of order).
+            if e.name in seen:
+                raise _bad(ew, "name", e.name, "a name not already in this bucket")
+            seen.add(e.name)
+            # The sender packs entries in order without overlap: overlapping ones would read the
+            # same bytes twice.
+            if e.nbytes:
+                if e.offset < prev_end:
+                    raise _bad(ew, "offset", e.offset, f"at least {prev_end} (where the previous entry ends)")
+                prev_end = e.end
+            if total >= 0 and e.total > total:
+                raise _bad(ew, "total_nbytes", e.total, f"at most the sync's total of {total} bytes")
         used = max((e.end for e in entries), default=0)
         if used != header.used_bytes:
             raise _bad(where, "used_bytes", header.used_bytes, f"{used} (where the entries end)")

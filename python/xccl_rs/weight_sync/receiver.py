@@ -16,10 +16,12 @@ from .format import HEADER_LEN, Announcement, BucketMeta, Entry, Header
 class _Pending:
     """A tensor split across buckets, being reassembled."""
 
-    __slots__ = ("name", "tensor", "bytes", "done", "total")
+    __slots__ = ("name", "dtype", "shape", "tensor", "bytes", "done", "total")
 
     def __init__(self, entry: Entry, device: torch.device):
         self.name = entry.name
+        self.dtype = entry.dtype
+        self.shape = entry.shape
         self.tensor = torch.empty(entry.shape, dtype=entry.dtype, device=device)  # contiguous
         self.bytes = self.tensor.view(-1).view(torch.uint8)
         self.done = 0
@@ -61,8 +63,9 @@ class WeightReceiver:
         buf = self._bufs[i]
         if buf is None or buf.numel() < h.used_bytes:
             # A last bucket gets just what it needs; any other gets the sender's bucket size,
-            # so that later buckets reuse it.
-            n = h.used_bytes if h.last else h.bucket_bytes
+            # so that later buckets reuse it, unless it is less than half full: at most twice the
+            # bytes the sender actually sends (bucket_bytes is a peer's number, up to 1 TiB).
+            n = h.used_bytes if h.last or 2 * h.used_bytes < h.bucket_bytes else h.bucket_bytes
             buf = self._bufs[i] = None  # free the old one first
             buf = self._bufs[i] = torch.empty(n, dtype=torch.uint8, device=self.bucket_device)
         return buf
@@ -105,6 +108,7 @@ class WeightReceiver:
         index = 0
         cur = 0
         bucket_bytes = None  # the sender's, from bucket 0's header
+        self._names: set[str] = set()  # the tensors of this sync so far
         try:
             try:
                 window.co_located(self.group, self.src, False, self.bucket_device.type == "cpu")
@@ -212,6 +216,10 @@ class WeightReceiver:
         decoder checked every entry lies in them); returns the split tensor still incomplete."""
         buf, entries, index = prev
         for e in entries:
+            if e.chunk_offset == 0:  # a tensor's first (or only) piece
+                if e.name in self._names:  # the decoder checks one bucket; this, the whole sync
+                    raise WeightSyncError(f"weight sync: bucket {index}: {e.name!r} was already received in this sync")
+                self._names.add(e.name)
             if e.total == 0:
                 out = torch.empty(e.shape, dtype=e.dtype, device=self.device)
             elif e.whole:
@@ -227,7 +235,8 @@ class WeightReceiver:
                             f"weight sync: bucket {index}: {e.name!r} starts before {pending.name!r} is complete"
                         )
                     pending = _Pending(e, self.device)
-                if pending is None or pending.name != e.name or pending.done != e.chunk_offset or pending.total != e.total:
+                if (pending is None or pending.name != e.name or pending.done != e.chunk_offset
+                        or pending.total != e.total or pending.dtype != e.dtype or pending.shape != e.shape):
                     raise WeightSyncError(
                         f"weight sync: bucket {index}: unexpected chunk of {e.name!r} at byte "
                         f"{e.chunk_offset} (reassembling {pending and pending.name!r})"

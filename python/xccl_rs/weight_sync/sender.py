@@ -21,7 +21,10 @@ from ._common import (
     resolve_device,
     synchronize,
 )
-from .format import DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, Announcement, BucketMeta, Entry, Header
+from .format import (
+    DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, MAX_NAME_CHARS, MAX_TENSOR_BYTES, MIN_BUCKET_BYTES, Announcement,
+    BucketMeta, Entry, Header, check_dtype,
+)
 from .plan import Packer
 
 
@@ -166,6 +169,7 @@ class SendStream:
         self.packer = Packer(sender.bucket_bytes)
         self.cur = 0  # index of the slot being packed
         self.entries: list[Entry] = []
+        self.names: set[str] = set()  # receivers refuse a name sent twice
         self.index = 0
         self.done = False
         self.broken = False  # a broadcast failed: the group cannot carry an abort notice
@@ -316,8 +320,18 @@ class SendStream:
                 raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
             if t.layout != torch.strided:
                 raise TypeError(f"{name!r} has layout {t.layout}; only strided tensors are supported")
+            # What the receivers' decoder refuses, refused here first, with the tensor's name.
+            if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+                raise ValueError(f"tensor name {name!r:.100} is not a string of at most {MAX_NAME_CHARS} characters")
+            name.encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate
+            if name in self.names:
+                raise ValueError(f"{name!r} was already sent in this sync")
+            check_dtype(t.dtype, name)
             t = t.detach()
             elsize = t.element_size()
+            if t.numel() * elsize > MAX_TENSOR_BYTES:
+                raise ValueError(f"{name!r} has {t.numel() * elsize} bytes, above the limit of {MAX_TENSOR_BYTES}")
+            self.names.add(name)
             for entry in self.packer.add(name, t.dtype, tuple(t.shape), elsize):
                 if entry is None:
                     self._flush(False)
