@@ -31,7 +31,7 @@ use crate::fabric::Fabric;
 pub use crate::fabric::this_host;
 use crate::op::{Completion, Op};
 use crate::pipeline;
-use crate::rendezvous::{Store, agree_on_token};
+use crate::rendezvous::{Store, agree_on_secret};
 use crate::staging::{DeviceCopies, StagedJob, StagedTensor};
 use crate::transport::OpCtx;
 use crate::types::OpKind;
@@ -73,8 +73,8 @@ impl Communicator {
         if size == 0 || rank >= size {
             return Err(CommError::invalid(format!("xccl_rs: rank {rank} is not in a group of size {size}")));
         }
-        let token = agree_on_token(store, rank, config.timeout)?;
-        let fabric = Fabric::build(store, rank, size, token, &config)?;
+        let secret = agree_on_secret(store, rank, config.timeout)?;
+        let fabric = Fabric::build(store, rank, size, &secret, &config)?;
         let timeout_ms = Arc::new(AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64));
         let (tx, rx) = mpsc::channel();
         let pipeline_chunk_bytes = config.pipeline_chunk_bytes;

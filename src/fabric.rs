@@ -22,6 +22,7 @@ use crate::par::Par;
 use crate::rendezvous::Store;
 use crate::transport::shm::ShmGroup;
 use crate::transport::shm::group::host_identity;
+use crate::transport::tcp::handshake::Secret;
 use crate::transport::tcp::{MeshSpec, TcpTransport};
 use crate::transport::{OpCtx, RawBuf, Transport};
 
@@ -100,9 +101,9 @@ impl Fabric {
     /// timeout): the mesh, then shared memory where the host map allows it. A single host
     /// shares memory among all ranks; several hosts, some with two or more ranks, make a
     /// mixed group; one rank per host leaves nothing to share.
-    pub fn build(store: &dyn Store, rank: usize, size: usize, token: u64, config: &Config) -> Result<Fabric> {
+    pub fn build(store: &dyn Store, rank: usize, size: usize, secret: &Secret, config: &Config) -> Result<Fabric> {
         let socket_host = config.socket_host.as_deref();
-        let spec = MeshSpec { store, rank, size, token, socket_host, timeout: config.timeout };
+        let spec = MeshSpec { store, rank, size, secret, socket_host, timeout: config.timeout };
         let tcp = Box::new(TcpTransport::connect(&spec)?);
         let (parts, hosts) = if size > 1 && config.transport == TransportChoice::Auto {
             Self::shared_memory(store, rank, size, config)?

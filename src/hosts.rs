@@ -10,7 +10,11 @@
 
 use std::time::Duration;
 
-use crate::error::Result;
+use crate::error::{CommError, Result};
+
+/// The longest host identity a rank may publish (hostname, `/dev/shm` device and inode, or
+/// `XCCL_RS_HOST_ID`).
+pub const MAX_HOST_ID_LEN: usize = 4096;
 use crate::rendezvous::{Store, rendezvous_error};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,7 +52,14 @@ impl HostMap {
         store.set(&format!("xccl_rs/host/{rank}"), mine.as_bytes())?;
         let mut ids = Vec::with_capacity(size);
         for peer in 0..size {
-            ids.push(store.get(&format!("xccl_rs/host/{peer}"), timeout).map_err(|e| rendezvous_error(rank, peer, e))?);
+            let id = store.get(&format!("xccl_rs/host/{peer}"), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
+            if id.len() > MAX_HOST_ID_LEN {
+                return Err(CommError::io(format!(
+                    "xccl_rs: rank {peer} published a host identity of {} bytes (at most {MAX_HOST_ID_LEN})",
+                    id.len()
+                )));
+            }
+            ids.push(id);
         }
         Ok(HostMap::from_ids(&ids))
     }

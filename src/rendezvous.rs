@@ -1,12 +1,14 @@
-//! Exchange of addresses and tokens through a key-value store. In production the store is the
+//! Exchange of addresses and the group's secret through a key-value store. In production the store is the
 //! c10d Store the backend creator receives (reached through the C++ bridge); in tests it is
 //! [`MemoryStore`]. Keys are already scoped to one group by the caller's prefix store.
 
 use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, ErrorKind, Result};
+use crate::transport::tcp::handshake::{SECRET_LEN, Secret};
 
 /// The two calls rendezvous needs from a c10d-like store.
 pub trait Store: Send + Sync {
@@ -45,16 +47,9 @@ impl Store for MemoryStore {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(CommError::new(
-                    ErrorKind::Timeout,
-                    format!("timed out after {timeout:?} waiting for store key '{key}'"),
-                ));
+                return Err(CommError::new(ErrorKind::Timeout, format!("timed out after {timeout:?} waiting for store key '{key}'")));
             }
-            map = self
-                .changed
-                .wait_timeout(map, deadline - now)
-                .map_err(|_| CommError::io("store lock poisoned"))?
-                .0;
+            map = self.changed.wait_timeout(map, deadline - now).map_err(|_| CommError::io("store lock poisoned"))?.0;
         }
     }
 }
@@ -73,25 +68,47 @@ pub fn address_key(rank: usize) -> String {
     format!("xccl_rs/addr/{rank}")
 }
 
-/// Key of the group token: a random number from rank 0 that every connection must present, so a
-/// stray connection from another group or an earlier run is refused rather than mistaken for a peer.
-pub const TOKEN_KEY: &str = "xccl_rs/token";
+/// Key of the group's secret: 32 random bytes from rank 0 with which every TCP connection of
+/// the group authenticates (transport/tcp/handshake.rs). The Store is the trust root, as it is
+/// for every c10d backend: whoever can read the group's keys can join its links.
+pub const SECRET_KEY: &str = "xccl_rs/secret";
 
-/// Rank 0 draws the token and publishes it; the others read it.
-pub fn agree_on_token(store: &dyn Store, rank: usize, timeout: Duration) -> Result<u64> {
+/// Rank 0 draws the secret and publishes it; the others read it.
+pub fn agree_on_secret(store: &dyn Store, rank: usize, timeout: Duration) -> Result<Secret> {
     if rank == 0 {
-        let mut bytes = [0u8; 8];
+        let mut bytes = [0u8; SECRET_LEN];
         getrandom::fill(&mut bytes).map_err(|e| CommError::io(format!("getrandom failed: {e}")))?;
-        store.set(TOKEN_KEY, &bytes)?;
-        Ok(u64::from_le_bytes(bytes))
+        store.set(SECRET_KEY, &bytes)?;
+        Ok(Secret(bytes))
     } else {
-        let v = store.get(TOKEN_KEY, timeout).map_err(|e| rendezvous_error(rank, 0, e))?;
-        let bytes: [u8; 8] = v
-            .as_slice()
-            .try_into()
-            .map_err(|_| CommError::io(format!("group token has {} bytes, expected 8", v.len())))?;
-        Ok(u64::from_le_bytes(bytes))
+        let v = store.get(SECRET_KEY, timeout).map_err(|e| rendezvous_error(rank, 0, e))?;
+        parse_secret(&v).map_err(CommError::io)
     }
+}
+
+/// The secret as read from the store: exactly SECRET_LEN bytes.
+pub fn parse_secret(value: &[u8]) -> std::result::Result<Secret, String> {
+    let bytes: [u8; SECRET_LEN] =
+        value.try_into().map_err(|_| format!("xccl_rs: the group secret in the store has {} bytes, expected {SECRET_LEN}", value.len()))?;
+    Ok(Secret(bytes))
+}
+
+/// The longest `host:port` a rank may publish (a DNS name is at most 253 bytes).
+pub const MAX_ADDRESS_LEN: usize = 300;
+
+/// A peer's published `host:port`: bounded, UTF-8, and resolvable to a socket address.
+pub fn parse_address(value: &[u8]) -> std::result::Result<SocketAddr, String> {
+    if value.len() > MAX_ADDRESS_LEN {
+        return Err(format!("{} bytes, more than {MAX_ADDRESS_LEN}", value.len()));
+    }
+    let text = std::str::from_utf8(value).map_err(|_| "not UTF-8".to_string())?;
+    let (host, port) = text.rsplit_once(':').ok_or_else(|| format!("'{text}' is not host:port"))?;
+    let port: u16 = port.parse().map_err(|_| format!("'{text}' has no valid port"))?;
+    if host.is_empty() || port == 0 {
+        return Err(format!("'{text}' is not host:port"));
+    }
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    (host, port).to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| format!("'{text}' does not resolve"))
 }
 
 /// A store error during set-up, reworded to say which rank never showed up.

@@ -39,6 +39,16 @@ fn total_bytes(chunk: usize) -> usize {
     HEADER_BYTES + 2 * chunk
 }
 
+/// Whether `name` is what [`Segment::create`] makes: `xccl_rs-<pid>-<32 hex digits>`.
+pub fn is_segment_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("xccl_rs-") else { return false };
+    let Some((pid, token)) = rest.split_once('-') else { return false };
+    (1..=10).contains(&pid.len())
+        && pid.bytes().all(|b| b.is_ascii_digit())
+        && token.len() == 32
+        && token.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 impl Segment {
     /// Creates this rank's segment; returns it and its name (a file name in /dev/shm).
     pub fn create(chunk: usize) -> Result<(Segment, String)> {
@@ -72,9 +82,7 @@ impl Segment {
                     ))
                 }
             })
-            .and_then(|_| {
-                MmapOptions::new().len(size).map_raw(&file).map_err(|e| format!("cannot map {}: {e}", path.display()))
-            });
+            .and_then(|_| MmapOptions::new().len(size).map_raw(&file).map_err(|e| format!("cannot map {}: {e}", path.display())));
         let map = match mapped {
             Ok(map) => map,
             Err(message) => {
@@ -91,16 +99,17 @@ impl Segment {
     }
 
     /// Maps a peer's segment by name. The name must be one of ours (checked), so a peer cannot
-    /// make us open an arbitrary file.
+    /// make us open an arbitrary file, and a symbolic link is not followed.
     pub fn open(name: &str, chunk: usize) -> Result<Segment> {
-        if !name.starts_with("xccl_rs-") || name.contains('/') || name.len() > 128 {
-            return Err(CommError::io(format!("xccl_rs: refusing to map shared-memory segment '{name}'")));
+        if !is_segment_name(name) {
+            let shown: String = name.chars().take(80).collect();
+            return Err(CommError::io(format!("xccl_rs: refusing to map shared-memory segment '{shown}': not a segment name")));
         }
         let path = PathBuf::from(SHM_DIR).join(name);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .custom_flags(libc::O_CLOEXEC)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| CommError::io(format!("xccl_rs: cannot open {}: {e}", path.display())))?;
         let size = total_bytes(chunk);

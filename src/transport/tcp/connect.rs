@@ -1,26 +1,27 @@
-//! Building the full mesh: one TCP connection per pair of ranks. Every rank listens on an
-//! ephemeral port and publishes `host:port` in the store; rank r then connects to every lower
-//! rank and accepts a connection from every higher one. A connecting rank first sends a hello
-//! (magic, group token, its rank, the rank it meant to reach), so the acceptor knows who called
-//! and refuses connections that belong to another group.
+//! Building the full mesh: one authenticated TCP connection per pair of ranks. Every rank
+//! listens on an ephemeral port of the address it advertises (not on every interface) and
+//! publishes `host:port` in the store; rank r then connects to every lower rank while a thread
+//! accepts the higher ones (accept.rs). Each connection is authenticated both ways with the
+//! group's secret before it carries a frame (handshake.rs); a connection that fails is closed
+//! and the mesh goes on.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use super::accept::{AcceptSpec, accept_peers};
+use super::handshake::{CHALLENGE_LEN, Challenge, Hello, MAC_LEN, Secret, Transcript, encode_proof, random_nonce};
 use crate::error::{CommError, ErrorKind, Result};
-use crate::rendezvous::{Store, address_key, rendezvous_error};
+use crate::rendezvous::{Store, address_key, parse_address, rendezvous_error};
 
-const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"XCHI");
-const HELLO_LEN: usize = 24;
+/// How long one connection may take to authenticate (less when the group's timeout is shorter).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn hello(token: u64, from: usize, to: usize) -> [u8; HELLO_LEN] {
-    let mut b = [0u8; HELLO_LEN];
-    b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
-    b[8..16].copy_from_slice(&token.to_le_bytes());
-    b[16..20].copy_from_slice(&(from as u32).to_le_bytes());
-    b[20..24].copy_from_slice(&(to as u32).to_le_bytes());
-    b
+/// An authenticated connection to one peer and the key that seals its frame headers.
+pub struct Link {
+    pub stream: TcpStream,
+    pub frame_key: [u8; MAC_LEN],
 }
 
 /// The address this rank advertises: `XCCL_RS_SOCKET_HOST`, else what the hostname resolves to
@@ -45,6 +46,20 @@ fn advertised_host(configured: Option<&str>) -> String {
     "127.0.0.1".to_string()
 }
 
+/// Listens on the advertised address only, so the mesh's port is not open on every interface.
+/// An address this host cannot bind (behind NAT, say) falls back to all interfaces, with a
+/// warning: the handshake still keeps strangers out.
+fn listen_on(host: &str) -> Result<TcpListener> {
+    let ip: Option<IpAddr> = (host, 0u16).to_socket_addrs().ok().and_then(|mut a| a.next()).map(|a| a.ip());
+    if let Some(ip) = ip {
+        match TcpListener::bind((ip, 0)) {
+            Ok(l) => return Ok(l),
+            Err(e) => tracing::warn!("xccl_rs: cannot listen on the advertised address {ip} ({e}); listening on all interfaces"),
+        }
+    }
+    TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| CommError::io(format!("xccl_rs: bind failed: {e}")))
+}
+
 /// What a rank needs to join its group's mesh.
 #[derive(Clone, Copy)]
 pub struct MeshSpec<'a> {
@@ -52,104 +67,82 @@ pub struct MeshSpec<'a> {
     pub store: &'a dyn Store,
     pub rank: usize,
     pub size: usize,
-    /// The group's token (rendezvous.rs), carried in every hello.
-    pub token: u64,
+    /// The group's secret (rendezvous.rs), which every connection proves it knows.
+    pub secret: &'a Secret,
     /// `XCCL_RS_SOCKET_HOST`: the address to advertise.
     pub socket_host: Option<&'a str>,
     pub timeout: Duration,
 }
 
-/// Connects this rank to every other rank. Returns `peers[r]` = the connection to rank r
+/// Connects this rank to every other rank. Returns `links[r]` = the connection to rank r
 /// (`None` for this rank itself).
-pub fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<TcpStream>>> {
-    let MeshSpec { store, rank, size, token, socket_host, timeout } = *spec;
+pub fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<Link>>> {
+    let MeshSpec { store, rank, size, secret, socket_host, timeout } = *spec;
     let deadline = Instant::now() + timeout;
-    let mut peers: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     if size == 1 {
-        return Ok(peers);
+        return Ok(vec![None]);
     }
-    let listener = TcpListener::bind("0.0.0.0:0").map_err(|e| CommError::io(format!("xccl_rs: bind failed: {e}")))?;
-    let port = listener.local_addr().map_err(|e| CommError::io(e.to_string()))?.port();
     let host = advertised_host(socket_host);
-    store.set(&address_key(rank), format!("{host}:{port}").as_bytes())?;
-
-    for peer in 0..rank {
-        let raw = store
-            .get(&address_key(peer), remaining(deadline))
-            .map_err(|e| rendezvous_error(rank, peer, e))?;
-        let text = String::from_utf8_lossy(&raw).to_string();
-        let addr: SocketAddr = text
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| CommError::io(format!("xccl_rs: rank {peer} published an unusable address '{text}'")))?;
-        let mut stream = connect_with_retry(addr, peer, rank, deadline)?;
-        stream
-            .write_all(&hello(token, rank, peer))
-            .map_err(|e| CommError::io(format!("xccl_rs: rank {rank} could not greet rank {peer} at {addr}: {e}")))?;
-        peers[peer] = Some(stream);
-    }
-
-    let mut missing = size - rank - 1;
-    listener.set_nonblocking(true).map_err(|e| CommError::io(e.to_string()))?;
-    while missing > 0 {
-        match listener.accept() {
-            Ok((mut stream, from_addr)) => {
-                stream.set_nonblocking(false).map_err(|e| CommError::io(e.to_string()))?;
-                stream.set_read_timeout(Some(remaining(deadline).max(Duration::from_millis(1)))).ok();
-                let mut b = [0u8; HELLO_LEN];
-                if stream.read_exact(&mut b).is_err() {
-                    continue; // Not one of ours, or it gave up: keep waiting for the real peers.
-                }
-                let magic = u32::from_le_bytes(b[0..4].try_into().unwrap_or_default());
-                let their_token = u64::from_le_bytes(b[8..16].try_into().unwrap_or_default());
-                let from = u32::from_le_bytes(b[16..20].try_into().unwrap_or_default()) as usize;
-                let to = u32::from_le_bytes(b[20..24].try_into().unwrap_or_default()) as usize;
-                if magic != HELLO_MAGIC || their_token != token || to != rank || from <= rank || from >= size {
-                    tracing::warn!(%from_addr, "refused a connection that does not belong to this group");
-                    continue;
-                }
-                if peers[from].is_some() {
-                    return Err(CommError::io(format!("xccl_rs: rank {from} connected to rank {rank} twice")));
-                }
-                peers[from] = Some(stream);
-                missing -= 1;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let absent: Vec<usize> = (rank + 1..size).filter(|&r| peers[r].is_none()).collect();
-                    return Err(CommError::new(
-                        ErrorKind::Timeout,
-                        format!("xccl_rs: rank {rank} timed out after {timeout:?} waiting for ranks {absent:?} to connect"),
-                    ));
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) => return Err(CommError::io(format!("xccl_rs: accept failed on rank {rank}: {e}"))),
+    let listener = listen_on(&host)?;
+    let port = listener.local_addr().map_err(|e| CommError::io(e.to_string()))?.port();
+    let handshake_timeout = HANDSHAKE_TIMEOUT.min(timeout);
+    let stop = AtomicBool::new(false);
+    let accept_spec = AcceptSpec { rank, size, secret, deadline, handshake_timeout, stop: &stop };
+    let (outgoing, incoming) = std::thread::scope(|s| {
+        let acceptor = (rank + 1 < size).then(|| s.spawn(|| accept_peers(&listener, &accept_spec)));
+        let outgoing = store
+            .set(&address_key(rank), format!("{host}:{port}").as_bytes())
+            .and_then(|_| (0..rank).map(|peer| connect_to(spec, peer, deadline, handshake_timeout)).collect::<Result<Vec<Link>>>());
+        if outgoing.is_err() {
+            stop.store(true, Ordering::Release);
         }
-    }
-
-    for stream in peers.iter().flatten() {
+        let incoming = match acceptor {
+            Some(handle) => handle.join().unwrap_or_else(|_| Err(CommError::io("xccl_rs: the accepting thread panicked"))),
+            None => Ok((0..size).map(|_| None).collect()),
+        };
+        (outgoing, incoming)
+    });
+    let mut links = incoming.and_then(|incoming| outgoing.map(|out| (incoming, out))).map(|(mut links, out)| {
+        for (peer, link) in out.into_iter().enumerate() {
+            links[peer] = Some(link);
+        }
+        links
+    })?;
+    for link in links.iter_mut().flatten() {
+        let stream = &link.stream;
         stream.set_read_timeout(None).ok();
+        stream.set_write_timeout(None).ok();
         stream.set_nodelay(true).map_err(|e| CommError::io(e.to_string()))?;
         stream.set_nonblocking(true).map_err(|e| CommError::io(e.to_string()))?;
     }
-    Ok(peers)
+    Ok(links)
 }
 
 fn remaining(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
 }
 
-fn connect_with_retry(addr: SocketAddr, peer: usize, rank: usize, deadline: Instant) -> Result<TcpStream> {
+/// Connects to `peer` (a lower rank) and authenticates both ways. Connection failures and
+/// handshakes cut short are retried until the deadline (the peer may be flooded by strangers);
+/// a peer that answers but cannot prove it knows the secret is an error at once.
+fn connect_to(spec: &MeshSpec<'_>, peer: usize, deadline: Instant, handshake_timeout: Duration) -> Result<Link> {
+    let rank = spec.rank;
+    let raw = spec.store.get(&address_key(peer), remaining(deadline)).map_err(|e| rendezvous_error(rank, peer, e))?;
+    let addr = parse_address(&raw).map_err(|m| CommError::io(format!("xccl_rs: rank {peer} published an unusable address: {m}")))?;
     let mut backoff = Duration::from_millis(1);
     loop {
         let left = remaining(deadline);
-        match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
-            Ok(s) => return Ok(s),
+        let attempt = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+            .map_err(|e| format!("could not connect: {e}"))
+            .and_then(|stream| authenticate(stream, spec, peer, handshake_timeout.min(left)));
+        match attempt {
+            Ok(Ok(link)) => return Ok(link),
+            Ok(Err(refusal)) => {
+                return Err(CommError::io(format!("xccl_rs: rank {rank} could not authenticate rank {peer} at {addr}: {refusal}")));
+            }
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!(%addr, error = %e, "connect retry");
-                std::thread::sleep(backoff.min(left));
+                std::thread::sleep(backoff.min(remaining(deadline)));
                 backoff = (backoff * 2).min(Duration::from_millis(100));
             }
             Err(e) => {
@@ -160,4 +153,31 @@ fn connect_with_retry(addr: SocketAddr, peer: usize, rank: usize, deadline: Inst
             }
         }
     }
+}
+
+/// The connector's half of the handshake. `Err` is worth a retry (the connection failed);
+/// `Ok(Err)` is a peer that does not know the secret.
+fn authenticate(
+    mut stream: TcpStream,
+    spec: &MeshSpec<'_>,
+    peer: usize,
+    limit: Duration,
+) -> std::result::Result<std::result::Result<Link, String>, String> {
+    let limit = Some(limit.max(Duration::from_millis(1)));
+    stream.set_read_timeout(limit).and_then(|_| stream.set_write_timeout(limit)).map_err(|e| e.to_string())?;
+    let nonce_c = random_nonce()?;
+    let hello = Hello { from: spec.rank as u32, to: peer as u32, nonce: nonce_c };
+    stream.write_all(&hello.encode()).map_err(|e| format!("hello failed: {e}"))?;
+    let mut b = [0u8; CHALLENGE_LEN];
+    stream.read_exact(&mut b).map_err(|e| format!("no challenge came back: {e}"))?;
+    let challenge = match Challenge::decode(&b) {
+        Ok(c) => c,
+        Err(m) => return Ok(Err(m)),
+    };
+    let transcript = Transcript { from: hello.from, to: hello.to, nonce_c, nonce_a: challenge.nonce };
+    if !transcript.verify_acceptor(spec.secret, &challenge.mac) {
+        return Ok(Err("its answer does not match the group's secret (is another process on that port?)".into()));
+    }
+    stream.write_all(&encode_proof(&transcript.connector_mac(spec.secret))).map_err(|e| format!("proof failed: {e}"))?;
+    Ok(Ok(Link { stream, frame_key: transcript.frame_key(spec.secret) }))
 }

@@ -194,7 +194,7 @@ impl TcpTransport {
         while st.sending() && !(in_round && st.sent == 0) {
             let t = &transfers[st.sends[st.next_send]];
             if st.sent == 0 {
-                st.send_header = Header::data(t.id, t.buf.len() as u64).encode();
+                st.send_header = Header::data(t.id, t.buf.len() as u64).seal(&mut self.peer_mut(peer).seal_out);
             }
             // SAFETY: send buffers are only read during a phase (the algorithms never receive
             // into memory they send from in the same phase).
@@ -243,7 +243,7 @@ impl TcpTransport {
         if socket::peek(fd, &mut header).ok()? != HEADER_LEN || !Header::peek_is_abort(&header) {
             return None;
         }
-        let h = Header::decode(&header).ok()?;
+        let h = Header::open(&header, &self.peers[peer].as_ref()?.seal_in).ok()?;
         if h.kind != FrameKind::Abort || h.payload_len > MAX_ABORT_MESSAGE {
             return None;
         }
@@ -286,7 +286,9 @@ impl TcpTransport {
                     if *got < HEADER_LEN {
                         continue;
                     }
-                    let h = Header::decode(&st.header).map_err(|m| CommError::io(format!("{}: from rank {peer}: {m}", ctx.describe())))?;
+                    let h = Header::open(&st.header, &self.peer_mut(peer).seal_in)
+                        .map_err(|m| CommError::io(format!("{}: from rank {peer}: {m}", ctx.describe())))?;
+                    self.peer_mut(peer).seal_in.consumed();
                     if h.kind == FrameKind::TimeoutNotice {
                         if h.payload_len > max_waits_len(self.size) {
                             return Err(CommError::io(format!("{}: rank {peer} sent a corrupt timeout notice", ctx.describe())));
@@ -403,10 +405,9 @@ impl TcpTransport {
         };
         let payload = encode_waits(round.waits());
         let id = MessageId { op: ctx.op as u8, seq: ctx.seq, ..MessageId::default() };
-        let mut frame = Header { kind: FrameKind::TimeoutNotice, id, payload_len: payload.len() as u64 }.encode().to_vec();
-        frame.extend_from_slice(&payload);
+        let notice = Header { kind: FrameKind::TimeoutNotice, id, payload_len: payload.len() as u64 };
         for p in (0..self.size).filter(|&p| p != self.rank) {
-            let peer = self.peers[p].as_ref().expect("every other rank has a connection");
+            let peer = self.peers[p].as_mut().expect("every other rank has a connection");
             if peer.closed {
                 round.closed(p);
                 phases[p] = PeerPhase::idle();
@@ -414,7 +415,9 @@ impl TcpTransport {
             }
             // A stream left half written by an earlier phase cannot carry a frame.
             if !peer.broken_out || phases[p].sent > 0 {
-                phases[p].outbox = frame.clone();
+                let mut frame = notice.seal(&mut peer.seal_out).to_vec();
+                frame.extend_from_slice(&payload);
+                phases[p].outbox = frame;
             }
             phases[p].watch = !round.answered(p);
         }
@@ -627,7 +630,7 @@ impl Transport for TcpTransport {
                             std::thread::sleep(std::time::Duration::from_millis(1));
                         }
                     }
-                    Ok(HEADER_LEN) => match Header::decode(&prefix) {
+                    Ok(HEADER_LEN) => match Header::open(&prefix, &self.peer_mut(p).seal_in) {
                         // Not an abort (peeked above), so a data frame.
                         Ok(h) if accept(p, &h.id) => return Ok(p),
                         _ => excluded[p] = true,
@@ -650,11 +653,12 @@ impl Transport for TcpTransport {
     fn abort(&mut self, ctx: &OpCtx, message: &str) {
         let text = &message.as_bytes()[..message.len().min(MAX_ABORT_MESSAGE as usize)];
         let id = MessageId { op: ctx.op as u8, seq: ctx.seq, ..MessageId::default() };
-        let header = Header { kind: FrameKind::Abort, id, payload_len: text.len() as u64 }.encode();
+        let abort = Header { kind: FrameKind::Abort, id, payload_len: text.len() as u64 };
         for peer in self.peers.iter_mut().flatten() {
             if peer.closed {
                 continue;
             }
+            let header = abort.seal(&mut peer.seal_out);
             let fd = peer.stream.as_raw_fd();
             let whole = !peer.broken_out && matches!(socket::send2(fd, &header, text), Ok(n) if n == HEADER_LEN + text.len());
             if !whole {

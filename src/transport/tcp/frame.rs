@@ -1,5 +1,5 @@
-//! The frame: every message on a connection is a fixed 40-byte header followed by `payload_len`
-//! bytes. The header carries the message's identity (`MessageId`, transport/mod.rs), so a
+//! The frame: every message on a connection is a fixed 56-byte header (40 bytes of fields, then
+//! the 16-byte tag that seals them to the connection: seal.rs) followed by `payload_len` bytes. The header carries the message's identity (`MessageId`, transport/mod.rs), so a
 //! receiver can check that both ranks are in the same collective with the same sizes before it
 //! writes a byte of the payload; an abort frame carries the failed operation's kind and number,
 //! and a timeout notice the ranks its sender was still waiting for (timeout_round.rs).
@@ -15,11 +15,20 @@
 //! 16 count  u64   elements the sender's operation agreed on for this pair (checked)
 //! 24 key    i64   root of a rooted collective, tag of a point-to-point message, else 0
 //! 32 len    u64   payload bytes that follow
+//! 40 tag    [16]  seal.rs: HMAC of direction, position in the stream and bytes 0..40
 //! ```
+//!
+//! Op and dtype codes are kept as sent, unknown ones too: the receiver compares every field
+//! with what it expects (exchange.rs: check_header) and names a peer's unknown code in its
+//! error. Nothing of a header is used before its tag is verified and its lengths are bounded.
 
+use super::seal::{Seal, TAG_LEN};
 use crate::transport::MessageId;
 
-pub const HEADER_LEN: usize = 40;
+/// The fields of a header.
+pub const FIELDS_LEN: usize = 40;
+/// A header on the wire: its fields and their tag.
+pub const HEADER_LEN: usize = FIELDS_LEN + TAG_LEN;
 pub const MAGIC: u32 = u32::from_le_bytes(*b"XCRS");
 /// An abort frame's payload is a message; anything longer is refused as corrupt.
 pub const MAX_ABORT_MESSAGE: u64 = 64 * 1024;
@@ -48,9 +57,29 @@ impl Header {
         Header { kind: FrameKind::Data, id, payload_len }
     }
 
-    pub fn encode(&self) -> [u8; HEADER_LEN] {
-        let id = &self.id;
+    /// The header as sent: its fields, sealed as the next header of `seal`'s direction.
+    pub fn seal(&self, seal: &mut Seal) -> [u8; HEADER_LEN] {
+        let fields = self.encode_fields();
         let mut b = [0u8; HEADER_LEN];
+        b[..FIELDS_LEN].copy_from_slice(&fields);
+        b[FIELDS_LEN..].copy_from_slice(&seal.seal(&fields));
+        b
+    }
+
+    /// Parses a received header whose tag `seal` must accept as the stream's next; the caller
+    /// calls `seal.consumed()` once it has read it.
+    pub fn open(b: &[u8; HEADER_LEN], seal: &Seal) -> Result<Header, String> {
+        let fields: &[u8; FIELDS_LEN] = b[..FIELDS_LEN].try_into().expect("a header starts with its fields");
+        let header = Header::decode(fields)?;
+        if !seal.verify(fields, &b[FIELDS_LEN..]) {
+            return Err("a frame header whose tag does not match this connection (injected, replayed or corrupt)".into());
+        }
+        Ok(header)
+    }
+
+    pub fn encode_fields(&self) -> [u8; FIELDS_LEN] {
+        let id = &self.id;
+        let mut b = [0u8; FIELDS_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4] = self.kind as u8;
         b[5] = id.op;
@@ -64,7 +93,7 @@ impl Header {
     }
 
     /// Parses a header; `Err` describes what is wrong with bytes that are not one.
-    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, String> {
+    pub fn decode(b: &[u8; FIELDS_LEN]) -> Result<Header, String> {
         let magic = u32::from_le_bytes(b[0..4].try_into().unwrap_or_default());
         if magic != MAGIC {
             return Err(format!("bad frame magic {magic:#010x} (corrupt stream)"));
@@ -120,14 +149,14 @@ mod tests {
     fn round_trip() {
         let id = MessageId { op: 3, dtype: 7, reduce: 5, seq: 42, count: 1 << 40, key: -1 };
         let h = Header::data(id, 99);
-        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        assert_eq!(Header::decode(&h.encode_fields()).unwrap(), h);
         // The wire format: magic, kind, op, dtype, reduce, then seq, count, key, len (LE).
-        let b = h.encode();
+        let b = h.encode_fields();
         assert_eq!((&b[0..4], b[4], b[5], b[6], b[7]), (&b"XCRS"[..], 1, 3, 7, 5));
         assert_eq!((&b[8..16], &b[24..32], &b[32..40]), (&42u64.to_le_bytes()[..], &(-1i64).to_le_bytes()[..], &99u64.to_le_bytes()[..]));
-        assert!(!Header::peek_is_abort(&h.encode()));
+        assert!(!Header::peek_is_abort(&h.encode_fields()));
         let a = Header { kind: FrameKind::Abort, ..h };
-        assert!(Header::peek_is_abort(&a.encode()));
+        assert!(Header::peek_is_abort(&a.encode_fields()));
     }
 
     #[test]
@@ -138,14 +167,32 @@ mod tests {
         assert!(decode_waits(&[1, 0, 0], 4).is_err(), "not whole u32s");
         assert!(decode_waits(&encode_waits(&[0, 1, 0]), 2).is_err(), "longer than one entry per rank");
         let n = Header { kind: FrameKind::TimeoutNotice, id: MessageId::default(), payload_len: 4 };
-        assert_eq!(Header::decode(&n.encode()).unwrap(), n);
-        assert!(Header::peek_is_abort(&n.encode()));
+        assert_eq!(Header::decode(&n.encode_fields()).unwrap(), n);
+        assert!(Header::peek_is_abort(&n.encode_fields()));
+    }
+
+    #[test]
+    fn sealed_headers_open_once_in_order_on_their_connection() {
+        let key = [3u8; 32];
+        let (mut tx, mut rx) = (Seal::new(&key, 1, 0), Seal::new(&key, 1, 0));
+        let h = Header::data(MessageId { op: 0, dtype: 2, reduce: 0, seq: 7, count: 4, key: 0 }, 16);
+        let first = h.seal(&mut tx);
+        let second = h.seal(&mut tx);
+        assert_eq!(Header::open(&first, &rx).unwrap(), h);
+        assert_eq!(Header::open(&first, &rx).unwrap(), h, "peeking does not consume");
+        rx.consumed();
+        assert!(Header::open(&first, &rx).is_err(), "a replayed header");
+        assert_eq!(Header::open(&second, &rx).unwrap(), h);
+        let mut altered = second;
+        altered[32] ^= 1; // the payload length
+        assert!(Header::open(&altered, &rx).is_err());
+        assert!(Header::open(&second, &Seal::new(&[4u8; 32], 1, 0)).is_err(), "another connection");
     }
 
     #[test]
     fn rejects_garbage() {
-        assert!(Header::decode(&[0u8; HEADER_LEN]).is_err());
-        let mut b = Header::data(MessageId::default(), 0).encode();
+        assert!(Header::decode(&[0u8; FIELDS_LEN]).is_err());
+        let mut b = Header::data(MessageId::default(), 0).encode_fields();
         b[4] = 9;
         assert!(Header::decode(&b).is_err());
     }

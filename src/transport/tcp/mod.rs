@@ -3,16 +3,20 @@
 //! large messages never deadlock on full socket buffers, and a waiting rank sleeps in the kernel
 //! instead of spinning (ranks may outnumber cores).
 
+pub mod accept;
 pub mod connect;
 pub mod exchange;
 pub mod frame;
-mod timeout_round;
+pub mod handshake;
+pub mod seal;
 mod socket;
+mod timeout_round;
 
 use std::net::TcpStream;
 
 use crate::error::Result;
 pub use connect::MeshSpec;
+use seal::Seal;
 
 /// Per-peer connection state that outlives a phase.
 pub(crate) struct Peer {
@@ -21,6 +25,10 @@ pub(crate) struct Peer {
     pub closed: bool,
     /// A frame was left half written by a failed phase: the stream can no longer be framed.
     pub broken_out: bool,
+    /// Seals the headers this rank sends on the connection (seal.rs).
+    pub seal_out: Seal,
+    /// Checks the headers the peer sends.
+    pub seal_in: Seal,
 }
 
 pub struct TcpTransport {
@@ -33,10 +41,19 @@ impl TcpTransport {
     /// Rendezvous through the spec's store and connect to every other rank.
     pub fn connect(spec: &MeshSpec<'_>) -> Result<TcpTransport> {
         let (rank, size) = (spec.rank, spec.size);
-        let streams = connect::connect_mesh(spec)?;
-        let peers = streams
+        let links = connect::connect_mesh(spec)?;
+        let peers = links
             .into_iter()
-            .map(|s| s.map(|stream| Peer { stream, closed: false, broken_out: false }))
+            .enumerate()
+            .map(|(peer, link)| {
+                link.map(|link| Peer {
+                    stream: link.stream,
+                    closed: false,
+                    broken_out: false,
+                    seal_out: Seal::new(&link.frame_key, rank, peer),
+                    seal_in: Seal::new(&link.frame_key, peer, rank),
+                })
+            })
             .collect();
         Ok(TcpTransport { rank, size, peers })
     }

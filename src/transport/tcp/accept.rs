@@ -1,0 +1,225 @@
+//! The accepting side of the mesh: takes the connections of the higher ranks and authenticates
+//! each (handshake.rs) while the rank connects to the lower ones (connect.rs).
+//!
+//! Anyone who can reach the port can connect, so no connection is trusted or waited on alone.
+//! Every handshake runs at once, non-blocking, in one `poll(2)` loop, each with a short deadline
+//! of its own: a stranger that says nothing, says garbage, or replays a recorded handshake only
+//! ever holds its own connection, which is closed (and logged with its address) when it fails
+//! or runs out of time. Real peers are never kept waiting behind it.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use super::connect::Link;
+use super::handshake::{CHALLENGE_LEN, Challenge, HELLO_LEN, Hello, PROOF_LEN, Secret, Transcript, decode_proof, random_nonce};
+use super::socket;
+use crate::error::{CommError, ErrorKind, Result};
+
+/// At most this many handshakes are in progress; a new connection beyond it pushes out the
+/// oldest (a real peer that loses its place reconnects: connect.rs).
+pub const MAX_PENDING: usize = 256;
+
+pub struct AcceptSpec<'a> {
+    pub rank: usize,
+    pub size: usize,
+    pub secret: &'a Secret,
+    /// When the group's set-up times out.
+    pub deadline: Instant,
+    /// How long one connection may take to authenticate.
+    pub handshake_timeout: Duration,
+    /// Set by the connecting side when it failed: stop accepting.
+    pub stop: &'a AtomicBool,
+}
+
+/// Where one incoming handshake stands.
+enum Step {
+    ReadHello { buf: [u8; HELLO_LEN], got: usize },
+    SendChallenge { bytes: [u8; CHALLENGE_LEN], sent: usize, transcript: Transcript },
+    ReadProof { buf: [u8; PROOF_LEN], got: usize, transcript: Transcript },
+}
+
+struct Pending {
+    stream: TcpStream,
+    addr: SocketAddr,
+    until: Instant,
+    step: Step,
+}
+
+/// What one readiness event did to a handshake.
+enum Progress {
+    Waiting,
+    Authenticated { from: usize, frame_key: [u8; 32] },
+    Refused(String),
+}
+
+/// Accepts and authenticates one connection from every rank above `spec.rank`. Returns
+/// `links[r]` for those ranks (`None` elsewhere).
+pub fn accept_peers(listener: &TcpListener, spec: &AcceptSpec<'_>) -> Result<Vec<Option<Link>>> {
+    let AcceptSpec { rank, size, deadline, .. } = *spec;
+    let mut links: Vec<Option<Link>> = (0..size).map(|_| None).collect();
+    let mut missing = size.saturating_sub(rank + 1);
+    let mut pending: Vec<Pending> = Vec::new();
+    listener.set_nonblocking(true).map_err(|e| CommError::io(e.to_string()))?;
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    while missing > 0 {
+        if spec.stop.load(Ordering::Acquire) {
+            return Err(CommError::io("xccl_rs: connection set-up cancelled"));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let absent: Vec<usize> = (rank + 1..size).filter(|&r| links[r].is_none()).collect();
+            return Err(CommError::new(
+                ErrorKind::Timeout,
+                format!("xccl_rs: rank {rank} timed out waiting for ranks {absent:?} to connect and authenticate"),
+            ));
+        }
+        pending.retain(|p| {
+            let alive = now < p.until;
+            if !alive {
+                refuse(rank, p.addr, "it did not complete the handshake in time");
+            }
+            alive
+        });
+
+        fds.clear();
+        fds.push(libc::pollfd { fd: listener.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+        for p in &pending {
+            let events = if matches!(p.step, Step::SendChallenge { .. }) { libc::POLLOUT } else { libc::POLLIN };
+            fds.push(libc::pollfd { fd: p.stream.as_raw_fd(), events, revents: 0 });
+        }
+        let next_expiry = pending.iter().map(|p| p.until).min().unwrap_or(deadline).min(deadline);
+        // Wake at least every 50 ms to see the stop flag.
+        let wait = next_expiry.saturating_duration_since(now).min(Duration::from_millis(50));
+        socket::poll(&mut fds, wait.as_millis().max(1) as i32)
+            .map_err(|e| CommError::io(format!("xccl_rs: poll failed while rank {rank} accepted connections: {e}")))?;
+
+        // Handshakes first (their fds line up with `pending` from index 1), then new arrivals.
+        let mut keep = Vec::with_capacity(pending.len());
+        for (mut p, fd) in pending.drain(..).zip(fds[1..].iter()) {
+            if fd.revents == 0 {
+                keep.push(p);
+                continue;
+            }
+            match advance(&mut p, spec) {
+                Progress::Waiting => keep.push(p),
+                Progress::Refused(why) => refuse(rank, p.addr, &why),
+                Progress::Authenticated { from, frame_key } => {
+                    if links[from].is_some() {
+                        return Err(CommError::io(format!("xccl_rs: rank {from} connected to rank {rank} twice")));
+                    }
+                    tracing::debug!(rank, from, addr = %p.addr, "authenticated");
+                    links[from] = Some(Link { stream: p.stream, frame_key });
+                    missing -= 1;
+                }
+            }
+        }
+        pending = keep;
+        if fds[0].revents != 0 {
+            accept_new(listener, &mut pending, spec)?;
+        }
+    }
+    Ok(links)
+}
+
+fn refuse(rank: usize, addr: SocketAddr, why: &str) {
+    tracing::warn!("xccl_rs: rank {rank} refused a connection from {addr}: {why}");
+}
+
+/// Takes every connection waiting on the listener into `pending`.
+fn accept_new(listener: &TcpListener, pending: &mut Vec<Pending>, spec: &AcceptSpec<'_>) -> Result<()> {
+    loop {
+        match listener.accept() {
+            Ok((stream, addr)) => {
+                if stream.set_nonblocking(true).is_err() {
+                    continue;
+                }
+                if pending.len() >= MAX_PENDING {
+                    let oldest = pending.remove(0);
+                    refuse(spec.rank, oldest.addr, &format!("more than {MAX_PENDING} connections were authenticating at once"));
+                }
+                let until = Instant::now() + spec.handshake_timeout;
+                pending.push(Pending { stream, addr, until, step: Step::ReadHello { buf: [0; HELLO_LEN], got: 0 } });
+            }
+            Err(e) if socket::would_block(&e) => return Ok(()),
+            // Out of file descriptors (a flood of connections): make room and go on.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) => {
+                if pending.is_empty() {
+                    std::thread::sleep(Duration::from_millis(10));
+                    return Ok(());
+                }
+                let oldest = pending.remove(0);
+                refuse(spec.rank, oldest.addr, &format!("no file descriptors left ({e})"));
+            }
+            // The peer reset the connection before we took it, and the like: not ours to fail on.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNABORTED | libc::EPROTO | libc::EPERM | libc::EINTR)) => {}
+            Err(e) => return Err(CommError::io(format!("xccl_rs: accept failed on rank {}: {e}", spec.rank))),
+        }
+    }
+}
+
+/// Reads or writes what the socket allows: `Ok(true)` when `buf[*done..]` is complete.
+fn pump(stream: &TcpStream, buf: &mut [u8], done: &mut usize, write: bool) -> std::result::Result<bool, String> {
+    let fd = stream.as_raw_fd();
+    while *done < buf.len() {
+        let step = if write { socket::send2(fd, &buf[*done..], &[]) } else { socket::recv(fd, &mut buf[*done..]) };
+        match step {
+            Ok(0) if !write => return Err("it closed the connection during the handshake".into()),
+            Ok(n) => *done += n,
+            Err(e) if socket::would_block(&e) => return Ok(false),
+            Err(e) => return Err(format!("the connection failed during the handshake: {e}")),
+        }
+    }
+    Ok(true)
+}
+
+/// Moves one handshake on as far as its socket allows.
+fn advance(p: &mut Pending, spec: &AcceptSpec<'_>) -> Progress {
+    loop {
+        let next = match &mut p.step {
+            Step::ReadHello { buf, got } => match pump(&p.stream, buf, got, false) {
+                Ok(false) => return Progress::Waiting,
+                Err(why) => return Progress::Refused(why),
+                Ok(true) => match hello_to_challenge(buf, spec) {
+                    Ok(step) => step,
+                    Err(why) => return Progress::Refused(why),
+                },
+            },
+            Step::SendChallenge { bytes, sent, transcript } => match pump(&p.stream, bytes, sent, true) {
+                Ok(false) => return Progress::Waiting,
+                Err(why) => return Progress::Refused(why),
+                Ok(true) => Step::ReadProof { buf: [0; PROOF_LEN], got: 0, transcript: *transcript },
+            },
+            Step::ReadProof { buf, got, transcript } => match pump(&p.stream, buf, got, false) {
+                Ok(false) => return Progress::Waiting,
+                Err(why) => return Progress::Refused(why),
+                Ok(true) => {
+                    return match decode_proof(buf) {
+                        Err(why) => Progress::Refused(why),
+                        Ok(mac) if !transcript.verify_connector(spec.secret, &mac) => {
+                            Progress::Refused("its proof does not match the group's secret (a stranger, or a replayed handshake)".into())
+                        }
+                        Ok(_) => Progress::Authenticated { from: transcript.from as usize, frame_key: transcript.frame_key(spec.secret) },
+                    };
+                }
+            },
+        };
+        p.step = next;
+    }
+}
+
+/// Checks a hello against the group and answers it with this rank's nonce and proof.
+fn hello_to_challenge(buf: &[u8; HELLO_LEN], spec: &AcceptSpec<'_>) -> std::result::Result<Step, String> {
+    let hello = Hello::decode(buf)?;
+    let (from, to) = (hello.from as usize, hello.to as usize);
+    if to != spec.rank {
+        return Err(format!("its hello is addressed to rank {to}"));
+    }
+    if from <= spec.rank || from >= spec.size {
+        return Err(format!("its hello comes from rank {from}, not a rank above {} of a group of {}", spec.rank, spec.size));
+    }
+    let transcript = Transcript { from: hello.from, to: hello.to, nonce_c: hello.nonce, nonce_a: random_nonce()? };
+    let challenge = Challenge { nonce: transcript.nonce_a, mac: transcript.acceptor_mac(spec.secret) };
+    Ok(Step::SendChallenge { bytes: challenge.encode(), sent: 0, transcript })
+}
