@@ -158,18 +158,18 @@ impl Config {
     }
 }
 
-/// `XCCL_RS_LOG` (default off): a `tracing` filter such as `info` or `xccl_rs=debug`; logs go to
+/// `XCCL_RS_LOG` (default `xccl_rs=warn`): a `tracing` filter such as `info`, `xccl_rs=debug` or `off`; logs go to
 /// stderr. Installed once per process.
 pub fn init_logging() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        if let Ok(filter) = std::env::var("XCCL_RS_LOG") {
-            let _ = tracing_subscriber::fmt()
-                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-                .with_writer(std::io::stderr)
-                .with_ansi(false)
-                .try_init();
-        }
+        // Warnings (a refused stranger on a port, say) are shown unless XCCL_RS_LOG says otherwise.
+        let filter = std::env::var("XCCL_RS_LOG").unwrap_or_else(|_| "xccl_rs=warn".to_string());
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .try_init();
     });
 }
 

@@ -154,3 +154,29 @@ impl Drop for Segment {
         self.unlink();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn segments_are_private_unguessable_and_never_reached_through_a_link() {
+        let (mut seg, name) = Segment::create(4096).unwrap();
+        assert!(is_segment_name(&name), "{name}");
+        let path = PathBuf::from(SHM_DIR).join(&name);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{name} is readable by others");
+        // A link named like a segment is refused, even one pointing at a real segment.
+        let link = format!("xccl_rs-{}-{}", std::process::id(), "ab".repeat(16));
+        let link_path = PathBuf::from(SHM_DIR).join(&link);
+        std::os::unix::fs::symlink(&path, &link_path).unwrap();
+        let through_link = Segment::open(&link, 4096);
+        let _ = std::fs::remove_file(&link_path);
+        assert!(through_link.is_err(), "a symbolic link was followed");
+        assert!(Segment::open(&name, 4096).is_ok());
+        assert!(Segment::open(&format!("../{name}"), 4096).is_err());
+        seg.unlink();
+        assert!(!path.exists(), "unlink left the file");
+    }
+}
