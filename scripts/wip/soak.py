@@ -1,11 +1,7 @@
-# WORK IN PROGRESS (issue 14, part 4), not run by any test and not part of the package.
-# State at stop 13 (2026-12-02): a 600-op run at 4 ranks (`python scripts/wip/soak.py --ops 600
-# --max-bytes 65536`) hangs with no progress line. The cause is not yet found: suspect the
-# send/recv pairs that only two ranks of a group run, or the every-25-ops agreement all_reduce,
-# interleaved across the three groups' threads. Earlier bugs found and mended: a rank's error
-# report was lost by os._exit before the queue flushed; rooted ops and send/recv on the
-# unregistered private group (torch cannot translate group ranks for it) now call the
-# ProcessGroup's own methods; GroupRunner._stop shadowed threading.Thread._stop.
+# WORK IN PROGRESS (issue 14, part 4): it runs, and python_tests/test_soak.py runs it briefly in
+# CI. What is open is the RSS criterion: RSS grows after the warm-up (docs/reliability.md, the
+# soak), and whether that is a leak is not settled. It moves into the package as
+# `python -m xccl_rs.soak` once it is.
 """The soak: ``python scripts/wip/soak.py`` (to become ``python -m xccl_rs.soak``).
 
 Starts N rank processes (default 4) on this host. In each, three groups run at once, one Python
@@ -407,6 +403,8 @@ def rank_main(rank: int, world: int, ports: tuple[int, int], args, out) -> None:
         out.join_thread()  # the queue's feeder thread must deliver the report before _exit
         sys.stderr.flush()
         os._exit(1)  # other threads may be blocked in collectives: do not wait for them
+    out.close()
+    out.join_thread()  # deliver the result before _exit
     os._exit(0)
 
 
@@ -522,7 +520,8 @@ def analyse(results: dict, args) -> dict:
             row[m] = {"start": ys[0], "end": ys[-1], "min": min(ys), "max": max(ys), "growth": ys[-1] - ys[0],
                       "slope_per_1k_ops": slope * 1000, "fitted_growth": slope * span}
         for m in EXACT_METRICS:
-            if m in row and (row[m]["growth"] != 0 or row[m]["max"] != row[m]["start"]):
+            # Growth fails; a drop does not (a group that finishes first ends its threads).
+            if m in row and (row[m]["growth"] > 0 or row[m]["max"] > row[m]["start"]):
                 report["failures"].append(f"rank {rank}: {m} went from {row[m]['start']} to {row[m]['end']} "
                                           f"(max {row[m]['max']}) after warm-up")
         rss = row["rss"]
