@@ -110,7 +110,7 @@ fn strangers_neither_join_nor_delay_the_mesh() {
     drop(held);
 }
 
-/// Records what the connector sends through a proxy between rank 1 and rank 0.
+/// A store that gives rank 1 a proxy's address in place of rank 0's.
 struct Redirect {
     inner: Arc<MemoryStore>,
     rank0_via: String,
@@ -199,4 +199,24 @@ fn a_peer_with_another_secret_is_an_error_on_both_sides() {
     assert!(err.contains("could not authenticate rank 0") && err.contains("secret"), "{err}");
     let err = rank0.join().unwrap().err().expect("rank 0 must fail").to_string();
     assert!(err.contains("timed out") && err.contains("[1]"), "{err}");
+}
+
+/// A rank in the middle (it both connects and accepts) reports why its connecting side failed,
+/// not that its accepting side was cancelled.
+#[test]
+fn a_middle_rank_with_another_secret_says_why() {
+    let store = MemoryStore::new();
+    let timeout = Duration::from_secs(3);
+    let others: Vec<_> = [0usize, 2]
+        .into_iter()
+        .map(|rank| {
+            let s = store.clone();
+            thread::spawn(move || mesh(&*s, rank, 3, &Secret([1; 32]), timeout).map(|_| ()))
+        })
+        .collect();
+    let err = mesh(&*store, 1, 3, &Secret([2; 32]), timeout).err().expect("rank 1 must fail").to_string();
+    assert!(err.contains("could not authenticate rank 0") && err.contains("secret"), "{err}");
+    for h in others {
+        assert!(h.join().unwrap().is_err(), "a rank connected to a peer with another secret");
+    }
 }

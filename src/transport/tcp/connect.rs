@@ -102,12 +102,12 @@ pub fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<Link>>> {
         };
         (outgoing, incoming)
     });
-    let mut links = incoming.and_then(|incoming| outgoing.map(|out| (incoming, out))).map(|(mut links, out)| {
-        for (peer, link) in out.into_iter().enumerate() {
-            links[peer] = Some(link);
-        }
-        links
-    })?;
+    // The connecting side's error first: after it fails, the acceptor only says "cancelled".
+    let outgoing = outgoing?;
+    let mut links = incoming?;
+    for (peer, link) in outgoing.into_iter().enumerate() {
+        links[peer] = Some(link);
+    }
     for link in links.iter_mut().flatten() {
         let stream = &link.stream;
         stream.set_read_timeout(None).ok();
