@@ -120,6 +120,7 @@ fn build_bridge() {
         "csrc/api.cc",
         "csrc/communicator.cc",
         "csrc/backend.cc",
+        "csrc/allocator.cc",
         "csrc/reconfigure.cc",
         "csrc/split.cc",
         "csrc/hooks.cc",

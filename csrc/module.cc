@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "xccl_rs/backend.h"
 #include "xccl_rs/communicator.h"
 #include "xccl_rs/errors.h"
 #include "xccl_rs/process_group.h"
@@ -92,5 +93,14 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
         }
       },
       "Which ranks share memory: ranks with equal identities (the core's rule).");
+  m.def(
+      "zero_copy_ops",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> uint64_t {
+        auto* ours = dynamic_cast<xccl_rs::XcclRsBackend*>(backend.get());
+        TORCH_CHECK_VALUE(ours != nullptr, "xccl_rs.zero_copy_ops: ", backend->getBackendName(), " is not an xccl_rs backend");
+        return ours->zero_copy_ops();
+      },
+      pybind11::arg("backend"),
+      "Collectives of this backend so far that read the peers' tensors in place.");
   m.attr("torch_version_built") = xccl_rs::torch_version_built();
 }

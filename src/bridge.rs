@@ -16,6 +16,7 @@ use crate::op::Op;
 use crate::rendezvous::Store;
 use crate::staging::{DeviceCopies, Event, Pinned, StagedTensor, Toward};
 use crate::types::{DType, OpKind, ReduceOp};
+use crate::transport::shm::heap::HeapBlock;
 
 // SAFETY: the C++ StoreRef holds an intrusive_ptr to a c10d::Store; c10d stores are used from
 // several threads by torch itself (their clients lock internally).
@@ -171,7 +172,28 @@ fn to_op(r: &OpRequest) -> Result<Op<Buf>> {
     })
 }
 
+/// An allocation of the shared-memory heap, owned by the tensor whose memory it is.
+pub struct SharedBlock(HeapBlock);
+
+impl SharedBlock {
+    pub fn address(&self) -> usize {
+        self.0.address()
+    }
+}
+
 impl RustComm {
+    pub fn alloc_shared(&self, bytes: usize) -> std::result::Result<Box<SharedBlock>, String> {
+        catch(|| self.0.alloc_shared(bytes).map(|b| Box::new(SharedBlock(b))))
+    }
+
+    pub fn has_heap(&self) -> bool {
+        self.0.has_heap()
+    }
+
+    pub fn zero_copy_ops(&self) -> u64 {
+        self.0.zero_copy_ops()
+    }
+
     pub fn submit(
         &self,
         ops: Vec<OpRequest>,

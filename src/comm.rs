@@ -34,6 +34,7 @@ use crate::pipeline;
 use crate::rendezvous::{Store, agree_on_secret};
 use crate::staging::{DeviceCopies, StagedJob, StagedTensor};
 use crate::transport::OpCtx;
+use crate::transport::shm::heap::{Heap, HeapBlock};
 use crate::types::OpKind;
 
 /// Called once when a job finishes, on the progress thread.
@@ -63,6 +64,8 @@ pub struct Communicator {
     abort_switch: Arc<AbortSwitch>,
     failure: Arc<FailureNotice>,
     pipeline_chunk_bytes: usize,
+    /// This rank's shared-memory heap (transport/shm/heap.rs), in a single-host group.
+    heap: Option<Arc<Heap>>,
 }
 
 impl Communicator {
@@ -75,6 +78,7 @@ impl Communicator {
         }
         let secret = agree_on_secret(store, rank, config.timeout)?;
         let fabric = Fabric::build(store, rank, size, &secret, &config)?;
+        let heap = fabric.host_heap();
         let timeout_ms = Arc::new(AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64));
         let (tx, rx) = mpsc::channel();
         let pipeline_chunk_bytes = config.pipeline_chunk_bytes;
@@ -108,6 +112,7 @@ impl Communicator {
             abort_switch,
             failure,
             pipeline_chunk_bytes,
+            heap,
         })
     }
 
@@ -133,6 +138,28 @@ impl Communicator {
     /// group): shows which transport a group uses, for diagnostics and tests.
     pub fn shm_blocks_used(&self) -> u64 {
         self.shared.worker.lock().fabric.shm().map_or(0, |s| s.blocks_used())
+    }
+
+    /// Operations that read peers' tensors in place (zero-copy) so far: for diagnostics and tests.
+    pub fn zero_copy_ops(&self) -> u64 {
+        self.shared.worker.lock().fabric.zero_copy_ops()
+    }
+
+    /// Whether this rank has a heap to allocate tensors from ([`alloc_shared`](Self::alloc_shared)).
+    pub fn has_heap(&self) -> bool {
+        self.heap.is_some()
+    }
+
+    /// `bytes` of this rank's shared-memory heap, which the peers of its host can read in
+    /// place: collectives on tensors there are zero-copy. Freed when the block is dropped.
+    pub fn alloc_shared(&self, bytes: usize) -> Result<HeapBlock> {
+        match &self.heap {
+            Some(heap) => heap.alloc(bytes),
+            None => Err(CommError::invalid(format!(
+                "xccl_rs: rank {}: this group has no shared-memory heap (its ranks are not all on one host, XCCL_RS_TRANSPORT=tcp, or XCCL_RS_SHM_HEAP_BYTES=0)",
+                self.rank
+            ))),
+        }
     }
 
     pub fn set_timeout(&self, timeout: Duration) {

@@ -101,6 +101,11 @@ settings! {
     /// 64): bytes of each of the two data slots of a rank's shared-memory segment; a segment is
     /// `2 * chunk + 4 KiB`. Collectives move larger tensors in blocks of this size, double-buffered.
     shm_chunk_bytes: usize = "XCCL_RS_SHM_CHUNK_BYTES", default DEFAULT_SHM_CHUNK_BYTES, parse |v| bytes_at_least(v, 4096).map(|b| b / 64 * 64);
+    /// `XCCL_RS_SHM_HEAP_BYTES` (default 16 GiB; 0: no heap): the size of each rank's
+    /// shared-memory heap, from which `xccl_rs.empty` and `Backend.allocate_tensor` allocate
+    /// tensors that peers read in place (zero-copy collectives). Sparse: it takes address
+    /// space, and memory only for the tensors allocated in it.
+    shm_heap_bytes: usize = "XCCL_RS_SHM_HEAP_BYTES", default 16 << 30, parse |v| bytes_at_least(v, 0);
     /// `XCCL_RS_SHM_ONESHOT_BYTES` (default 64 KiB): all-reduces up to this size use the
     /// one-shot path (every rank reduces the whole tensor from every rank's slot: one
     /// synchronization instead of two).

@@ -124,7 +124,7 @@ impl Fabric {
         let setup = |namespace: &str| {
             let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes);
             let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin, config.timeout);
-            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par)
+            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par, config.shm_heap_bytes)
         };
         let count = hosts.host_count();
         let parts = if count == 1 {
@@ -136,6 +136,20 @@ impl Fabric {
             Parts::Mixed(Mixed { hosts, shm, partial: Vec::new() })
         };
         Ok((parts, count))
+    }
+
+    /// This rank's shared-memory heap, in a group whose ranks all share this host (the only
+    /// groups whose collectives read tensors in place).
+    pub fn host_heap(&self) -> Option<std::sync::Arc<crate::transport::shm::heap::Heap>> {
+        match &self.parts {
+            Parts::Host(shm) => shm.heap().cloned(),
+            _ => None,
+        }
+    }
+
+    /// Zero-copy operations so far (0 without shared memory).
+    pub fn zero_copy_ops(&self) -> u64 {
+        self.shm().map_or(0, |s| s.zero_copy_ops())
     }
 
     /// The shared-memory group this rank belongs to, if any.

@@ -10,7 +10,7 @@
 //! place, to a Python `ValueError` or `torch.distributed.DistBackendError`. No panic crosses
 //! (the Rust side catches them).
 
-use crate::bridge::{RustComm, host_identity, new_comm, take_error_kind};
+use crate::bridge::{RustComm, SharedBlock, host_identity, new_comm, take_error_kind};
 
 #[cxx::bridge(namespace = "xccl_rs")]
 pub mod ffi {
@@ -162,6 +162,13 @@ pub mod ffi {
         fn next_seq(self: &RustComm) -> u64;
         fn set_timeout_ms(self: &RustComm, timeout_ms: u64);
         fn shutdown(self: &RustComm);
+
+        /// Memory in this rank's shared-memory heap (transport/shm/heap.rs), freed when dropped.
+        type SharedBlock;
+        fn alloc_shared(self: &RustComm, bytes: usize) -> Result<Box<SharedBlock>>;
+        fn has_heap(self: &RustComm) -> bool;
+        fn zero_copy_ops(self: &RustComm) -> u64;
+        fn address(self: &SharedBlock) -> usize;
         /// The kind of the last error a function of this bridge returned to this thread (then
         /// `Success` until the next one).
         fn take_error_kind() -> ErrorKind;

@@ -70,7 +70,7 @@ def _load_extension():
 
 _C = _load_extension()
 
-__all__ = ["BACKEND_NAME", "destroy_group", "dump", "new_group", "register", "torch_version_built"]
+__all__ = ["BACKEND_NAME", "destroy_group", "dump", "empty", "new_group", "register", "torch_version_built", "zero_copy_ops", "zeros"]
 __version__ = "0.1.0"
 
 BACKEND_NAME = "xccl_rs"
@@ -218,3 +218,4 @@ register()
 
 
 from .debug import dump  # noqa: E402  (the flight recorder's entries of a group; debug.py)
+from .memory import empty, zero_copy_ops, zeros  # noqa: E402  (tensors peers read in place; memory.py)

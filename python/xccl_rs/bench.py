@@ -4,7 +4,8 @@ Runs N local ranks and times all_reduce, broadcast, all_gather and reduce_scatte
 on xccl_rs side by side, in one run, over the same tensors. Prints time, algorithm bandwidth,
 bus bandwidth (nccl-tests formulas) and xccl_rs's speed-up over gloo; writes JSON with --json.
 `--peer deepspeed` adds DeepSpeed's CPU shared-memory all-reduce (when DeepSpeed imports) and
-`--memory-bound` the bound the machine's copy bandwidth sets (bench_peers.py says how both work).
+`--memory-bound` the bound the machine's copy bandwidth sets (bench_peers.py says how both work);
+`--backends ... zero-copy` times xccl_rs on tensors from its shared-memory heap (xccl_rs.empty).
 
 Bus bandwidth (n ranks, S bytes, t seconds; nccl-tests' PERFORMANCE.md):
   all_reduce      algbw = S / t,  busbw = algbw * 2 (n-1) / n   (all_reduce_avg: ReduceOp.AVG)
@@ -66,27 +67,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make(op: str, nbytes: int, dtype: torch.dtype, rank: int, world: int, device: torch.device):
-    """The tensors of one op, and a closure that runs it on a group."""
+def _make(op: str, nbytes: int, dtype: torch.dtype, rank: int, world: int, device: torch.device, heap=None):
+    """The tensors of one op, and a closure that runs it on a group. `heap`: the group whose
+    shared-memory heap holds the tensors (`xccl_rs.empty`: the zero-copy column)."""
     esz = torch.tensor([], dtype=dtype).element_size()
     count = max(1, nbytes // esz)
     kw = {"dtype": dtype, "device": device}
+    if heap is not None:
+        import xccl_rs
+
+        def full(shape, value, dtype, device):
+            return xccl_rs.empty(shape, dtype=dtype, group=heap).fill_(value)
+
+        def empty(shape, dtype, device):
+            return xccl_rs.empty(shape, dtype=dtype, group=heap)
+    else:
+        full, empty = torch.full, torch.empty
     if op in ("all_reduce", "all_reduce_avg"):
-        t = torch.full((count,), float(rank + 1), **kw)
+        t = full((count,), float(rank + 1), **kw)
         reduce_op = dist.ReduceOp.AVG if op == "all_reduce_avg" else dist.ReduceOp.SUM
         return lambda g: dist.all_reduce(t, op=reduce_op, group=g)
     if op == "broadcast":
-        t = torch.full((count,), float(rank), **kw)
+        t = full((count,), float(rank), **kw)
         return lambda g: dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
     if op == "all_gather":
         per = max(1, count // world)
-        out = torch.empty(per * world, **kw)
-        inp = torch.full((per,), float(rank), **kw)
+        out = empty((per * world,), **kw)
+        inp = full((per,), float(rank), **kw)
         return lambda g: dist.all_gather_into_tensor(out, inp, group=g)
     if op == "reduce_scatter":
         per = max(1, count // world)
-        inp = torch.full((per * world,), float(rank), **kw)
-        out = torch.empty(per, **kw)
+        inp = full((per * world,), float(rank), **kw)
+        out = empty((per,), **kw)
         return lambda g: dist.reduce_scatter_tensor(out, inp, group=g)
     raise ValueError(op)
 
@@ -154,7 +166,9 @@ def _worker(rank, world, port, args, queue):
         getattr(torch, device.type).set_device(device)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    groups = {"gloo": dist.group.WORLD, "xccl_rs": dist.new_group(backend="xccl_rs")}
+    xccl = dist.new_group(backend="xccl_rs")
+    # "zero-copy": the same xccl_rs group, on tensors from its heap (xccl_rs.empty).
+    groups = {"gloo": dist.group.WORLD, "xccl_rs": xccl, "zero-copy": xccl}
     groups = {k: v for k, v in groups.items() if k in args.backends}
     control = dist.new_group(backend="gloo")
     peer = DeepSpeedPeer(rank, world, port, control) if args.peer == "deepspeed" else None
@@ -170,7 +184,8 @@ def _worker(rank, world, port, args, queue):
                 iters = iterations(nbytes, args.scale)
                 row = {"op": op, "dtype": dname, "bytes": nbytes, "ranks": world, "iters": iters}
                 for name, group in groups.items():
-                    run = _make(op, nbytes, DTYPES[dname], rank, world, device)
+                    heap = group if name == "zero-copy" else None
+                    run = _make(op, nbytes, DTYPES[dname], rank, world, device, heap)
                     failed = torch.zeros(1)
                     try:
                         for _ in range(max(1, iters // 10)):
@@ -195,6 +210,8 @@ def _worker(rank, world, port, args, queue):
                     row["speedup"] = row["gloo"]["time_us"] / row["xccl_rs"]["time_us"]
                 if "deepspeed" in row and "xccl_rs" in row:
                     row["vs_deepspeed"] = row["deepspeed"]["time_us"] / row["xccl_rs"]["time_us"]
+                if "deepspeed" in row and "zero-copy" in row:
+                    row["zero_copy_vs_deepspeed"] = row["deepspeed"]["time_us"] / row["zero-copy"]["time_us"]
                 rows.append(row)
                 if rank == 0:
                     queue.put(("row", row))
@@ -214,10 +231,10 @@ def _print_row(row, columns):
     for b in columns:
         r = row.get(b)
         cells.append(f"{r['time_us']:>12.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f}" if r else f"{'-':>12} {'':>7} {'':>7}")
-    for key in ("speedup", "vs_deepspeed"):
+    for key in ("speedup", "vs_deepspeed", "zero_copy_vs_deepspeed"):
         if key in row:
             cells.append(f"{row[key]:>8.2f}x")
-        elif key == "vs_deepspeed" and "deepspeed" in columns:
+        elif key != "speedup" and "deepspeed" in columns and (key == "vs_deepspeed" or "zero-copy" in columns):
             cells.append(f"{'-':>9}")
     print(" ".join(cells), flush=True)
 
@@ -228,7 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
     p.add_argument("--dtypes", nargs="+", default=DEFAULT_DTYPES, choices=list(DTYPES))
     p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="bytes, e.g. 8 64K 16M")
-    p.add_argument("--backends", nargs="+", default=["gloo", "xccl_rs"], choices=["gloo", "xccl_rs"])
+    p.add_argument("--backends", nargs="+", default=["gloo", "xccl_rs"], choices=["gloo", "xccl_rs", "zero-copy"],
+                   help="zero-copy: xccl_rs on tensors from its shared-memory heap (xccl_rs.empty; CPU tensors)")
     p.add_argument("--device", default="cpu", help="where the tensors live: cpu, cuda, xpu (every rank on this device)")
     p.add_argument("--issue-async", type=int, default=0, metavar="N",
                    help="first time how long issuing N async 1 MiB all_reduces takes (xccl_rs)")
@@ -241,6 +259,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "zero-copy" in args.backends and args.device != "cpu":
+        print("--backends zero-copy: not run (the heap holds CPU tensors)", flush=True)
+        args.backends = [b for b in args.backends if b != "zero-copy"]
     if args.peer and args.device != "cpu":
         print(f"--peer {args.peer}: not run (it takes CPU tensors only)", flush=True)
         args.peer = None
@@ -259,10 +280,12 @@ def main(argv=None) -> int:
     columns = _columns(args)
     for b in columns:
         header.append(f"{b + ' time(us)':>12} {'algbw':>7} {'busbw':>7}")
-    if len(args.backends) == 2:
+    if "gloo" in args.backends and "xccl_rs" in args.backends:
         header.append(f"{'vs gloo':>9}")
     if args.peer:
         header.append(f"{'vs ds':>9}")
+        if "zero-copy" in args.backends:
+            header.append(f"{'zc vs ds':>9}")
     print(" ".join(header))
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

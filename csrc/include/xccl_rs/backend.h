@@ -115,6 +115,13 @@ class XcclRsBackend : public c10d::Backend {
   void unregisterCompletionHook(int64_t hook_id) override;
 #endif
 
+  // Tensors in this rank's shared-memory heap, which collectives read in place (allocator.cc).
+  bool supportsTensorAlloc(c10::DeviceIndex device) override;
+  std::shared_ptr<c10::Allocator> getMemAllocator() override;
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+  // Collectives so far that read peers' tensors in place (diagnostics, tests).
+  uint64_t zero_copy_ops() const;
+
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(

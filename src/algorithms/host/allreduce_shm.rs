@@ -12,6 +12,9 @@
 //! once all have, each rank copies every part from its owner's slot into its output. Slots
 //! alternate, so the next block's copy overlaps peers' reading of this one. A reduce
 //! (reduce_shm.rs) is the same with only the root copying the parts out.
+//!
+//! Large tensors that every rank allocated in its heap skip the slots altogether
+//! (allreduce_zero_copy.rs).
 
 use super::blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
 use crate::algorithms::split::split_range;
@@ -25,6 +28,8 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, oneshot_bytes: 
     let buf = op.outputs[0];
     if buf.len() <= oneshot_bytes.min(shm.chunk()) {
         one_shot(shm, ctx, op, desc)
+    } else if super::allreduce_zero_copy::tries(shm, buf.len()) {
+        super::allreduce_zero_copy::run(shm, ctx, op, desc)
     } else {
         blocked(shm, ctx, op, desc, None)
     }

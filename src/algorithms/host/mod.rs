@@ -4,6 +4,7 @@
 
 pub mod allgather_shm;
 pub mod allreduce_shm;
+pub mod allreduce_zero_copy;
 pub mod barrier_shm;
 pub mod blocks;
 pub mod broadcast_shm;

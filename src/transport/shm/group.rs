@@ -16,7 +16,10 @@
 use std::sync::atomic::{AtomicU32, Ordering, fence};
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use super::futex;
+use super::heap::{Heap, PeerHeap};
 use super::layout::{ABORT_CLOSED, ABORT_FAILED, Desc, RankHeader};
 use super::segment::Segment;
 use crate::error::{CommError, ErrorKind, Result};
@@ -73,6 +76,13 @@ pub struct ShmGroup {
     par: Par,
     /// Peers' pids are meaningful here (same pid namespace), so a vanished pid means a dead rank.
     pids_visible: bool,
+    /// This rank's heap (heap.rs), and every peer's mapped here (None at this rank's index).
+    heap: Option<Arc<Heap>>,
+    peer_heaps: Vec<Option<PeerHeap>>,
+    /// Every rank has a heap and has mapped every peer's: the same on every rank (agreed at
+    /// set-up), so every rank takes the same path through a collective.
+    zero_copy: bool,
+    zero_copy_ops: u64,
 }
 
 /// What identifies "this host and this /dev/shm" (NCCL's shm transport checks both).
@@ -119,11 +129,24 @@ impl ShmGroup {
         spin: Duration,
         timeout: Duration,
         par: Par,
+        heap_bytes: usize,
     ) -> Result<ShmGroup> {
         let size = members.len();
         let me = members[rank];
         let (own, name) = Segment::create(chunk)?;
         store.set(&format!("xccl_rs/shm{namespace}/{rank}"), name.as_bytes())?;
+        // A heap that cannot be made (address space limits, say) leaves the group without
+        // zero-copy, not without shared memory.
+        let heap = match (heap_bytes >= super::heap::HEAP_PAGE).then(|| Heap::create(heap_bytes)).transpose() {
+            Ok(heap) => heap.map(|(heap, name)| (Arc::new(heap), name)),
+            Err(e) => {
+                tracing::warn!("rank {me}: no shared-memory heap, so no zero-copy collectives: {}", e.message);
+                None
+            }
+        };
+        let heap_name = heap.as_ref().map_or(String::new(), |(_, name)| name.clone());
+        store.set(&format!("xccl_rs/shm_heap{namespace}/{rank}"), heap_name.as_bytes())?;
+        let heap = heap.map(|(heap, _)| heap);
         let mut segments = Vec::with_capacity(size);
         let mut own = Some(own);
         for (peer, &member) in members.iter().enumerate() {
@@ -134,18 +157,49 @@ impl ShmGroup {
             let peer_name = store.get(&format!("xccl_rs/shm{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
             segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), chunk)?);
         }
-        store.set(&format!("xccl_rs/shm_mapped{namespace}/{rank}"), b"1")?;
+        let mut peer_heaps: Vec<Option<PeerHeap>> = Vec::with_capacity(size);
         for (peer, &member) in members.iter().enumerate() {
-            store.get(&format!("xccl_rs/shm_mapped{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+            if peer == rank || heap.is_none() {
+                peer_heaps.push(None);
+                continue;
+            }
+            let name = store.get(&format!("xccl_rs/shm_heap{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+            let name = String::from_utf8_lossy(&name);
+            peer_heaps.push(if name.is_empty() { None } else { Some(PeerHeap::open(&name)?) });
+        }
+        let all_heaps = heap.is_some() && peer_heaps.iter().enumerate().all(|(peer, h)| peer == rank || h.is_some());
+        // "h": this rank can take part in zero-copy collectives; every rank must see the same.
+        store.set(&format!("xccl_rs/shm_mapped{namespace}/{rank}"), if all_heaps { b"h" } else { b"1" })?;
+        let mut zero_copy = true;
+        for (peer, &member) in members.iter().enumerate() {
+            let mapped = store.get(&format!("xccl_rs/shm_mapped{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+            zero_copy &= mapped == b"h";
         }
         segments[rank].unlink();
+        if let Some(heap) = &heap {
+            heap.unlink();
+        }
         for (peer, seg) in segments.iter().enumerate() {
             if !seg.header().is_valid() {
                 return Err(CommError::io(format!("xccl_rs: rank {}'s shared-memory segment is not initialized", members[peer])));
             }
         }
         let pids_visible = segments.iter().all(|s| pid_alive(s.header().pid.0.load(Ordering::Relaxed)));
-        Ok(ShmGroup { rank, size, members: members.to_vec(), chunk, segments, next_block: 1, spin, par, pids_visible })
+        Ok(ShmGroup {
+            rank,
+            size,
+            members: members.to_vec(),
+            chunk,
+            segments,
+            next_block: 1,
+            spin,
+            par,
+            pids_visible,
+            heap,
+            peer_heaps,
+            zero_copy,
+            zero_copy_ops: 0,
+        })
     }
 
     pub fn rank(&self) -> usize {
@@ -159,6 +213,62 @@ impl ShmGroup {
     pub fn blocks_used(&self) -> u64 {
         self.next_block - 1
     }
+    /// This rank's heap, where it has one (tensors allocated from it can be read in place).
+    pub fn heap(&self) -> Option<&Arc<Heap>> {
+        self.heap.as_ref()
+    }
+
+    /// Whether collectives may read peers' buffers in their heaps: the same on every rank.
+    pub fn zero_copy(&self) -> bool {
+        self.zero_copy
+    }
+
+    /// Operations that ran zero-copy so far (diagnostics and tests).
+    pub fn zero_copy_ops(&self) -> u64 {
+        self.zero_copy_ops
+    }
+
+    pub fn count_zero_copy_op(&mut self) {
+        self.zero_copy_ops += 1;
+    }
+
+    /// Records, with the description of the op starting at block `g`, where `buf` lies in this
+    /// rank's heap (if it does).
+    pub fn describe_heap(&self, g: u64, buf: RawBuf) {
+        let at = self.heap.as_ref().and_then(|h| h.offset_of(buf)).map_or(0, |off| off as u64 + 1);
+        self.header(self.rank).line.0.heap_at[(g % 2) as usize].store(at, Ordering::Relaxed);
+    }
+
+    /// After every rank's `Produced` ≥ g (with `describe_heap`): every rank's buffer of `len`
+    /// bytes, in rank order, read in place in the heaps; `None` unless every rank's lies in its
+    /// heap. Every rank reads the same published values, so all decide alike. A peer's range
+    /// is used only once it is inside that peer's heap; one outside is an error (a corrupt or
+    /// hostile peer), not a read.
+    pub fn heap_bufs(&self, g: u64, len: usize, own: RawBuf) -> Result<Option<Vec<RawBuf>>> {
+        if !self.zero_copy {
+            return Ok(None);
+        }
+        let at = |r: usize| self.header(r).line.0.heap_at[(g % 2) as usize].load(Ordering::Relaxed);
+        if (0..self.size).any(|r| at(r) == 0) {
+            return Ok(None);
+        }
+        (0..self.size)
+            .map(|r| {
+                if r == self.rank {
+                    return Ok(own);
+                }
+                let offset = usize::try_from(at(r) - 1).unwrap_or(usize::MAX);
+                self.peer_heaps[r].as_ref().and_then(|h| h.range(offset, len)).ok_or_else(|| {
+                    CommError::io(format!(
+                        "xccl_rs: rank {} published a buffer of {len} bytes at offset {offset} of its heap, which is outside it",
+                        self.members[r]
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
     /// This rank's threads for the copies and reductions of a block step.
     pub fn par(&self) -> &Par {
         &self.par

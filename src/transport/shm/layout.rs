@@ -1,15 +1,16 @@
 //! The header at the start of every rank's segment. Every field is an atomic, so any bit
-//! pattern a peer leaves there is a valid value: we compare peers' values, we never use them as
-//! sizes or offsets.
+//! pattern a peer leaves there is a valid value: we compare peers' values, and the one we use
+//! as an offset (`heap_at`) is bounds-checked first.
 //!
 //! Writers and orderings:
 //! - `produced`, `reduced`, `consumed`: written only by the owning rank, with Release, after
 //!   the data they announce is in place; read by peers with Acquire before they touch that data.
 //!   They count blocks: "I have finished step X of block g" is the value g (monotonic for the
 //!   life of the group).
-//! - `desc[slot]`: written by the owner before it publishes `produced` for the first block of
-//!   an operation (which uses that slot); read by peers after they see that `produced`. It
-//!   lives on `produced`'s cache line (`ProducedLine`).
+//! - `desc[slot]`, `heap_at[slot]`: written by the owner before it publishes `produced` for the
+//!   first block of an operation (which uses that slot); read by peers after they see that
+//!   `produced`. They live on `produced`'s cache line (`ProducedLine`). A peer's `heap_at` is
+//!   used as an offset only after bounds checks against that peer's heap (heap.rs).
 //! - `aborted`: set (Release) by the owner when it fails (`ABORT_FAILED`, after writing
 //!   `abort_message`) or when it closes its communicator (`ABORT_CLOSED`); peers check it while
 //!   waiting on that rank.
@@ -23,7 +24,7 @@ pub const ABORT_FAILED: u32 = 1;
 pub const ABORT_CLOSED: u32 = 2;
 /// Bytes of an abort message kept in the header (longer ones are cut).
 pub const ABORT_MESSAGE_BYTES: usize = 1024;
-const MAGIC: u64 = u64::from_le_bytes(*b"XCRSHM02");
+const MAGIC: u64 = u64::from_le_bytes(*b"XCRSHM03");
 
 /// One value alone on its cache lines (128 bytes: adjacent-line prefetch pairs lines).
 #[repr(C, align(128))]
@@ -73,6 +74,9 @@ impl OpDesc {
 pub struct ProducedLine {
     pub produced: AtomicU64,
     pub desc: [OpDesc; 2],
+    /// Where this rank's buffer of the op lies in its heap (heap.rs): offset + 1, or 0 when
+    /// it is not in the heap. Written with `desc`, not compared: ranks may differ here.
+    pub heap_at: [AtomicU64; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<ProducedLine>() <= 128);

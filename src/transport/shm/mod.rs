@@ -6,6 +6,7 @@
 
 pub mod futex;
 pub mod group;
+pub mod heap;
 pub mod layout;
 pub mod segment;
 

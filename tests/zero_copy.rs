@@ -1,0 +1,98 @@
+//! Zero-copy all-reduce (algorithms/host/allreduce_zero_copy.rs): tensors allocated from the
+//! ranks' shared-memory heaps are reduced in place, with results checked against sums computed
+//! here in f64; a group where some rank's tensor is not in its heap takes the slot path and is
+//! just as right. Which path ran is read from the communicator's zero-copy counter.
+
+mod common;
+use common::*;
+use std::time::Duration;
+use xccl_rs::{Communicator, OpKind, ReduceOp};
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// What each rank does with its tensor.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Placement {
+    /// Every rank allocates from its heap.
+    AllInHeap,
+    /// Rank 0 uses an ordinary Vec, the others their heaps.
+    RankZeroOutside,
+}
+
+fn want(rop: ReduceOp, size: usize, i: usize) -> f64 {
+    let vals: Vec<f64> = (0..size).map(|r| value(r, i) as f64).collect();
+    match rop {
+        ReduceOp::Sum => vals.iter().sum(),
+        ReduceOp::Avg => vals.iter().sum::<f64>() / size as f64,
+        ReduceOp::Max => vals.iter().cloned().fold(f64::MIN, f64::max),
+        ReduceOp::Min => vals.iter().cloned().fold(f64::MAX, f64::min),
+        _ => unreachable!(),
+    }
+}
+
+/// One all-reduce of `n` float32 per rank; returns (rank, result, zero-copy ops run).
+fn all_reduce(comm: &Communicator, rank: usize, n: usize, rop: ReduceOp, placement: Placement) -> (Vec<f32>, u64) {
+    let input = f32_bytes(&(0..n).map(|i| value(rank, i)).collect::<Vec<_>>());
+    let outside = placement == Placement::RankZeroOutside && rank == 0;
+    let mut plain = Vec::new();
+    let block;
+    let data = if outside {
+        plain = input.clone();
+        buf(&mut plain)
+    } else {
+        block = comm.alloc_shared(input.len()).expect("heap allocation");
+        let b = block.buf().sub(0, input.len());
+        // SAFETY: the block is this rank's, at least input.len() bytes long.
+        unsafe { std::ptr::copy_nonoverlapping(input.as_ptr(), b.ptr(), input.len()) };
+        b
+    };
+    let mut o = reduce_op(OpKind::AllReduce, rop);
+    o.outputs = vec![data];
+    run(comm, vec![o]).expect("all_reduce");
+    // SAFETY: `data` is the live tensor above (the Vec or the heap block), input.len() bytes.
+    let got = bytes_f32(unsafe { std::slice::from_raw_parts(data.ptr(), input.len()) });
+    let _ = &plain;
+    (got, comm.zero_copy_ops())
+}
+
+#[test]
+fn zero_copy_all_reduce_is_exact_and_falls_back_when_a_tensor_is_outside() {
+    let mut f = Failures::new();
+    for size in [2, 3, 4] {
+        for n in [262_144, 262_147, 786_437] {
+            for rop in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                for placement in [Placement::AllInHeap, Placement::RankZeroOutside] {
+                    let what = format!("{size} ranks, {n} float32, {rop:?}, {placement:?}");
+                    let results = try_spawn_ranks(size, config(Duration::from_secs(20), 1 << 20), LIMIT, move |rank, comm, _| {
+                        all_reduce(&comm, rank, n, rop, placement)
+                    });
+                    for (rank, r) in f.ranks(results, &what).into_iter().enumerate() {
+                        let Some((got, zero_copy_ops)) = r else { continue };
+                        let expected_ops = u64::from(placement == Placement::AllInHeap);
+                        f.check(zero_copy_ops == expected_ops, || {
+                            format!("{what} rank {rank}: {zero_copy_ops} zero-copy ops, expected {expected_ops}")
+                        });
+                        let bad = each_element(n, |i| {
+                            let w = want(rop, size, i);
+                            ((got[i] as f64 - w).abs() > 1e-4 * w.abs().max(1.0)).then(|| format!("[{i}]: {} != {w}", got[i]))
+                        });
+                        f.result(bad, format!("{what} rank {rank}"));
+                    }
+                }
+            }
+        }
+    }
+    f.finish("zero-copy all_reduce");
+}
+
+#[test]
+fn a_heap_tensor_outlives_its_group_and_its_memory_goes_back() {
+    let blocks = spawn_ranks(2, config(Duration::from_secs(20), 1 << 20), LIMIT, |_, comm, _| {
+        let block = comm.alloc_shared(3 << 20).unwrap();
+        drop(comm);
+        // SAFETY: the block is 3 MiB of this rank's heap, alive after its group.
+        unsafe { std::ptr::write_bytes(block.buf().ptr(), 1, block.len()) };
+        block.len()
+    });
+    assert_eq!(blocks, vec![3 << 20; 2]);
+}
