@@ -52,6 +52,91 @@ def zero_copy_sweep(rank, w):
     return ck.summary()
 
 
+def zero_copy_moves(rank, w):
+    """broadcast, all_gather_into_tensor (also in place), all_gather (a list of outputs) and
+    reduce_scatter_tensor on heap tensors, against torch references of every rank's input."""
+    import torch
+    import torch.distributed as dist
+
+    import xccl_rs
+    from refs import BF16, F32, dname, gen, make_op, reduce_ref
+
+    ck = Checker()
+
+    def place(t, heap):
+        if not heap:
+            return t.clone()
+        z = xccl_rs.empty(t.shape, dtype=t.dtype)
+        return z.copy_(t)
+
+    for dtype in [F32, BF16]:
+        item = torch.empty(0, dtype=dtype).element_size()
+        n = (1 << 20) // item + 5 * w  # the op's bytes at least 1 MiB, elements divisible by w
+        n -= n % w
+        for placement in ["all", "mixed"]:
+            heap = not (placement == "mixed" and rank == 1)
+            want = 1 if placement == "all" else 0
+            for root in range(w):
+                case = f"broadcast/{dname(dtype)}/n{n}/root{root}/{placement}"
+                with ck.case(case):
+                    xs = [gen(dtype, n, case, r) for r in range(w)]
+                    t = place(xs[rank], heap)
+                    before = xccl_rs.zero_copy_ops()
+                    dist.broadcast(t, src=root)
+                    ck.equal(t, xs[root])
+                    # Only the root's tensor matters for a broadcast.
+                    ran = xccl_rs.zero_copy_ops() - before
+                    expect = 0 if (placement == "mixed" and root == 1) else 1
+                    ck.check(ran == expect, f"{ran} zero-copy ops ran, expected {expect}")
+            m = n // w
+            for inplace in [False, True]:
+                case = f"all_gather_into_tensor/{dname(dtype)}/m{m}/{placement}/inplace{inplace}"
+                with ck.case(case):
+                    xs = [gen(dtype, m, case, r) for r in range(w)]
+                    if inplace:
+                        out = place(torch.zeros(m * w, dtype=dtype), heap)
+                        inp = out[rank * m:(rank + 1) * m]
+                        inp.copy_(xs[rank])
+                    else:
+                        out = torch.full((m * w,), -7, dtype=dtype)
+                        inp = place(xs[rank], heap)
+                    before = xccl_rs.zero_copy_ops()
+                    dist.all_gather_into_tensor(out, inp)
+                    ck.equal(out, torch.cat(xs))
+                    ran = xccl_rs.zero_copy_ops() - before
+                    ck.check(ran == want, f"{ran} zero-copy ops ran, expected {want}")
+            case = f"all_gather/{dname(dtype)}/m{m}/{placement}"
+            with ck.case(case):
+                xs = [gen(dtype, m, case, r) for r in range(w)]
+                outs = [torch.full((m,), -7, dtype=dtype) for _ in range(w)]
+                before = xccl_rs.zero_copy_ops()
+                dist.all_gather(outs, place(xs[rank], heap))
+                for r in range(w):
+                    ck.equal(outs[r], xs[r], f"output {r}")
+                ran = xccl_rs.zero_copy_ops() - before
+                ck.check(ran == want, f"{ran} zero-copy ops ran, expected {want}")
+            for op in ["SUM", "AVG", "PREMUL_SUM"]:
+                case = f"reduce_scatter_tensor/{dname(dtype)}/{op}/m{m}/{placement}"
+                with ck.case(case):
+                    redop, factor = make_op(op, dtype)
+                    ins = [[gen(dtype, m, case, r, c) for c in range(w)] for r in range(w)]
+                    inp = place(torch.cat(ins[rank]), heap)
+                    out = torch.full((m,), -7, dtype=dtype)
+                    before = xccl_rs.zero_copy_ops()
+                    dist.reduce_scatter_tensor(out, inp, op=redop)
+                    reduce_ref([ins[r][rank] for r in range(w)], op, factor).check(ck, out)
+                    ran = xccl_rs.zero_copy_ops() - before
+                    ck.check(ran == want, f"{ran} zero-copy ops ran, expected {want}")
+    return ck.summary()
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_zero_copy_moves(w):
+    res = run_ranks(w, zero_copy_moves, timeout_s=300)
+    for r in range(w):
+        assert res.value(r)["cases"] >= 20, res.value(r)
+
+
 @pytest.mark.parametrize("w", [2, 3])
 def test_zero_copy_all_reduce(w):
     res = run_ranks(w, zero_copy_sweep, timeout_s=400)

@@ -147,11 +147,20 @@ pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op) -> Result
         (AllToAllPairwise, _) => mesh::alltoall_pairwise::run(step, op),
         (BarrierDirect, _) => mesh::barrier_direct::run(step),
         (AllReduceShm, Parts::Host(shm)) => host::allreduce_shm::run(shm, ctx, op, desc, step.shm_oneshot_bytes),
+        (BroadcastShm, Parts::Host(shm)) if host::zero_copy::tries(shm, op.outputs[0].len()) => {
+            host::broadcast_zero_copy::run(shm, ctx, op, desc)
+        }
         (BroadcastShm, Parts::Host(shm)) => host::broadcast_shm::run(shm, ctx, op, desc),
         (ReduceShm, Parts::Host(shm)) => host::reduce_shm::run(shm, ctx, op, desc),
+        (AllGatherShm, Parts::Host(shm)) if host::zero_copy::tries(shm, op.inputs[0].len() * shm.size()) => {
+            host::allgather_zero_copy::run(shm, ctx, op, desc)
+        }
         (AllGatherShm, Parts::Host(shm)) => host::allgather_shm::run(shm, ctx, op, desc),
         (GatherShm, Parts::Host(shm)) => host::gather_shm::run(shm, ctx, op, desc),
         (ScatterShm, Parts::Host(shm)) => host::scatter_shm::run(shm, ctx, op, desc),
+        (ReduceScatterShm, Parts::Host(shm)) if host::zero_copy::tries(shm, op.outputs[0].len() * shm.size()) => {
+            host::reduce_scatter_zero_copy::run(shm, ctx, op, desc)
+        }
         (ReduceScatterShm, Parts::Host(shm)) => host::reduce_scatter_shm::run(shm, ctx, op, desc),
         (BarrierShm, Parts::Host(shm)) => host::barrier_shm::run(shm, ctx, desc),
         (AllReduceHier, Parts::Mixed(mixed)) => mixed::allreduce_hier::run(step, mixed, op, desc),

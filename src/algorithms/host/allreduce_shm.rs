@@ -28,7 +28,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, oneshot_bytes: 
     let buf = op.outputs[0];
     if buf.len() <= oneshot_bytes.min(shm.chunk()) {
         one_shot(shm, ctx, op, desc)
-    } else if super::allreduce_zero_copy::tries(shm, buf.len()) {
+    } else if super::zero_copy::tries(shm, buf.len()) {
         super::allreduce_zero_copy::run(shm, ctx, op, desc)
     } else {
         blocked(shm, ctx, op, desc, None)

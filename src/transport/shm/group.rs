@@ -232,39 +232,62 @@ impl ShmGroup {
         self.zero_copy_ops += 1;
     }
 
-    /// Records, with the description of the op starting at block `g`, where `buf` lies in this
-    /// rank's heap (if it does).
-    pub fn describe_heap(&self, g: u64, buf: RawBuf) {
-        let at = self.heap.as_ref().and_then(|h| h.offset_of(buf)).map_or(0, |off| off as u64 + 1);
-        self.header(self.rank).line.0.heap_at[(g % 2) as usize].store(at, Ordering::Relaxed);
+    /// Records, with the description of the op starting at block `g`, where this rank's
+    /// `views` of the op lie in its heap: the first one's offset and their spacing, when all
+    /// lie in the heap, have equal lengths and are evenly spaced without overlapping; else
+    /// "not in the heap".
+    pub fn describe_heap(&self, g: u64, views: &[RawBuf]) {
+        let placed = || -> Option<(u64, u64)> {
+            let heap = self.heap.as_ref()?;
+            let first = *views.first()?;
+            let at = heap.offset_of(first)?;
+            let stride = views.get(1).map_or(first.len(), |v| (v.ptr() as usize).wrapping_sub(first.ptr() as usize));
+            let evenly = views.iter().enumerate().all(|(k, v)| {
+                v.len() == first.len() && heap.offset_of(*v).is_some() && (v.ptr() as usize).wrapping_sub(first.ptr() as usize) == k.wrapping_mul(stride)
+            });
+            (evenly && (views.len() == 1 || stride >= first.len())).then_some((at as u64 + 1, stride as u64))
+        };
+        let (at, stride) = placed().unwrap_or((0, 0));
+        let line = &self.header(self.rank).line.0;
+        line.heap_at[(g % 2) as usize].store(at, Ordering::Relaxed);
+        line.heap_stride[(g % 2) as usize].store(stride, Ordering::Relaxed);
     }
 
-    /// After every rank's `Produced` ≥ g (with `describe_heap`): every rank's buffer of `len`
-    /// bytes, in rank order, read in place in the heaps; `None` unless every rank's lies in its
-    /// heap. Every rank reads the same published values, so all decide alike. A peer's range
-    /// is used only once it is inside that peer's heap; one outside is an error (a corrupt or
-    /// hostile peer), not a read.
-    pub fn heap_bufs(&self, g: u64, len: usize, own: RawBuf) -> Result<Option<Vec<RawBuf>>> {
-        if !self.zero_copy {
+    /// After every rank's `Produced` ≥ g (with `describe_heap`): whether every rank's views of
+    /// the op lie in its heap. Every rank reads the same published values, so all decide alike.
+    pub fn all_in_heap(&self, g: u64) -> bool {
+        (0..self.size).all(|r| self.in_heap(g, r))
+    }
+
+    /// After rank `r`'s `Produced` ≥ g: whether `r` said its views of the op lie in its heap.
+    pub fn in_heap(&self, g: u64, r: usize) -> bool {
+        self.zero_copy && self.header(r).line.0.heap_at[(g % 2) as usize].load(Ordering::Relaxed) != 0
+    }
+
+    /// After every rank's `Produced` ≥ g: peer `r`'s `count` views of `len` bytes, read in
+    /// place in its heap, or None if it said they are not there. A peer's ranges are used only
+    /// once they lie inside its heap; one outside is an error (a corrupt or hostile peer), not
+    /// a read.
+    pub fn heap_views(&self, g: u64, r: usize, count: usize, len: usize) -> Result<Option<Vec<RawBuf>>> {
+        debug_assert!(r != self.rank, "a rank's own views are its op's buffers");
+        let line = &self.header(r).line.0;
+        let at = line.heap_at[(g % 2) as usize].load(Ordering::Relaxed);
+        if at == 0 || !self.zero_copy {
             return Ok(None);
         }
-        let at = |r: usize| self.header(r).line.0.heap_at[(g % 2) as usize].load(Ordering::Relaxed);
-        if (0..self.size).any(|r| at(r) == 0) {
-            return Ok(None);
-        }
-        (0..self.size)
-            .map(|r| {
-                if r == self.rank {
-                    return Ok(own);
-                }
-                let offset = usize::try_from(at(r) - 1).unwrap_or(usize::MAX);
-                self.peer_heaps[r].as_ref().and_then(|h| h.range(offset, len)).ok_or_else(|| {
-                    CommError::io(format!(
-                        "xccl_rs: rank {} published a buffer of {len} bytes at offset {offset} of its heap, which is outside it",
-                        self.members[r]
-                    ))
-                })
-            })
+        let stride = line.heap_stride[(g % 2) as usize].load(Ordering::Relaxed);
+        let outside = || {
+            CommError::io(format!(
+                "xccl_rs: rank {} published {count} buffers of {len} bytes at offset {} (spacing {stride}) of its heap, which lie outside it",
+                self.members[r],
+                at - 1
+            ))
+        };
+        let heap = self.peer_heaps[r].as_ref().ok_or_else(outside)?;
+        let offset = usize::try_from(at - 1).map_err(|_| outside())?;
+        let stride = usize::try_from(stride).map_err(|_| outside())?;
+        (0..count)
+            .map(|k| k.checked_mul(stride).and_then(|d| d.checked_add(offset)).and_then(|o| heap.range(o, len)).ok_or_else(outside))
             .collect::<Result<Vec<_>>>()
             .map(Some)
     }

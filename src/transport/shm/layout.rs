@@ -7,7 +7,7 @@
 //!   the data they announce is in place; read by peers with Acquire before they touch that data.
 //!   They count blocks: "I have finished step X of block g" is the value g (monotonic for the
 //!   life of the group).
-//! - `desc[slot]`, `heap_at[slot]`: written by the owner before it publishes `produced` for the
+//! - `desc[slot]`, `heap_at[slot]`, `heap_stride[slot]`: written by the owner before it publishes `produced` for the
 //!   first block of an operation (which uses that slot); read by peers after they see that
 //!   `produced`. They live on `produced`'s cache line (`ProducedLine`). A peer's `heap_at` is
 //!   used as an offset only after bounds checks against that peer's heap (heap.rs).
@@ -77,6 +77,9 @@ pub struct ProducedLine {
     /// Where this rank's buffer of the op lies in its heap (heap.rs): offset + 1, or 0 when
     /// it is not in the heap. Written with `desc`, not compared: ranks may differ here.
     pub heap_at: [AtomicU64; 2],
+    /// The distance in bytes between this rank's consecutive buffers of the op (the input
+    /// views of a reduce-scatter), with `heap_at`.
+    pub heap_stride: [AtomicU64; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<ProducedLine>() <= 128);
