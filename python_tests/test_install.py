@@ -40,6 +40,13 @@ def readme_block(heading: str, lang: str) -> str:
     return re.search(rf"```{lang}\n(.*?)```", section, re.S).group(1)
 
 
+def readme_blocks(heading: str, lang: str) -> list[str]:
+    """Every ```lang block of the README section ``heading``, in order."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"```{lang}\n(.*?)```", section, re.S)
+
+
 def readme_use_commands() -> list[str]:
     return [line.split("#", 1)[0].strip() for line in readme_block("Use", "bash").splitlines() if line.split("#", 1)[0].strip()]
 
@@ -79,17 +86,17 @@ def test_no_build_isolation_without_build_tools_fails_clearly(fresh_venv):
 
 
 def test_readme_use_commands(fresh_venv):
-    """The README's "Use" commands, literally, then its Python example on one rank (env://)."""
+    """The README's "Use" commands, literally, then its Python examples on one rank (env://)."""
     commands = readme_use_commands()
     assert commands and commands[0] == "pip install torch", f"README's Use block changed: {commands}"
     # Build products go to the cache, not into the clone.
     build_env = {"CARGO_TARGET_DIR": str(CACHE / "target-fresh-venv")}
     for cmd in commands:
         expect_ok(run(cmd, fresh_venv, 1500, env=build_env), cmd)
-    example = readme_block("Use", "python")
+    example = "\n".join(readme_blocks("Use", "python"))
     port = free_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
-    script = example + "\nassert t.tolist() == [0.5] * 4, t\nprint('README example OK')\n"
+    script = example + "\nassert t.tolist() == [0.5] * 4, t\nassert bool((g == 1).all())\nprint('README example OK')\n"
     p = run(f"python - <<'EOF'\n{script}\nEOF", fresh_venv, 300, env=env, cwd=Path("/"))
     expect_ok(p, "the README's Python example")
     assert "README example OK" in p.stdout

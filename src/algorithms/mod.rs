@@ -147,9 +147,6 @@ pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op) -> Result
         (AllToAllPairwise, _) => mesh::alltoall_pairwise::run(step, op),
         (BarrierDirect, _) => mesh::barrier_direct::run(step),
         (AllReduceShm, Parts::Host(shm)) => host::allreduce_shm::run(shm, ctx, op, desc, step.shm_oneshot_bytes),
-        (BroadcastShm, Parts::Host(shm)) if host::zero_copy::tries(shm, op.outputs[0].len()) => {
-            host::broadcast_zero_copy::run(shm, ctx, op, desc)
-        }
         (BroadcastShm, Parts::Host(shm)) => host::broadcast_shm::run(shm, ctx, op, desc),
         (ReduceShm, Parts::Host(shm)) => host::reduce_shm::run(shm, ctx, op, desc),
         (AllGatherShm, Parts::Host(shm)) if host::zero_copy::tries(shm, op.inputs[0].len() * shm.size()) => {

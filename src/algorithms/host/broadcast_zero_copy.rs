@@ -1,30 +1,24 @@
-//! Broadcast, zero-copy (zero_copy.rs): the root's tensor lies in its heap. After the pre-sync
-//! every other rank copies it, where it is, into its own tensor and publishes `Consumed`; the
-//! root returns once all have. One copy per receiver, against two through the slots (and the
-//! root copies nothing).
+//! Broadcast, zero-copy (zero_copy.rs): the root's tensor lies in its heap, and it said so with
+//! the op's first block (broadcast_shm.rs). Every other rank copies the tensor, where it is,
+//! into its own and publishes `Consumed` for the op's last block; the root returns once all
+//! have. One copy per receiver, against two through the slots (and the root copies nothing).
 
-use super::blocks::finish_block;
-use super::broadcast_shm;
-use super::zero_copy::{peer_views, presync};
+use super::zero_copy::peer_views;
 use crate::error::Result;
 use crate::op::Op;
 use crate::transport::OpCtx;
-use crate::transport::shm::{Counter, Desc, ShmGroup};
+use crate::transport::shm::{Counter, ShmGroup};
 
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    let rank = shm.rank();
-    let root = op.root as usize;
+/// After the exchange of the op's first block `first`, whose answer from the root was "in my
+/// heap": finishes the op, marking all its blocks (up to `last`) done.
+pub fn finish(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
+    let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
-    let g = presync(shm, ctx, desc, if rank == root { &op.outputs[..1] } else { &[] })?;
-    if !shm.in_heap(g, root) {
-        finish_block(shm, g);
-        return broadcast_shm::run(shm, ctx, op, desc);
-    }
     shm.count_zero_copy_op();
     if rank != root {
-        shm.par().copy(peer_views(shm, g, root, 1, buf.len())?[0], buf);
+        shm.par().copy(peer_views(shm, first, root, 1, buf.len())?[0], buf);
     }
-    shm.publish(Counter::Reduced, g);
-    shm.publish(Counter::Consumed, g);
-    if rank == root { shm.wait_all(Counter::Consumed, g, ctx) } else { Ok(()) }
+    shm.publish(Counter::Reduced, last);
+    shm.publish(Counter::Consumed, last);
+    if rank == root { shm.wait_all(Counter::Consumed, last, ctx) } else { Ok(()) }
 }

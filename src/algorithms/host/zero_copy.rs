@@ -11,7 +11,9 @@
 //!
 //! Every zero-copy op ends by waiting until every rank has published `Consumed` for the
 //! pre-sync's block: only then has no peer any reason left to read this rank's buffers, which
-//! the caller may overwrite as soon as the op returns.
+//! the caller may overwrite as soon as the op returns. (Broadcast needs no pre-sync: only the
+//! root's answer counts, and the others read it with the first block of the slot path,
+//! broadcast_shm.rs.)
 
 use super::blocks::{exchange_produced, wait_slot_free};
 use crate::error::{CommError, Result};
