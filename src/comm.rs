@@ -64,8 +64,9 @@ pub struct Communicator {
     abort_switch: Arc<AbortSwitch>,
     failure: Arc<FailureNotice>,
     pipeline_chunk_bytes: usize,
-    /// This rank's shared-memory heap (transport/shm/heap.rs), in a single-host group.
-    heap: Option<Arc<Heap>>,
+    /// This rank's shared-memory heap (transport/shm/heap.rs), in a single-host group; let go
+    /// at shutdown (tensors allocated from it keep it, and its descriptor, while they live).
+    heap: Mutex<Option<Arc<Heap>>>,
 }
 
 impl Communicator {
@@ -112,7 +113,7 @@ impl Communicator {
             abort_switch,
             failure,
             pipeline_chunk_bytes,
-            heap,
+            heap: Mutex::new(heap),
         })
     }
 
@@ -147,16 +148,16 @@ impl Communicator {
 
     /// Whether this rank has a heap to allocate tensors from ([`alloc_shared`](Self::alloc_shared)).
     pub fn has_heap(&self) -> bool {
-        self.heap.is_some()
+        self.heap.lock().is_some()
     }
 
     /// `bytes` of this rank's shared-memory heap, which the peers of its host can read in
     /// place: collectives on tensors there are zero-copy. Freed when the block is dropped.
     pub fn alloc_shared(&self, bytes: usize) -> Result<HeapBlock> {
-        match &self.heap {
+        match self.heap.lock().as_ref() {
             Some(heap) => heap.alloc(bytes),
             None => Err(CommError::invalid(format!(
-                "xccl_rs: rank {}: this group has no shared-memory heap (its ranks are not all on one host, XCCL_RS_TRANSPORT=tcp, or XCCL_RS_SHM_HEAP_BYTES=0)",
+                "xccl_rs: rank {}: this group has no shared-memory heap (its ranks are not all on one host, XCCL_RS_TRANSPORT=tcp or XCCL_RS_SHM_HEAP_BYTES=0), or it was shut down",
                 self.rank
             ))),
         }
@@ -270,6 +271,7 @@ impl Communicator {
             let _ = t.join();
         }
         self.shared.worker.lock().close();
+        self.heap.lock().take();
     }
 }
 
