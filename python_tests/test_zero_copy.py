@@ -171,8 +171,9 @@ def allocator_api(rank, w):
     assert z.shape == (3, 5) and bool((z == 0).all())
     with pytest.raises(RuntimeError):
         z.resize_(1 << 20)  # the storage has no allocator: it cannot grow out of the heap
-    # The heap's file is unlinked at set-up, like the segments: nothing shows in /dev/shm.
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("xccl_rs-heap")]
+    # The heap's file is unlinked at set-up, like the segments: nothing of this rank's shows in
+    # /dev/shm (other jobs on the machine may have theirs there while they set up).
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"xccl_rs-heap-{os.getpid()}-")]
     # A heap tensor stays valid after its group is gone.
     keep = xccl_rs.empty(1 << 18, dtype=torch.float32)
     keep.fill_(rank)
@@ -206,3 +207,8 @@ def no_heap(rank, w):
 @pytest.mark.parametrize("env", [{"XCCL_RS_TRANSPORT": "tcp"}, {"XCCL_RS_SHM_HEAP_BYTES": "0"}])
 def test_groups_without_a_heap_fall_back_to_ordinary_tensors(env):
     run_ranks(2, no_heap, env=env)
+
+
+def test_a_group_spanning_hosts_has_no_heap():
+    # Four ranks posing as two hosts: a mixed group, whose collectives never read in place.
+    run_ranks(4, no_heap, rank_env=lambda r: {"XCCL_RS_HOST_ID": f"zero-copy-host-{r // 2}"})

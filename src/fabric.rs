@@ -121,18 +121,19 @@ impl Fabric {
         let hosts = HostMap::exchange(store, rank, size, &this_host(config), config.timeout)?;
         let host = hosts.host_of(rank);
         let local = hosts.ranks(host).to_vec();
-        let setup = |namespace: &str| {
+        // Only a single-host group reads tensors in place (zero-copy), so only it has heaps.
+        let setup = |namespace: &str, heap_bytes: usize| {
             let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes);
             let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin, config.timeout);
-            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par, config.shm_heap_bytes)
+            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par, heap_bytes)
         };
         let count = hosts.host_count();
         let parts = if count == 1 {
-            Parts::Host(setup("")?)
+            Parts::Host(setup("", config.shm_heap_bytes)?)
         } else if !hosts.any_shared() {
             Parts::Mesh
         } else {
-            let shm = if local.len() > 1 { Some(setup(&format!("/h{host}"))?) } else { None };
+            let shm = if local.len() > 1 { Some(setup(&format!("/h{host}"), 0)?) } else { None };
             Parts::Mixed(Mixed { hosts, shm, partial: Vec::new() })
         };
         Ok((parts, count))

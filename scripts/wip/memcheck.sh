@@ -6,12 +6,12 @@
 # that does syscalls, futexes and mmap, hence valgrind. Not part of scripts/test.sh: it takes
 # minutes, and it is a sweep for memory errors, not a functional test.
 #
-#   scripts/memcheck.sh              the representative subset below
-#   scripts/memcheck.sh BIN FILTER   one test binary (tests/BIN.rs) with a libtest filter
+#   scripts/wip/memcheck.sh              the representative subset below
+#   scripts/wip/memcheck.sh BIN FILTER   one test binary (tests/BIN.rs) with a libtest filter
 #
 # Exit status: non-zero if any binary fails or valgrind reports an error (--error-exitcode).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CACHE="${XCCL_RS_CACHE:-$HOME/.cache/xccl_rs}"
 # Its own target directory: a memcheck build never races the normal builds for cargo's lock.
 export CARGO_TARGET_DIR="$CACHE/target-memcheck"
@@ -50,6 +50,7 @@ CASES=(
   "p2p "
   "shm_wakeup "
   "abort "
+  "zero_copy "
 )
 [ "$#" -ge 1 ] && CASES=("$1 ${2:-}")
 

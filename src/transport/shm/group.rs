@@ -165,7 +165,14 @@ impl ShmGroup {
             }
             let name = store.get(&format!("xccl_rs/shm_heap{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
             let name = String::from_utf8_lossy(&name);
-            peer_heaps.push(if name.is_empty() { None } else { Some(PeerHeap::open(&name)?) });
+            // A peer's heap that cannot be mapped here (an address-space limit, say) leaves the
+            // group without zero-copy: this rank then says so below, and every rank agrees.
+            peer_heaps.push(match name.is_empty() {
+                true => None,
+                false => PeerHeap::open(&name)
+                    .map_err(|e| tracing::warn!("rank {me}: rank {member}'s heap is not mapped, so no zero-copy collectives: {}", e.message))
+                    .ok(),
+            });
         }
         let all_heaps = heap.is_some() && peer_heaps.iter().enumerate().all(|(peer, h)| peer == rank || h.is_some());
         // "h": this rank can take part in zero-copy collectives; every rank must see the same.
