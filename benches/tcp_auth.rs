@@ -1,7 +1,9 @@
 //! What authentication costs on the TCP links: (1) building a 4-rank mesh over loopback with
 //! the authenticated handshake, against the same mesh with the unauthenticated 24-byte hello of
-//! before (emulated here: connect, one write); (2) sealing and checking one frame header, the
-//! cost each message pays. `cargo bench --bench tcp_auth`; figures in docs/security.md.
+//! before (emulated here: connect, one write); (2) the whole TCP transport's set-up with and
+//! without TLS (`XCCL_RS_TLS`: certificates drawn and published, a TLS 1.3 handshake per link);
+//! (3) sealing and checking one frame header, the cost each message pays.
+//! `cargo bench --bench tcp_auth`; figures in docs/security.md.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -9,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use xccl_rs::MemoryStore;
 use xccl_rs::transport::MessageId;
+use xccl_rs::transport::tcp::TcpTransport;
 use xccl_rs::transport::tcp::connect::{MeshSpec, connect_mesh};
 use xccl_rs::transport::tcp::frame::Header;
 use xccl_rs::transport::tcp::handshake::Secret;
@@ -22,8 +25,13 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-/// One authenticated mesh of RANKS threads: the slowest rank's time.
+/// One authenticated mesh of RANKS threads: the slowest rank's time. With `transport`, the
+/// whole TCP transport (TLS on the links if `tls`); without, the mesh alone.
 fn authenticated_mesh() -> Duration {
+    mesh_of(false, false)
+}
+
+fn mesh_of(transport: bool, tls: bool) -> Duration {
     let store = MemoryStore::new();
     let secret = Secret([7; 32]);
     std::thread::scope(|s| {
@@ -39,9 +47,20 @@ fn authenticated_mesh() -> Duration {
                         secret,
                         socket_host: Some("127.0.0.1"),
                         timeout: Duration::from_secs(10),
+                        tls,
                     };
-                    connect_mesh(&spec).expect("mesh");
-                    t.elapsed()
+                    // Timed up to the links being ready, not their closing.
+                    if transport {
+                        let links = TcpTransport::connect(&spec).expect("transport");
+                        let ready = t.elapsed();
+                        drop(links);
+                        ready
+                    } else {
+                        let links = connect_mesh(&spec).expect("mesh");
+                        let ready = t.elapsed();
+                        drop(links);
+                        ready
+                    }
                 })
             })
             .collect();
@@ -94,6 +113,14 @@ fn main() {
         "{RANKS}-rank mesh over loopback, median of {ROUNDS}: authenticated {a:?}, unauthenticated hello {p:?}, added {:?}",
         a.saturating_sub(p)
     );
+
+    let (mut plain, mut tls) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        plain.push(mesh_of(true, false));
+        tls.push(mesh_of(true, true));
+    }
+    let (p, t) = (median(plain), median(tls));
+    println!("{RANKS}-rank TCP transport set-up, median of {ROUNDS}: without TLS {p:?}, with TLS {t:?}, added {:?}", t.saturating_sub(p));
 
     let key = [9u8; 32];
     let (mut tx, mut rx) = (Seal::new(&key, 0, 1), Seal::new(&key, 0, 1));

@@ -35,6 +35,7 @@ from harness import IS_GLOO, ctx, run_ranks
 N_OPS = 20
 NUMEL = 1000
 PG_TIMEOUT_S = 20.0  # a group that the attack blocks fails in this, not the default 60 s
+CHALLENGE_LEN = 72  # "XCCH" flags 0 nonce[32] mac[32] (src/transport/tcp/handshake.rs)
 
 
 def _inputs(rank: int, i: int):
@@ -105,7 +106,7 @@ def _listening() -> dict[int, int]:
 
 
 def _hello(from_rank: int, to_rank: int) -> bytes:
-    return b"XCH2" + struct.pack("<HHII", 1, 0, from_rank, to_rank) + os.urandom(32)
+    return b"XCH2" + struct.pack("<HHII", 2, 0, from_rank, to_rank) + os.urandom(32)
 
 
 def _frame() -> bytes:
@@ -210,12 +211,12 @@ class Attacker:
                     s.sendall(_hello(peer, rank)[: rnd.randint(1, 47)])
                 elif kind in ("bad_proof", "frames"):
                     s.sendall(_hello(peer, rank))
-                    challenge, closed = self._read(s, 68, 2.0)
+                    challenge, closed = self._read(s, CHALLENGE_LEN, 2.0)
                     if kind == "bad_proof":
-                        if len(challenge) == 68:
+                        if len(challenge) == CHALLENGE_LEN:
                             s.sendall(b"XCPR" + os.urandom(32))  # a MAC without the secret
                         after, closed = self._read(s, 1 << 16, 2.0)
-                        self.bad_proofs.append((len(challenge) == 68, after, closed))
+                        self.bad_proofs.append((len(challenge) == CHALLENGE_LEN, after, closed))
                     else:
                         try:
                             for _ in range(4):

@@ -1,4 +1,4 @@
-"""The short soak CI runs (issue 14): scripts/wip/soak.py at 4 ranks, three groups at once
+"""The short soak CI runs (issue 14): `python -m xccl_rs.soak` at 4 ranks, three groups at once
 (shared memory, TCP, a private group), random collectives checked against plain torch, with
 RSS, fds, threads and /dev/shm sampled. The soak's own checks are tested too: a rank that leaks
 one fd every 50 ops, or checks against a wrong reference, must fail it.
@@ -19,7 +19,6 @@ import pytest
 
 from harness import IS_XCCL
 
-SOAK = os.path.join(os.path.dirname(__file__), "..", "scripts", "wip", "soak.py")
 
 pytestmark = pytest.mark.skipif(not IS_XCCL, reason="the soak runs xccl_rs groups")
 
@@ -28,7 +27,7 @@ def soak(tmp_path, *extra: str) -> tuple[int, dict, str]:
     out = tmp_path / "soak.json"
     env = dict(os.environ, XCCL_RS_LOG="off")
     proc = subprocess.run(
-        [sys.executable, SOAK, "--json", str(out), "--timeout", "60", "--deadline", "240", *extra],
+        [sys.executable, "-m", "xccl_rs.soak", "--json", str(out), "--timeout", "60", "--deadline", "240", *extra],
         capture_output=True, text=True, timeout=300, env=env,
     )
     figures = json.loads(out.read_text()) if out.exists() else {}

@@ -91,6 +91,10 @@ settings! {
     /// same host (same hostname and same /dev/shm) and TCP between hosts; `tcp` forces TCP
     /// between every pair.
     transport: TransportChoice = "XCCL_RS_TRANSPORT", default TransportChoice::Auto, parse transport;
+    /// `XCCL_RS_TLS` (default 0): `1` runs TLS 1.3 on every TCP link of the group, with a
+    /// certificate per rank published through the Store (transport/tcp/tls.rs). Must be the
+    /// same on every rank. Shared memory is not affected.
+    tls: bool = "XCCL_RS_TLS", default false, parse flag;
     /// `XCCL_RS_HOST_ID` (default unset: hostname and /dev/shm's device and inode): when set,
     /// replaces this rank's host identity. Ranks with equal ids count as one host: for
     /// containers that share /dev/shm under different hostnames, and for tests (one process
@@ -135,6 +139,14 @@ fn bytes_at_least(v: &str, min: usize) -> Result<usize, String> {
         Ok(b) if b >= min => Ok(b),
         _ if min > 0 => Err(format!("a whole number of bytes, at least {min}")),
         _ => Err("a whole number".to_string()),
+    }
+}
+
+fn flag(v: &str) -> Result<bool, String> {
+    match v {
+        "1" => Ok(true),
+        "0" | "" => Ok(false),
+        _ => Err("0 or 1".to_string()),
     }
 }
 
@@ -231,7 +243,9 @@ mod tests {
             };
             failures.eq((err.name, err.value.as_str()), (name, value), &what);
             let text = err.to_string();
-            failures.check(text.contains(name) && text.contains(value) && text.contains(allowed), || format!("{what}: {text:?} should name the variable, the value and {allowed:?}"));
+            failures.check(text.contains(name) && text.contains(value) && text.contains(allowed), || {
+                format!("{what}: {text:?} should name the variable, the value and {allowed:?}")
+            });
         }
         failures.finish("invalid settings");
     }
@@ -241,8 +255,7 @@ mod tests {
     fn docs_list_exactly_the_declared_settings() {
         let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/env.md")).unwrap();
         let runtime = doc.split("## Runtime").nth(1).unwrap().split("\n## ").next().unwrap();
-        let mut documented: Vec<&str> =
-            runtime.lines().filter_map(|l| l.strip_prefix("| `")).filter_map(|l| l.split('`').next()).collect();
+        let mut documented: Vec<&str> = runtime.lines().filter_map(|l| l.strip_prefix("| `")).filter_map(|l| l.split('`').next()).collect();
         let mut declared = SETTINGS.to_vec();
         documented.sort();
         declared.sort();

@@ -103,7 +103,7 @@ impl Fabric {
     /// mixed group; one rank per host leaves nothing to share.
     pub fn build(store: &dyn Store, rank: usize, size: usize, secret: &Secret, config: &Config) -> Result<Fabric> {
         let socket_host = config.socket_host.as_deref();
-        let spec = MeshSpec { store, rank, size, secret, socket_host, timeout: config.timeout };
+        let spec = MeshSpec { store, rank, size, secret, socket_host, tls: config.tls, timeout: config.timeout };
         let tcp = Box::new(TcpTransport::connect(&spec)?);
         let (parts, hosts) = if size > 1 && config.transport == TransportChoice::Auto {
             Self::shared_memory(store, rank, size, config)?

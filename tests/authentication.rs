@@ -18,7 +18,7 @@ use xccl_rs::transport::tcp::handshake::{CHALLENGE_LEN, HELLO_LEN, Hello, PROOF_
 use xccl_rs::{Communicator, Config, MemoryStore, OpKind, ReduceOp};
 
 fn mesh(store: &dyn Store, rank: usize, size: usize, secret: &Secret, timeout: Duration) -> xccl_rs::error::Result<Vec<Option<Link>>> {
-    connect_mesh(&MeshSpec { store, rank, size, secret, socket_host: Some("127.0.0.1"), timeout })
+    connect_mesh(&MeshSpec { store, rank, size, secret, socket_host: Some("127.0.0.1"), timeout, tls: false })
 }
 
 /// Every way of being a stranger, against one listening address; returns the silent
@@ -33,13 +33,13 @@ fn harass(addr: SocketAddr, to: u32) -> Vec<TcpStream> {
                 let _ = s.write_all(&[0xAB; 200]); // garbage
             }
             2 => {
-                let hello = Hello { from: to + 1, to, nonce: [i as u8; 32] }.encode();
+                let hello = Hello { from: to + 1, to, flags: 0, nonce: [i as u8; 32] }.encode();
                 let _ = s.write_all(&hello[..HELLO_LEN / 2]); // a truncated hello, then nothing
                 silent.push(s);
             }
             3 => {
                 // A well-formed hello and a proof that cannot be right (no secret).
-                let _ = s.write_all(&Hello { from: to + 1, to, nonce: [7; 32] }.encode());
+                let _ = s.write_all(&Hello { from: to + 1, to, flags: 0, nonce: [7; 32] }.encode());
                 let mut challenge = [0u8; CHALLENGE_LEN];
                 if s.read_exact(&mut challenge).is_ok() {
                     let mut proof = [0u8; PROOF_LEN];

@@ -1,6 +1,6 @@
 //! Every decoder of bytes that come from a peer or from the Store, on arbitrary input: frame
 //! headers and their seals, timeout notices, the three handshake messages, published addresses,
-//! the group secret, host identities and shared-memory segment names. None may panic, and none
+//! the group secret, TLS certificates, host identities and shared-memory segment names. None may panic, and none
 //! may accept what it should not: a header opens only with its own tag, a notice names only
 //! ranks of the group, a segment name is only one that `Segment::create` makes. The live
 //! accepting loop is fuzzed too: arbitrary byte streams against a listening rank, which must
@@ -25,6 +25,7 @@ use xccl_rs::transport::tcp::connect::{MeshSpec, connect_mesh};
 use xccl_rs::transport::tcp::frame::{FIELDS_LEN, FrameKind, HEADER_LEN, Header, decode_waits, encode_waits, max_waits_len};
 use xccl_rs::transport::tcp::handshake::{CHALLENGE_LEN, Challenge, HELLO_LEN, Hello, PROOF_LEN, Secret, decode_proof, encode_proof};
 use xccl_rs::transport::tcp::seal::{Seal, TAG_LEN};
+use xccl_rs::transport::tcp::tls::{MAX_CERT_LEN, parse_cert};
 use xccl_rs::{MemoryStore, Store};
 
 fn cases(n: u32) -> ProptestConfig {
@@ -122,6 +123,7 @@ proptest! {
             prop_assert!(addr.port() != 0);
         }
         prop_assert_eq!(parse_secret(&value).is_ok(), value.len() == 32);
+        prop_assert_eq!(parse_cert(&value).is_ok(), !value.is_empty() && value.len() <= MAX_CERT_LEN);
         // Host maps from arbitrary identities: every rank is placed once, on a valid host.
         let map = HostMap::from_ids(&ids);
         prop_assert_eq!(map.world_size(), ids.len());
@@ -162,6 +164,7 @@ fn the_accepting_loop_survives_arbitrary_streams() {
         deadline: Instant::now() + timeout,
         handshake_timeout: Duration::from_secs(5),
         stop: &stop,
+        flags: 0,
     };
     std::thread::scope(|s| {
         let (listener, spec) = (&listener, &spec);
@@ -172,7 +175,7 @@ fn the_accepting_loop_survives_arbitrary_streams() {
             .run(&stream, |(bytes, hello_first, from)| {
                 let mut s = TcpStream::connect(addr).unwrap();
                 if hello_first {
-                    let _ = s.write_all(&Hello { from, to: 0, nonce: [1; 32] }.encode());
+                    let _ = s.write_all(&Hello { from, to: 0, flags: 0, nonce: [1; 32] }.encode());
                 }
                 let _ = s.write_all(&bytes);
                 Ok(())
@@ -181,7 +184,7 @@ fn the_accepting_loop_survives_arbitrary_streams() {
         prop_assert_no_links_yet(&acceptor);
         // The real rank 1, through the normal path (its address lookup included).
         store.set("xccl_rs/addr/0", addr.to_string().as_bytes()).unwrap();
-        let spec1 = MeshSpec { store: &*store, rank: 1, size: 2, secret: &secret, socket_host: Some("127.0.0.1"), timeout };
+        let spec1 = MeshSpec { store: &*store, rank: 1, size: 2, secret: &secret, socket_host: Some("127.0.0.1"), timeout, tls: false };
         let mine = connect_mesh(&spec1).expect("rank 1 connects after the fuzzing");
         assert!(mine[0].is_some());
         let links = acceptor.join().unwrap().expect("rank 0 accepted rank 1");

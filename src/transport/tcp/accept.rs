@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::connect::Link;
-use super::handshake::{CHALLENGE_LEN, Challenge, HELLO_LEN, Hello, PROOF_LEN, Secret, Transcript, decode_proof, random_nonce};
+use super::handshake::{
+    CHALLENGE_LEN, Challenge, HELLO_LEN, Hello, PROOF_LEN, Secret, Transcript, decode_proof, flags_mismatch, random_nonce,
+};
 use super::socket;
 use crate::error::{CommError, ErrorKind, Result};
 
@@ -25,6 +27,8 @@ pub struct AcceptSpec<'a> {
     pub rank: usize,
     pub size: usize,
     pub secret: &'a Secret,
+    /// This rank's link flags (handshake.rs): a peer with other flags is an error.
+    pub flags: u16,
     /// When the group's set-up times out.
     pub deadline: Instant,
     /// How long one connection may take to authenticate.
@@ -50,8 +54,13 @@ struct Pending {
 /// What one readiness event did to a handshake.
 enum Progress {
     Waiting,
-    Authenticated { from: usize, frame_key: [u8; 32] },
+    Authenticated {
+        from: usize,
+        frame_key: [u8; 32],
+    },
     Refused(String),
+    /// A real peer (it proved the secret) configured differently: the group cannot form.
+    Mismatch(String),
 }
 
 /// Accepts and authenticates one connection from every rank above `spec.rank`. Returns
@@ -105,6 +114,7 @@ pub fn accept_peers(listener: &TcpListener, spec: &AcceptSpec<'_>) -> Result<Vec
             match advance(&mut p, spec) {
                 Progress::Waiting => keep.push(p),
                 Progress::Refused(why) => refuse(rank, p.addr, &why),
+                Progress::Mismatch(why) => return Err(CommError::invalid(why)),
                 Progress::Authenticated { from, frame_key } => {
                     if links[from].is_some() {
                         return Err(CommError::io(format!("xccl_rs: rank {from} connected to rank {rank} twice")));
@@ -200,6 +210,9 @@ fn advance(p: &mut Pending, spec: &AcceptSpec<'_>) -> Progress {
                         Ok(mac) if !transcript.verify_connector(spec.secret, &mac) => {
                             Progress::Refused("its proof does not match the group's secret (a stranger, or a replayed handshake)".into())
                         }
+                        Ok(_) if transcript.flags_c != spec.flags => {
+                            Progress::Mismatch(flags_mismatch(spec.rank, spec.flags, transcript.from as usize, transcript.flags_c))
+                        }
                         Ok(_) => Progress::Authenticated { from: transcript.from as usize, frame_key: transcript.frame_key(spec.secret) },
                     };
                 }
@@ -219,7 +232,14 @@ fn hello_to_challenge(buf: &[u8; HELLO_LEN], spec: &AcceptSpec<'_>) -> std::resu
     if from <= spec.rank || from >= spec.size {
         return Err(format!("its hello comes from rank {from}, not a rank above {} of a group of {}", spec.rank, spec.size));
     }
-    let transcript = Transcript { from: hello.from, to: hello.to, nonce_c: hello.nonce, nonce_a: random_nonce()? };
-    let challenge = Challenge { nonce: transcript.nonce_a, mac: transcript.acceptor_mac(spec.secret) };
+    let transcript = Transcript {
+        from: hello.from,
+        to: hello.to,
+        flags_c: hello.flags,
+        flags_a: spec.flags,
+        nonce_c: hello.nonce,
+        nonce_a: random_nonce()?,
+    };
+    let challenge = Challenge { flags: spec.flags, nonce: transcript.nonce_a, mac: transcript.acceptor_mac(spec.secret) };
     Ok(Step::SendChallenge { bytes: challenge.encode(), sent: 0, transcript })
 }

@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::accept::{AcceptSpec, accept_peers};
-use super::handshake::{CHALLENGE_LEN, Challenge, Hello, MAC_LEN, Secret, Transcript, encode_proof, random_nonce};
+use super::handshake::{
+    CHALLENGE_LEN, Challenge, FLAG_TLS, Hello, MAC_LEN, Secret, Transcript, encode_proof, flags_mismatch, random_nonce,
+};
 use crate::error::{CommError, ErrorKind, Result};
 use crate::rendezvous::{Store, address_key, parse_address, rendezvous_error};
 
@@ -71,13 +73,22 @@ pub struct MeshSpec<'a> {
     pub secret: &'a Secret,
     /// `XCCL_RS_SOCKET_HOST`: the address to advertise.
     pub socket_host: Option<&'a str>,
+    /// `XCCL_RS_TLS`: every link runs TLS after its handshake (tls.rs).
+    pub tls: bool,
     pub timeout: Duration,
+}
+
+impl MeshSpec<'_> {
+    /// The flags this rank's handshakes carry.
+    pub fn flags(&self) -> u16 {
+        if self.tls { FLAG_TLS } else { 0 }
+    }
 }
 
 /// Connects this rank to every other rank. Returns `links[r]` = the connection to rank r
 /// (`None` for this rank itself).
 pub fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<Link>>> {
-    let MeshSpec { store, rank, size, secret, socket_host, timeout } = *spec;
+    let MeshSpec { store, rank, size, secret, socket_host, timeout, .. } = *spec;
     let deadline = Instant::now() + timeout;
     if size == 1 {
         return Ok(vec![None]);
@@ -87,7 +98,7 @@ pub fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<Link>>> {
     let port = listener.local_addr().map_err(|e| CommError::io(e.to_string()))?.port();
     let handshake_timeout = HANDSHAKE_TIMEOUT.min(timeout);
     let stop = AtomicBool::new(false);
-    let accept_spec = AcceptSpec { rank, size, secret, deadline, handshake_timeout, stop: &stop };
+    let accept_spec = AcceptSpec { rank, size, secret, flags: spec.flags(), deadline, handshake_timeout, stop: &stop };
     let (outgoing, incoming) = std::thread::scope(|s| {
         let acceptor = (rank + 1 < size).then(|| s.spawn(|| accept_peers(&listener, &accept_spec)));
         let outgoing = store
@@ -137,9 +148,10 @@ fn connect_to(spec: &MeshSpec<'_>, peer: usize, deadline: Instant, handshake_tim
             .and_then(|stream| authenticate(stream, spec, peer, handshake_timeout.min(left)));
         match attempt {
             Ok(Ok(link)) => return Ok(link),
-            Ok(Err(refusal)) => {
-                return Err(CommError::io(format!("xccl_rs: rank {rank} could not authenticate rank {peer} at {addr}: {refusal}")));
+            Ok(Err(Refusal::NotThePeer(why))) => {
+                return Err(CommError::io(format!("xccl_rs: rank {rank} could not authenticate rank {peer} at {addr}: {why}")));
             }
+            Ok(Err(Refusal::Mismatch(why))) => return Err(CommError::invalid(why)),
             Err(e) if Instant::now() < deadline => {
                 tracing::debug!(%addr, error = %e, "connect retry");
                 std::thread::sleep(backoff.min(remaining(deadline)));
@@ -155,29 +167,42 @@ fn connect_to(spec: &MeshSpec<'_>, peer: usize, deadline: Instant, handshake_tim
     }
 }
 
+/// Why the connector gives up on a peer that answered.
+enum Refusal {
+    /// It does not know the secret, or does not speak the protocol.
+    NotThePeer(String),
+    /// It is the peer, but its links are configured differently.
+    Mismatch(String),
+}
+
 /// The connector's half of the handshake. `Err` is worth a retry (the connection failed);
-/// `Ok(Err)` is a peer that does not know the secret.
+/// `Ok(Err)` is a peer that cannot be linked to.
 fn authenticate(
     mut stream: TcpStream,
     spec: &MeshSpec<'_>,
     peer: usize,
     limit: Duration,
-) -> std::result::Result<std::result::Result<Link, String>, String> {
+) -> std::result::Result<std::result::Result<Link, Refusal>, String> {
     let limit = Some(limit.max(Duration::from_millis(1)));
     stream.set_read_timeout(limit).and_then(|_| stream.set_write_timeout(limit)).map_err(|e| e.to_string())?;
     let nonce_c = random_nonce()?;
-    let hello = Hello { from: spec.rank as u32, to: peer as u32, nonce: nonce_c };
+    let hello = Hello { from: spec.rank as u32, to: peer as u32, flags: spec.flags(), nonce: nonce_c };
     stream.write_all(&hello.encode()).map_err(|e| format!("hello failed: {e}"))?;
     let mut b = [0u8; CHALLENGE_LEN];
     stream.read_exact(&mut b).map_err(|e| format!("no challenge came back: {e}"))?;
     let challenge = match Challenge::decode(&b) {
         Ok(c) => c,
-        Err(m) => return Ok(Err(m)),
+        Err(m) => return Ok(Err(Refusal::NotThePeer(m))),
     };
-    let transcript = Transcript { from: hello.from, to: hello.to, nonce_c, nonce_a: challenge.nonce };
+    let transcript =
+        Transcript { from: hello.from, to: hello.to, flags_c: hello.flags, flags_a: challenge.flags, nonce_c, nonce_a: challenge.nonce };
     if !transcript.verify_acceptor(spec.secret, &challenge.mac) {
-        return Ok(Err("its answer does not match the group's secret (is another process on that port?)".into()));
+        return Ok(Err(Refusal::NotThePeer("its answer does not match the group's secret (is another process on that port?)".into())));
     }
+    // The proof goes even to a peer configured differently, so that it too learns why.
     stream.write_all(&encode_proof(&transcript.connector_mac(spec.secret))).map_err(|e| format!("proof failed: {e}"))?;
+    if challenge.flags != hello.flags {
+        return Ok(Err(Refusal::Mismatch(flags_mismatch(spec.rank, hello.flags, peer, challenge.flags))));
+    }
     Ok(Ok(Link { stream, frame_key: transcript.frame_key(spec.secret) }))
 }

@@ -119,6 +119,12 @@ fn closed_error(ctx: &OpCtx, peer: usize, detail: &str) -> CommError {
     CommError::peer(format!("{}: rank {peer} closed its connection{detail} (did it exit or crash?)", ctx.describe()))
 }
 
+/// The error for a link whose TLS tunnel failed (a record that fails its check, say): the
+/// transport saw its end close, but the peer did not go away.
+fn tls_failed_error(ctx: &OpCtx, peer: usize, why: &str) -> CommError {
+    CommError::peer(format!("{}: the TLS link to rank {peer} failed: {why}", ctx.describe()))
+}
+
 /// Compares a received header with the expectation (`expect`, and a payload of `expect_len`
 /// bytes); the message says what differs.
 fn check_header(expect: &MessageId, expect_len: u64, got: &Header, peer: usize, ctx: &OpCtx) -> Result<()> {
@@ -183,6 +189,14 @@ impl TcpTransport {
         self.peers[peer].as_ref().map(|p| p.stream.as_raw_fd()).unwrap_or(-1)
     }
 
+    /// Why `peer`'s link is closed: its TLS tunnel's failure where there is one.
+    fn closed_error(&self, ctx: &OpCtx, peer: usize, detail: &str) -> CommError {
+        match self.peers[peer].as_ref().and_then(|p| p.stream.failure()) {
+            Some(why) => tls_failed_error(ctx, peer, &why),
+            None => closed_error(ctx, peer, detail),
+        }
+    }
+
     fn peer_mut(&mut self, peer: usize) -> &mut Peer {
         self.peers[peer].as_mut().expect("peer index checked by the caller")
     }
@@ -219,7 +233,7 @@ impl TcpTransport {
                     if let Some(message) = self.queued_abort(peer) {
                         return Err(peer_abort_error(ctx, peer, &message));
                     }
-                    return Err(closed_error(ctx, peer, &format!(" while rank {} was sending ({e})", ctx.rank)));
+                    return Err(self.closed_error(ctx, peer, &format!(" while rank {} was sending ({e})", ctx.rank)));
                 }
             }
         }
@@ -227,7 +241,7 @@ impl TcpTransport {
             match socket::send2(fd, &st.outbox[st.outbox_sent..], &[]) {
                 Ok(n) => st.outbox_sent += n,
                 Err(e) if socket::would_block(&e) => {}
-                Err(e) => return Err(closed_error(ctx, peer, &format!(" while rank {} sent its timeout notice ({e})", ctx.rank))),
+                Err(e) => return Err(self.closed_error(ctx, peer, &format!(" while rank {} sent its timeout notice ({e})", ctx.rank))),
             }
             // Half a notice leaves the stream unframed: a later abort closes it instead.
             self.peer_mut(peer).broken_out = st.notice_pending();
@@ -271,13 +285,13 @@ impl TcpTransport {
             let n = match step {
                 Ok(0) => {
                     self.peer_mut(peer).closed = true;
-                    return Err(closed_error(ctx, peer, &format!(" while rank {} waited for its data", ctx.rank)));
+                    return Err(self.closed_error(ctx, peer, &format!(" while rank {} waited for its data", ctx.rank)));
                 }
                 Ok(n) => n,
                 Err(e) if socket::would_block(&e) => return Ok(()),
                 Err(e) => {
                     self.peer_mut(peer).closed = true;
-                    return Err(closed_error(ctx, peer, &format!(" ({e})")));
+                    return Err(self.closed_error(ctx, peer, &format!(" ({e})")));
                 }
             };
             match &mut st.reading {
@@ -458,7 +472,7 @@ impl Transport for TcpTransport {
             let involved = !phases[p].sends.is_empty() || !phases[p].recvs.is_empty();
             if peer.closed {
                 if involved {
-                    return Err(closed_error(ctx, p, " earlier"));
+                    return Err(self.closed_error(ctx, p, " earlier"));
                 }
                 phases[p].watch = false;
             }
@@ -625,7 +639,7 @@ impl Transport for TcpTransport {
                                 )));
                             }
                             if Self::poll_timeout_ms(ctx.deadline).is_none() {
-                                return Err(closed_error(ctx, p, " in the middle of an abort message"));
+                                return Err(self.closed_error(ctx, p, " in the middle of an abort message"));
                             }
                             std::thread::sleep(std::time::Duration::from_millis(1));
                         }

@@ -6,19 +6,25 @@
 //! an HMAC-SHA256 over both nonces and both ranks, under a label of its role:
 //!
 //! ```text
-//! connector -> acceptor  HELLO      "XCH2" version:u16 0:u16 from:u32 to:u32 nonce_c[32]   48 bytes
-//! acceptor -> connector  CHALLENGE  "XCCH" nonce_a[32] mac_a[32]                            68 bytes
-//! connector -> acceptor  PROOF      "XCPR" mac_c[32]                                        36 bytes
+//! connector -> acceptor  HELLO      "XCH2" version:u16 flags_c:u16 from:u32 to:u32 nonce_c[32]  48 bytes
+//! acceptor -> connector  CHALLENGE  "XCCH" flags_a:u16 0:u16 nonce_a[32] mac_a[32]              72 bytes
+//! connector -> acceptor  PROOF      "XCPR" mac_c[32]                                           36 bytes
 //!
-//! mac_a = HMAC(secret, "xccl_rs/v1/acceptor" | from | to | nonce_c | nonce_a)
-//! mac_c = HMAC(secret, "xccl_rs/v1/connector" | from | to | nonce_c | nonce_a)
-//! key   = HMAC(secret, "xccl_rs/v1/frames" | from | to | nonce_c | nonce_a)
+//! t     = from | to | flags_c | flags_a | nonce_c | nonce_a
+//! mac_a = HMAC(secret, "xccl_rs/v2/acceptor" | t)
+//! mac_c = HMAC(secret, "xccl_rs/v2/connector" | t)
+//! key   = HMAC(secret, "xccl_rs/v2/frames" | t)
 //! ```
 //!
 //! A recorded handshake is useless elsewhere: the other side's nonce is new each time, so
 //! neither MAC can be replayed, and the labels keep an acceptor's answer from serving as a
 //! connector's proof. `key` then seals every frame header of the connection (seal.rs), which
 //! binds frames to this connection and to their place in its stream.
+//!
+//! The flags say how each side wants the link: [`FLAG_TLS`] for TLS (tls.rs). Both MACs cover
+//! both sides' flags, so no one on the path can strip TLS from a link (a downgrade), and two
+//! ranks configured differently learn it from an authenticated answer and fail with a clear
+//! error, instead of one side reading the other's TLS records as frames.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -29,9 +35,14 @@ pub const SECRET_LEN: usize = 32;
 pub const NONCE_LEN: usize = 32;
 pub const MAC_LEN: usize = 32;
 pub const HELLO_LEN: usize = 48;
-pub const CHALLENGE_LEN: usize = 4 + NONCE_LEN + MAC_LEN;
+pub const CHALLENGE_LEN: usize = 8 + NONCE_LEN + MAC_LEN;
 pub const PROOF_LEN: usize = 4 + MAC_LEN;
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
+
+/// The link is to run TLS after the handshake (`XCCL_RS_TLS=1`).
+pub const FLAG_TLS: u16 = 1;
+/// Every flag this version knows; a hello or challenge with others is refused.
+const KNOWN_FLAGS: u16 = FLAG_TLS;
 
 const HELLO_MAGIC: [u8; 4] = *b"XCH2";
 const CHALLENGE_MAGIC: [u8; 4] = *b"XCCH";
@@ -57,6 +68,7 @@ pub fn random_nonce() -> Result<[u8; NONCE_LEN], String> {
 pub struct Hello {
     pub from: u32,
     pub to: u32,
+    pub flags: u16,
     pub nonce: [u8; NONCE_LEN],
 }
 
@@ -65,6 +77,7 @@ impl Hello {
         let mut b = [0u8; HELLO_LEN];
         b[0..4].copy_from_slice(&HELLO_MAGIC);
         b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
         b[8..12].copy_from_slice(&self.from.to_le_bytes());
         b[12..16].copy_from_slice(&self.to.to_le_bytes());
         b[16..48].copy_from_slice(&self.nonce);
@@ -77,18 +90,23 @@ impl Hello {
             return Err("not an xccl_rs hello".into());
         }
         let version = u16::from_le_bytes([b[4], b[5]]);
-        if version != VERSION || b[6..8] != [0, 0] {
+        if version != VERSION {
             return Err(format!("hello of protocol version {version}, this is version {VERSION}"));
+        }
+        let flags = u16::from_le_bytes([b[6], b[7]]);
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(format!("hello with unknown flags {flags:#x}"));
         }
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let mut nonce = [0u8; NONCE_LEN];
         nonce.copy_from_slice(&b[16..48]);
-        Ok(Hello { from: u32_at(8), to: u32_at(12), nonce })
+        Ok(Hello { from: u32_at(8), to: u32_at(12), flags, nonce })
     }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Challenge {
+    pub flags: u16,
     pub nonce: [u8; NONCE_LEN],
     pub mac: [u8; MAC_LEN],
 }
@@ -97,8 +115,9 @@ impl Challenge {
     pub fn encode(&self) -> [u8; CHALLENGE_LEN] {
         let mut b = [0u8; CHALLENGE_LEN];
         b[0..4].copy_from_slice(&CHALLENGE_MAGIC);
-        b[4..36].copy_from_slice(&self.nonce);
-        b[36..68].copy_from_slice(&self.mac);
+        b[4..6].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..40].copy_from_slice(&self.nonce);
+        b[40..72].copy_from_slice(&self.mac);
         b
     }
 
@@ -106,10 +125,14 @@ impl Challenge {
         if b[0..4] != CHALLENGE_MAGIC {
             return Err("not an xccl_rs challenge".into());
         }
+        let flags = u16::from_le_bytes([b[4], b[5]]);
+        if flags & !KNOWN_FLAGS != 0 || b[6..8] != [0, 0] {
+            return Err(format!("challenge with unknown flags {flags:#x}"));
+        }
         let (mut nonce, mut mac) = ([0u8; NONCE_LEN], [0u8; MAC_LEN]);
-        nonce.copy_from_slice(&b[4..36]);
-        mac.copy_from_slice(&b[36..68]);
-        Ok(Challenge { nonce, mac })
+        nonce.copy_from_slice(&b[8..40]);
+        mac.copy_from_slice(&b[40..72]);
+        Ok(Challenge { flags, nonce, mac })
     }
 }
 
@@ -129,11 +152,24 @@ pub fn decode_proof(b: &[u8; PROOF_LEN]) -> Result<[u8; MAC_LEN], String> {
     Ok(mac)
 }
 
+/// The error of two authenticated ranks whose links are configured differently.
+pub fn flags_mismatch(rank: usize, flags: u16, peer: usize, peer_flags: u16) -> String {
+    let tls = |f: u16| if f & FLAG_TLS != 0 { "XCCL_RS_TLS=1" } else { "no TLS" };
+    format!(
+        "xccl_rs: rank {peer} wants {} on its link to rank {rank}, which has {}: set XCCL_RS_TLS alike on every rank",
+        tls(peer_flags),
+        tls(flags)
+    )
+}
+
 /// What both sides of one handshake know once the nonces have crossed.
 #[derive(Clone, Copy)]
 pub struct Transcript {
     pub from: u32,
     pub to: u32,
+    /// The connector's flags (from its hello) and the acceptor's (from its challenge).
+    pub flags_c: u16,
+    pub flags_a: u16,
     pub nonce_c: [u8; NONCE_LEN],
     pub nonce_a: [u8; NONCE_LEN],
 }
@@ -148,9 +184,9 @@ enum Label {
 impl Label {
     fn bytes(self) -> &'static [u8] {
         match self {
-            Label::Acceptor => b"xccl_rs/v1/acceptor",
-            Label::Connector => b"xccl_rs/v1/connector",
-            Label::Frames => b"xccl_rs/v1/frames",
+            Label::Acceptor => b"xccl_rs/v2/acceptor",
+            Label::Connector => b"xccl_rs/v2/connector",
+            Label::Frames => b"xccl_rs/v2/frames",
         }
     }
 }
@@ -161,6 +197,8 @@ impl Transcript {
         m.update(label.bytes());
         m.update(&self.from.to_le_bytes());
         m.update(&self.to.to_le_bytes());
+        m.update(&self.flags_c.to_le_bytes());
+        m.update(&self.flags_a.to_le_bytes());
         m.update(&self.nonce_c);
         m.update(&self.nonce_a);
         m
@@ -201,22 +239,28 @@ mod tests {
     use super::*;
 
     fn transcript() -> Transcript {
-        Transcript { from: 3, to: 1, nonce_c: [7; 32], nonce_a: [9; 32] }
+        Transcript { from: 3, to: 1, flags_c: 0, flags_a: 0, nonce_c: [7; 32], nonce_a: [9; 32] }
     }
 
     #[test]
     fn messages_round_trip_and_refuse_other_magic() {
-        let h = Hello { from: 5, to: 2, nonce: [1; 32] };
+        let h = Hello { from: 5, to: 2, flags: FLAG_TLS, nonce: [1; 32] };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
-        let c = Challenge { nonce: [2; 32], mac: [3; 32] };
+        let c = Challenge { flags: FLAG_TLS, nonce: [2; 32], mac: [3; 32] };
         assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
         assert_eq!(decode_proof(&encode_proof(&[4; 32])).unwrap(), [4; 32]);
         let mut bad = h.encode();
-        bad[4] = 2;
+        bad[4] = 1; // version 1, before the flags
         assert!(Hello::decode(&bad).is_err(), "another version");
         bad = h.encode();
         bad[0] = b'Y';
         assert!(Hello::decode(&bad).is_err());
+        bad = h.encode();
+        bad[6] = 2;
+        assert!(Hello::decode(&bad).is_err(), "an unknown flag");
+        let mut bad_challenge = c.encode();
+        bad_challenge[5] = 1;
+        assert!(Challenge::decode(&bad_challenge).is_err(), "an unknown flag");
         let mut p = encode_proof(&[4; 32]);
         p[3] = 0;
         assert!(decode_proof(&p).is_err());
@@ -233,6 +277,8 @@ mod tests {
         for changed in [
             Transcript { from: 4, ..t },
             Transcript { to: 0, ..t },
+            Transcript { flags_c: FLAG_TLS, ..t },
+            Transcript { flags_a: FLAG_TLS, ..t },
             Transcript { nonce_c: [8; 32], ..t },
             Transcript { nonce_a: [8; 32], ..t },
         ] {

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# WORK IN PROGRESS (issue 14, part 4): written at stop 13, not yet run; not called by any test.
 # The Rust core's own tests (tests/*.rs: ranks as threads over loopback TCP and shared memory)
 # under valgrind memcheck: invalid reads/writes, uses of uninitialised memory, bad frees and
 # leaks in the Rust code and in what it calls. Stable Rust has neither ASan nor Miri for code
 # that does syscalls, futexes and mmap, hence valgrind. Not part of scripts/test.sh: it takes
 # minutes, and it is a sweep for memory errors, not a functional test.
 #
-#   scripts/wip/memcheck.sh              the representative subset below
-#   scripts/wip/memcheck.sh BIN FILTER   one test binary (tests/BIN.rs) with a libtest filter
+#   scripts/memcheck.sh              the representative subset below
+#   scripts/memcheck.sh BIN FILTER   one test binary (tests/BIN.rs) with a libtest filter
 #
 # Exit status: non-zero if any binary fails or valgrind reports an error (--error-exitcode).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${XCCL_RS_CACHE:-$HOME/.cache/xccl_rs}"
 # Its own target directory: a memcheck build never races the normal builds for cargo's lock.
 export CARGO_TARGET_DIR="$CACHE/target-memcheck"
@@ -36,9 +35,10 @@ for line in sys.stdin:
 [ "${#BIN[@]}" -gt 0 ] || { echo "no test binaries built (run cargo test --release --no-run to see why)" >&2; exit 1; }
 
 # (binary, filter): every collective family over both transports, point-to-point, the
-# shared-memory futex wake-ups, and abort — the code with the unsafe blocks (segments, slots,
-# raw buffers, the reduction kernels). The exhaustive dtype × size sweeps stay out: valgrind
-# runs them 20-50 times slower and they add no new code paths.
+# shared-memory futex wake-ups, abort and zero-copy heaps — the code with the unsafe blocks
+# (segments, slots, heaps, raw buffers, the reduction kernels) — and the TLS tunnels (their
+# threads, socket pairs, rustls). The exhaustive dtype × size sweeps stay out: valgrind runs
+# them 20-50 times slower and they add no new code paths.
 CASES=(
   "collectives allreduce_f32::"
   "collectives allreduce_bf16::"
@@ -51,6 +51,7 @@ CASES=(
   "shm_wakeup "
   "abort "
   "zero_copy "
+  "tls "
 )
 [ "$#" -ge 1 ] && CASES=("$1 ${2:-}")
 

@@ -1,8 +1,4 @@
-# WORK IN PROGRESS (issue 14, part 4): it runs, and python_tests/test_soak.py runs it briefly in
-# CI. What is open is the RSS criterion: RSS grows after the warm-up (docs/reliability.md, the
-# soak), and whether that is a leak is not settled. It moves into the package as
-# `python -m xccl_rs.soak` once it is.
-"""The soak: ``python scripts/wip/soak.py`` (to become ``python -m xccl_rs.soak``).
+"""The soak: ``python -m xccl_rs.soak`` (docs/reliability.md, the soak).
 
 Starts N rank processes (default 4) on this host. In each, three groups run at once, one Python
 thread per group, each issuing its own random sequence of c10d collectives:
@@ -551,8 +547,10 @@ def analyse(results: dict, args) -> dict:
 
 
 def _commit() -> str:
+    """The git commit of the source this copy was built from, where that is a checkout."""
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
+        import xccl_rs
+        here = os.path.dirname(os.path.abspath(xccl_rs.__file__))
         return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=5).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
