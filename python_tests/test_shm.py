@@ -27,6 +27,19 @@ WORKER = textwrap.dedent(
     t = torch.full((300000,), float(rank))
     dist.all_reduce(t)
     assert t[0].item() == sum(range(world))
+    if mode == "cma":
+        # 4 MiB all-reduces (cross-memory attach), against sums computed here from every
+        # rank's inputs, which each rank regenerates from its seed.
+        def inputs(r, dtype):
+            g = torch.Generator().manual_seed(1000 + r)
+            return torch.randint(-50, 50, (1 << 20,), generator=g).to(dtype)
+        for dtype in (torch.float32, torch.bfloat16):
+            for op, scale in ((dist.ReduceOp.SUM, 1), (dist.ReduceOp.AVG, world)):
+                mine = inputs(rank, dtype)
+                dist.all_reduce(mine, op=op)
+                want = (sum(inputs(r, dtype).float() for r in range(world)) / scale).to(dtype)
+                assert torch.equal(mine, want), (dtype, op, (mine != want).sum().item())
+        print("CMA EXACT", flush=True)
     print("SEGMENTS", sorted(f for f in os.listdir("/dev/shm") if f.startswith("xccl_rs-")), flush=True)
     if mode == "kill" and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -80,6 +93,18 @@ def test_nothing_left_after_a_rank_is_killed(tmp_path):
         rc, out = outs[rank]
         assert "ERROR" in out and "rank 1" in out, out
     assert ours() - before == set()
+
+
+def test_all_reduce_by_cross_memory_attach_across_processes(tmp_path):
+    """XCCL_RS_CMA=1: the group probes and agrees on it (the log says cma=true), and 4 MiB
+    all-reduces over SUM and AVG in float32 and bfloat16 are exact; with it off, cma=false."""
+    outs = run_group(tmp_path, 3, "cma", {"XCCL_RS_CMA": "1", "XCCL_RS_LOG": "info"})
+    for rc, out in outs:
+        assert rc == 0 and "CMA EXACT" in out and "DONE" in out, out
+        assert "cma=true" in out, out
+    outs = run_group(tmp_path, 2, "normal", {"XCCL_RS_LOG": "info"})
+    for rc, out in outs:
+        assert rc == 0 and "cma=false" in out, out
 
 
 def test_tcp_can_be_forced(tmp_path):

@@ -146,6 +146,11 @@ impl Communicator {
         self.shared.worker.lock().fabric.zero_copy_ops()
     }
 
+    /// Operations that read peers' buffers by cross-memory attach so far (diagnostics, tests).
+    pub fn cma_ops(&self) -> u64 {
+        self.shared.worker.lock().fabric.cma_ops()
+    }
+
     /// Whether this rank has a heap to allocate tensors from ([`alloc_shared`](Self::alloc_shared)).
     pub fn has_heap(&self) -> bool {
         self.heap.lock().is_some()

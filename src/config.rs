@@ -95,6 +95,11 @@ settings! {
     /// certificate per rank published through the Store (transport/tcp/tls.rs). Must be the
     /// same on every rank. Shared memory is not affected.
     tls: bool = "XCCL_RS_TLS", default false, parse flag;
+    /// `XCCL_RS_CMA` (default 0): `1` lets ranks of one host read each other's ordinary
+    /// tensors with cross-memory attach (`process_vm_readv`) for all-reduces of 1 MiB or more,
+    /// where the kernel allows it (probed at set-up). Off by default: on the machines we
+    /// measured, the slots were as fast or faster (docs/perf.md).
+    cma: bool = "XCCL_RS_CMA", default false, parse flag;
     /// `XCCL_RS_HOST_ID` (default unset: hostname and /dev/shm's device and inode): when set,
     /// replaces this rank's host identity. Ranks with equal ids count as one host: for
     /// containers that share /dev/shm under different hostnames, and for tests (one process

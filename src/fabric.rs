@@ -112,7 +112,8 @@ impl Fabric {
         };
         let fabric = Fabric { tcp, parts };
         let local_ranks = fabric.shm().map_or(1, |s| s.size());
-        tracing::info!(rank, size, shm = fabric.shm().is_some(), hosts, local_ranks, "xccl_rs communicator connected");
+        let cma = fabric.shm().is_some_and(|s| s.cma());
+        tracing::info!(rank, size, shm = fabric.shm().is_some(), cma, hosts, local_ranks, "xccl_rs communicator connected");
         Ok(fabric)
     }
 
@@ -125,7 +126,7 @@ impl Fabric {
         let setup = |namespace: &str, heap_bytes: usize| {
             let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes);
             let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin, config.timeout);
-            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par, heap_bytes)
+            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par, heap_bytes, config.cma)
         };
         let count = hosts.host_count();
         let parts = if count == 1 {
@@ -151,6 +152,11 @@ impl Fabric {
     /// Zero-copy operations so far (0 without shared memory).
     pub fn zero_copy_ops(&self) -> u64 {
         self.shm().map_or(0, |s| s.zero_copy_ops())
+    }
+
+    /// Operations that read peers by cross-memory attach so far.
+    pub fn cma_ops(&self) -> u64 {
+        self.shm().map_or(0, |s| s.cma_ops())
     }
 
     /// The shared-memory group this rank belongs to, if any.

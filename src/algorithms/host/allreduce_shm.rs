@@ -14,7 +14,8 @@
 //! (reduce_shm.rs) is the same with only the root copying the parts out.
 //!
 //! Large tensors that every rank allocated in its heap skip the slots altogether
-//! (allreduce_zero_copy.rs).
+//! (allreduce_zero_copy.rs); other large tensors are read from the peers by cross-memory
+//! attach where the kernel allows it (allreduce_cma.rs).
 
 use super::blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
 use crate::algorithms::split::split_range;
@@ -28,7 +29,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, oneshot_bytes: 
     let buf = op.outputs[0];
     if buf.len() <= oneshot_bytes.min(shm.chunk()) {
         one_shot(shm, ctx, op, desc)
-    } else if super::zero_copy::tries(shm, buf.len()) {
+    } else if super::zero_copy::tries(shm, buf.len()) || super::allreduce_cma::tries(shm, buf.len()) {
         super::allreduce_zero_copy::run(shm, ctx, op, desc)
     } else {
         blocked(shm, ctx, op, desc, None)

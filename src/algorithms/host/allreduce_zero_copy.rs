@@ -22,10 +22,14 @@ use crate::op::Op;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 
-/// Runs the all-reduce zero-copy if every rank's tensor is in its heap, else through the slots.
+/// Runs the all-reduce zero-copy if every rank's tensor is in its heap, else by cross-memory
+/// attach where the group can, else through the slots.
 pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let buf = op.outputs[0];
     let g = presync(shm, ctx, desc, &[buf])?;
+    if !shm.all_in_heap(g) && shm.cma() {
+        return super::allreduce_cma::run(shm, ctx, op, g);
+    }
     if !shm.all_in_heap(g) {
         finish_block(shm, g);
         return blocked(shm, ctx, op, desc, None);

@@ -5,6 +5,7 @@
 
 pub mod allgather_shm;
 pub mod allgather_zero_copy;
+pub mod allreduce_cma;
 pub mod allreduce_shm;
 pub mod allreduce_zero_copy;
 pub mod barrier_shm;

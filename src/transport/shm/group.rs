@@ -83,6 +83,10 @@ pub struct ShmGroup {
     /// set-up), so every rank takes the same path through a collective.
     zero_copy: bool,
     zero_copy_ops: u64,
+    /// Every rank can read every peer's memory with cross-memory attach (cma.rs), probed and
+    /// agreed at set-up; with it, each peer's pid.
+    cma: Option<Vec<i32>>,
+    cma_ops: u64,
 }
 
 /// What identifies "this host and this /dev/shm" (NCCL's shm transport checks both).
@@ -96,6 +100,11 @@ pub fn host_identity() -> Option<String> {
     }
     let len = buf.iter().position(|&c| c == 0).unwrap_or(buf.len());
     Some(format!("{}|{}|{}", String::from_utf8_lossy(&buf[..len]), meta.dev(), meta.ino()))
+}
+
+/// Every segment's pid as a kernel pid, if all are (cross-memory attach addresses them).
+fn segments_pids(segments: &[Segment]) -> Option<Vec<i32>> {
+    segments.iter().map(|s| i32::try_from(s.header().pid.0.load(Ordering::Relaxed)).ok()).collect()
 }
 
 fn pid_alive(pid: u64) -> bool {
@@ -130,11 +139,15 @@ impl ShmGroup {
         timeout: Duration,
         par: Par,
         heap_bytes: usize,
+        cma: bool,
     ) -> Result<ShmGroup> {
         let size = members.len();
         let me = members[rank];
         let (own, name) = Segment::create(chunk)?;
         store.set(&format!("xccl_rs/shm{namespace}/{rank}"), name.as_bytes())?;
+        // Where this process sees its own header: peers probe cross-memory attach with it.
+        let own_header = own.header() as *const RankHeader as u64;
+        store.set(&format!("xccl_rs/shm_cma{namespace}/{rank}"), own_header.to_string().as_bytes())?;
         // A heap that cannot be made (address space limits, say) leaves the group without
         // zero-copy, not without shared memory.
         let heap = match (heap_bytes >= super::heap::HEAP_PAGE).then(|| Heap::create(heap_bytes)).transpose() {
@@ -170,17 +183,27 @@ impl ShmGroup {
             peer_heaps.push(match name.is_empty() {
                 true => None,
                 false => PeerHeap::open(&name)
-                    .map_err(|e| tracing::warn!("rank {me}: rank {member}'s heap is not mapped, so no zero-copy collectives: {}", e.message))
+                    .map_err(|e| {
+                        tracing::warn!("rank {me}: rank {member}'s heap is not mapped, so no zero-copy collectives: {}", e.message)
+                    })
                     .ok(),
             });
         }
         let all_heaps = heap.is_some() && peer_heaps.iter().enumerate().all(|(peer, h)| peer == rank || h.is_some());
-        // "h": this rank can take part in zero-copy collectives; every rank must see the same.
-        store.set(&format!("xccl_rs/shm_mapped{namespace}/{rank}"), if all_heaps { b"h" } else { b"1" })?;
-        let mut zero_copy = true;
+        let reads_peers = cma && Self::probe_cma(store, members, rank, namespace, &segments, timeout)?;
+        // "h": this rank can take part in zero-copy collectives; "c": it can read every peer
+        // by cross-memory attach. Every rank must see the same.
+        let mut said = vec![if all_heaps { b'h' } else { b'1' }];
+        if reads_peers {
+            said.push(b'c');
+        }
+        store.set(&format!("xccl_rs/shm_mapped{namespace}/{rank}"), &said)?;
+        let (mut zero_copy, mut all_read) = (true, true);
         for (peer, &member) in members.iter().enumerate() {
-            let mapped = store.get(&format!("xccl_rs/shm_mapped{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
-            zero_copy &= mapped == b"h";
+            let mapped =
+                store.get(&format!("xccl_rs/shm_mapped{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+            zero_copy &= mapped.first() == Some(&b'h');
+            all_read &= mapped.get(1) == Some(&b'c');
         }
         segments[rank].unlink();
         if let Some(heap) = &heap {
@@ -197,7 +220,6 @@ impl ShmGroup {
             size,
             members: members.to_vec(),
             chunk,
-            segments,
             next_block: 1,
             spin,
             par,
@@ -206,7 +228,51 @@ impl ShmGroup {
             peer_heaps,
             zero_copy,
             zero_copy_ops: 0,
+            cma: all_read.then(|| segments_pids(&segments)).flatten(),
+            cma_ops: 0,
+            segments,
         })
+    }
+
+    /// Whether this rank can read every peer's memory by cross-memory attach: each peer's
+    /// header, read through the address the peer published, must equal this rank's mapping of
+    /// it (the same shared memory). A peer in another pid namespace, a ptrace policy that
+    /// forbids it, or a seccomp filter all make it false.
+    fn probe_cma(
+        store: &dyn Store,
+        members: &[usize],
+        rank: usize,
+        namespace: &str,
+        segments: &[Segment],
+        timeout: Duration,
+    ) -> Result<bool> {
+        let me = members[rank];
+        let mut all = true;
+        for (peer, &member) in members.iter().enumerate() {
+            let raw = store.get(&format!("xccl_rs/shm_cma{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+            if peer == rank {
+                continue;
+            }
+            let header = segments[peer].header();
+            let pid = header.pid.0.load(Ordering::Relaxed);
+            let Some(addr) = std::str::from_utf8(&raw).ok().and_then(|v| v.parse::<u64>().ok()) else {
+                return Err(CommError::io(format!("xccl_rs: rank {member} published an unusable header address for cross-memory attach")));
+            };
+            // The magic word and the pid, as this rank's mapping shows them.
+            let mut expect = [0u8; 16];
+            expect[..8].copy_from_slice(&header.magic.0.load(Ordering::Relaxed).to_ne_bytes());
+            expect[8..].copy_from_slice(&pid.to_ne_bytes());
+            let pid_offset = std::mem::offset_of!(RankHeader, pid) as u64;
+            let readable = i32::try_from(pid).is_ok_and(|p| {
+                super::cma::probe(p, addr, &expect[..8])
+                    && addr.checked_add(pid_offset).is_some_and(|a| super::cma::probe(p, a, &expect[8..]))
+            });
+            if !readable {
+                tracing::debug!("rank {me}: cannot read rank {member} (pid {pid}) by cross-memory attach; collectives use the slots");
+            }
+            all &= readable;
+        }
+        Ok(all)
     }
 
     pub fn rank(&self) -> usize {
@@ -239,6 +305,28 @@ impl ShmGroup {
         self.zero_copy_ops += 1;
     }
 
+    /// Whether collectives may read peers' buffers by cross-memory attach: the same on every
+    /// rank.
+    pub fn cma(&self) -> bool {
+        self.cma.is_some()
+    }
+
+    /// Operations that ran by cross-memory attach so far (diagnostics and tests).
+    pub fn cma_ops(&self) -> u64 {
+        self.cma_ops
+    }
+
+    pub fn count_cma_op(&mut self) {
+        self.cma_ops += 1;
+    }
+
+    /// After rank `r`'s `Produced` ≥ g: its pid and the address, in its own memory, of the
+    /// first buffer of the op (`describe_heap` publishes it with the heap offset).
+    pub fn cma_peer(&self, g: u64, r: usize) -> (i32, u64) {
+        let pids = self.cma.as_ref().expect("cross-memory attach was agreed");
+        (pids[r], self.header(r).line.0.cma_addr[(g % 2) as usize].load(Ordering::Relaxed))
+    }
+
     /// Records, with the description of the op starting at block `g`, where this rank's
     /// `views` of the op lie in its heap: the first one's offset and their spacing, when all
     /// lie in the heap, have equal lengths and are evenly spaced without overlapping; else
@@ -250,7 +338,9 @@ impl ShmGroup {
             let at = heap.offset_of(first)?;
             let stride = views.get(1).map_or(first.len(), |v| (v.ptr() as usize).wrapping_sub(first.ptr() as usize));
             let evenly = views.iter().enumerate().all(|(k, v)| {
-                v.len() == first.len() && heap.offset_of(*v).is_some() && (v.ptr() as usize).wrapping_sub(first.ptr() as usize) == k.wrapping_mul(stride)
+                v.len() == first.len()
+                    && heap.offset_of(*v).is_some()
+                    && (v.ptr() as usize).wrapping_sub(first.ptr() as usize) == k.wrapping_mul(stride)
             });
             (evenly && (views.len() == 1 || stride >= first.len())).then_some((at as u64 + 1, stride as u64))
         };
@@ -258,6 +348,7 @@ impl ShmGroup {
         let line = &self.header(self.rank).line.0;
         line.heap_at[(g % 2) as usize].store(at, Ordering::Relaxed);
         line.heap_stride[(g % 2) as usize].store(stride, Ordering::Relaxed);
+        line.cma_addr[(g % 2) as usize].store(views.first().map_or(0, |v| v.ptr() as u64), Ordering::Relaxed);
     }
 
     /// After every rank's `Produced` ≥ g (with `describe_heap`): whether every rank's views of

@@ -80,6 +80,9 @@ pub struct ProducedLine {
     /// The distance in bytes between this rank's consecutive buffers of the op (the input
     /// views of a reduce-scatter), with `heap_at`.
     pub heap_stride: [AtomicU64; 2],
+    /// Where this rank's first buffer of the op lies in its own address space, for peers
+    /// that read it by cross-memory attach (cma.rs). Written with `desc`.
+    pub cma_addr: [AtomicU64; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<ProducedLine>() <= 128);

@@ -4,6 +4,7 @@
 //! slots directly, and synchronize through the counters (group.rs), spinning briefly and then
 //! sleeping on a futex (futex.rs).
 
+pub mod cma;
 pub mod futex;
 pub mod group;
 pub mod heap;

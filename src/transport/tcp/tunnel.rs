@@ -257,10 +257,9 @@ impl Pump {
             if let Err(e) = socket::poll(&mut fds, wait) {
                 return Stop::PeerGone(Some(format!("poll failed: {e}")));
             }
-            if fds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 && fds[0].events & libc::POLLIN != 0 {
-                if let Err(stop) = self.read_records() {
-                    return stop;
-                }
+            let readable = fds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 && fds[0].events & libc::POLLIN != 0;
+            if readable && let Err(stop) = self.read_records() {
+                return stop;
             }
             // The local end hung up (the transport closed or dropped it).
             if fds[1].revents & (libc::POLLHUP | libc::POLLERR) != 0 && fds[1].events & libc::POLLIN == 0 {

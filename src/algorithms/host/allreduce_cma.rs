@@ -1,0 +1,147 @@
+//! All-reduce in place on ordinary tensors, by cross-memory attach (transport/shm/cma.rs):
+//! ranks read each other's tensors with one kernel copy instead of passing them through the
+//! slots. The same two steps as the zero-copy path (allreduce_zero_copy.rs), after the same
+//! pre-sync, in which every rank also publishes where its tensor lies in its own memory:
+//!
+//! 1. Rank r reduces part r. Piece by piece ([`PIECE`] bytes, so the pieces stay in cache), it
+//!    reads part r of every peer's tensor into a bounce buffer of its own and reduces them,
+//!    with its own part, in rank order into part r of its own tensor. Then it publishes
+//!    `Reduced`.
+//! 2. Once all have, rank r reads part j of rank j's tensor straight into part j of its own,
+//!    for every j ≠ r, then publishes `Consumed` and waits for everyone's.
+//!
+//! Rank r writes only its own tensor, and only parts no peer reads at that step, as on the
+//! zero-copy path; every element is reduced once, on its part's owner, in rank order, so every
+//! rank ends with the same bits as through the slots. Per rank this moves about 4N of memory
+//! traffic (the kernel's copy reads and writes), against 5N through the slots; but each read
+//! pins the peer's pages, and with every rank reading every peer at once that cost more than
+//! the copy it saves on the 16-core host, so it is off unless `XCCL_RS_CMA=1` (docs/perf.md).
+
+use std::cell::RefCell;
+use std::sync::Mutex;
+
+use crate::algorithms::split::split_range;
+use crate::error::{CommError, Result};
+use crate::op::Op;
+use crate::reduce::reduce_raw;
+use crate::transport::OpCtx;
+use crate::transport::shm::{Counter, ShmGroup, cma};
+
+/// The smallest all-reduce (bytes) that reads by cross-memory attach: below it the pre-sync
+/// and the system calls cost more than the slots' second copy saves (docs/perf.md). The same
+/// on every rank, as it decides whether the pre-sync happens.
+pub const CMA_MIN_BYTES: usize = 1 << 20;
+
+/// Whether an all-reduce of `bytes` on `shm` goes through the pre-sync to read by cross-memory
+/// attach (the same on every rank: agreed at set-up, and `bytes` is compared in the pre-sync).
+pub fn tries(shm: &ShmGroup, bytes: usize) -> bool {
+    shm.cma() && bytes >= CMA_MIN_BYTES
+}
+
+/// Bytes of each peer read per reduction in step 1: with 7 peers, 896 KiB of bounce buffers,
+/// within a core's L2.
+const PIECE: usize = 128 << 10;
+
+thread_local! {
+    /// Step 1's bounce buffers, one piece per peer: kept by each thread (the rank's and its
+    /// helpers, which live as long as the group), so an op allocates nothing.
+    static BOUNCE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The error of a read that the kernel refused: the peer died, or its published address does
+/// not hold its tensor.
+fn read_error(ctx: &OpCtx, r: usize, e: std::io::Error) -> CommError {
+    CommError::peer(format!("{}: reading local rank {r}'s tensor by cross-memory attach failed: {e} (did it exit?)", ctx.describe()))
+}
+
+/// Runs after the pre-sync for block `g` (zero_copy.rs: `presync`), when the group reads by
+/// cross-memory attach and not every tensor is in its heap.
+pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
+    let buf = op.outputs[0];
+    let (rank, size) = (shm.rank(), shm.size());
+    let esz = op.dtype.size();
+    let count = buf.len() / esz;
+    let part = |r: usize| {
+        let (s, l) = split_range(count, size, r);
+        (s * esz, l * esz)
+    };
+    let peers: Vec<(i32, u64)> = (0..size).map(|r| shm.cma_peer(g, r)).collect();
+    shm.count_cma_op();
+    let failed: Mutex<Option<(usize, std::io::Error)>> = Mutex::new(None);
+    let fail = |r: usize, e: std::io::Error| {
+        let mut f = failed.lock().unwrap_or_else(|p| p.into_inner());
+        f.get_or_insert((r, e));
+    };
+    let base = buf.ptr() as usize;
+
+    // Step 1: part `rank`, from every tensor, into this rank's.
+    let (my_start, my_len) = part(rank);
+    let reduction = op.reduction(size);
+    shm.par().split(my_len, |_, lo, hi| {
+        BOUNCE.with_borrow_mut(|bounce| {
+            bounce.resize((size - 1) * PIECE, 0);
+            let mut at = lo;
+            while at < hi {
+                let n = PIECE.min(hi - at);
+                let mine = (base + my_start + at) as *mut u8;
+                let mut srcs: Vec<*const u8> = Vec::with_capacity(size);
+                let mut slot = 0;
+                for (r, &(pid, addr)) in peers.iter().enumerate() {
+                    if r == rank {
+                        srcs.push(mine as *const u8);
+                        continue;
+                    }
+                    let into = &mut bounce[slot * PIECE..slot * PIECE + n];
+                    slot += 1;
+                    let from = addr.saturating_add((my_start + at) as u64);
+                    if let Err(e) = cma::read(pid, from, into) {
+                        return fail(r, e);
+                    }
+                    srcs.push(into.as_ptr());
+                }
+                // SAFETY: every source holds `n` bytes: this rank's own piece (inside its
+                // tensor, which is `buf.len()` bytes) and the bounce pieces just read; the
+                // destination is exactly the own source and overlaps no other (the bounce
+                // buffers are this thread's); no peer writes this part of this tensor before
+                // all have published Reduced. `n` is a whole number of elements (parts and
+                // pieces are, and the last piece ends where the part does).
+                unsafe { reduce_raw(&reduction, mine, &srcs, n / esz, true) };
+                at += n;
+            }
+        })
+    });
+    if let Some((r, e)) = failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(read_error(ctx, r, e));
+    }
+    shm.publish(Counter::Reduced, g);
+    shm.wait_all(Counter::Reduced, g, ctx)?;
+
+    // Step 2: every other part, from its owner, into this rank's tensor.
+    let others: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
+    let total: usize = others.iter().map(|&r| part(r).1).sum();
+    shm.par().split(total, |_, lo, hi| {
+        // This thread's bytes [lo, hi) of the concatenated parts.
+        let mut at = 0;
+        for &r in &others {
+            let (s, l) = part(r);
+            let (from, to) = (lo.max(at), hi.min(at + l));
+            if from < to {
+                let (offset, n) = (s + from - at, to - from);
+                // SAFETY: [offset, offset + n) lies inside this rank's tensor (part r of it);
+                // threads take disjoint ranges, and no peer reads this part now (they read
+                // their own parts in this step).
+                let into = unsafe { std::slice::from_raw_parts_mut((base + offset) as *mut u8, n) };
+                let (pid, addr) = peers[r];
+                if let Err(e) = cma::read(pid, addr.saturating_add(offset as u64), into) {
+                    return fail(r, e);
+                }
+            }
+            at += l;
+        }
+    });
+    if let Some((r, e)) = failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(read_error(ctx, r, e));
+    }
+    shm.publish(Counter::Consumed, g);
+    shm.wait_all(Counter::Consumed, g, ctx)
+}
