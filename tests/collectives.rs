@@ -20,13 +20,15 @@ fn cfg(net: Net) -> Config {
     net_config(net, Duration::from_secs(20), SEGMENT)
 }
 
-/// Counts for an all-reduce: around the shared-memory one-shot limit (1 KiB), around one
+/// Counts for an all-reduce: around the shared-memory one-shot limit (1 KiB of reads from the
+/// peers: 1 KiB / (size - 1) of tensor), around one
 /// segment / slot (TCP's per-rank chunk, shared memory's block), around `size` segments (TCP's
 /// per-rank chunk at a segment), and several segments.
 fn allreduce_counts(esz: usize, size: usize) -> Vec<usize> {
     let seg = SEGMENT / esz;
-    let one = 1024 / esz;
-    let mut v = vec![0, 1, 1001, one - 1, one, one + 1, seg - 1, seg, seg + 1, seg * size - 1, seg * size, seg * size + 1, 3 * seg * size + 7];
+    let one = (1024 / (size - 1).max(1) / esz).max(1);
+    let mut v =
+        vec![0, 1, 1001, one - 1, one, one + 1, seg - 1, seg, seg + 1, seg * size - 1, seg * size, seg * size + 1, 3 * seg * size + 7];
     v.sort();
     v.dedup();
     v
@@ -122,7 +124,9 @@ fn allreduce_bf16_sum_rounds_once(net: Net) {
             format!("{what} rank {rank}"),
         );
     }
-    f.check(differs_from_stepwise > n / 20, || format!("test data too tame: only {differs_from_stepwise} elements distinguish the roundings"));
+    f.check(differs_from_stepwise > n / 20, || {
+        format!("test data too tame: only {differs_from_stepwise} elements distinguish the roundings")
+    });
     f.finish(&format!("bf16 sum rounds once over {net:?}"));
 }
 
@@ -269,7 +273,8 @@ fn broadcast_every_root(net: Net) {
                         let what = format!("broadcast {dtype} size {size} root {root} n {n} rank {rank}");
                         let salt = salt_of(&[1, d, n, root]);
                         let len = n * dtype.size();
-                        let mut data = Guarded::new(&if rank == root { pattern(root, salt, len) } else { pattern(rank + 100, salt, len) }, n % 4);
+                        let mut data =
+                            Guarded::new(&if rank == root { pattern(root, salt, len) } else { pattern(rank + 100, salt, len) }, n % 4);
                         let mut o = op_with(OpKind::Broadcast, dtype, vec![], vec![data.raw()]);
                         o.root = root as i64;
                         f.op(run(&comm, vec![o]), &what)?;
@@ -309,7 +314,10 @@ fn allgather_out_of_place_and_in_place(net: Net) {
                         f.op(run(&comm, vec![op_with(OpKind::AllGather, dtype, vec![inp], outs)]), &what)?;
                         let got = if layout == Layout::Separate { joined(f, &pieces, &what) } else { out.data(f, &what).to_vec() };
                         for r in 0..size {
-                            f.result(same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)), format!("{what}: wrong block from rank {r}"));
+                            f.result(
+                                same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)),
+                                format!("{what}: wrong block from rank {r}"),
+                            );
                         }
                         let bytes = input.data(f, &what);
                         f.result(same_bytes(bytes, &pattern(rank, salt, len)), format!("{what}: input changed"));
@@ -348,7 +356,10 @@ fn gather_every_root(net: Net) {
                         let got = if sep { joined(f, &pieces, &what) } else { out.data(f, &what).to_vec() };
                         if rank == root {
                             for r in 0..size {
-                                f.result(same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)), format!("{what}: wrong block from rank {r}"));
+                                f.result(
+                                    same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)),
+                                    format!("{what}: wrong block from rank {r}"),
+                                );
                             }
                         }
                         let bytes = input.data(f, &what);
@@ -403,11 +414,23 @@ fn scatter_every_root(net: Net) {
 /// Elements rank `src` sends rank `dst` in all-to-all case `case`.
 fn a2a_len(case: usize, src: usize, dst: usize) -> usize {
     match case {
-        0 => 0,                                           // every pair empty
+        0 => 0,                                                   // every pair empty
         1 => [0, 1, 37, 1500][(word(src, dst, 11) % 4) as usize], // mixed, zeros included
         2 => [0, 3, 0, 4097][(word(src, dst, 12) % 4) as usize],
-        3 => if src == dst { 0 } else { 2000 + 13 * src + dst }, // only the self pair empty
-        _ => if src == dst { 5 } else { 0 },              // only the self pair non-empty
+        3 => {
+            if src == dst {
+                0
+            } else {
+                2000 + 13 * src + dst
+            }
+        } // only the self pair empty
+        _ => {
+            if src == dst {
+                5
+            } else {
+                0
+            }
+        } // only the self pair non-empty
     }
 }
 
@@ -462,7 +485,10 @@ fn barrier_waits_for_everyone(net: Net) {
                     std::thread::sleep(Duration::from_millis(40));
                 }
                 let enter = Instant::now();
-                f.op(run(&comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]), format!("barrier size {size} barrier {it} rank {rank}"))?;
+                f.op(
+                    run(&comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]),
+                    format!("barrier size {size} barrier {it} rank {rank}"),
+                )?;
                 log2.lock().unwrap().push((it, enter, Instant::now()));
             }
             Ok(())

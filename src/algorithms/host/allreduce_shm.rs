@@ -1,6 +1,7 @@
 //! All-reduce over shared memory.
 //!
-//! Small tensors (up to `XCCL_RS_SHM_ONESHOT_BYTES`) take the *one-shot* path: every rank
+//! Small tensors take the *one-shot* path (while a rank's reads from its peers, `(size - 1) ×`
+//! the tensor, stay within `XCCL_RS_SHM_ONESHOT_BYTES`: [`takes_one_shot`]): every rank
 //! copies its input into its slot, and once all have, every rank reduces the whole tensor from
 //! all slots in rank order straight into its output. One synchronization; every rank computes
 //! the same bits.
@@ -22,12 +23,21 @@ use crate::algorithms::split::split_range;
 use crate::error::Result;
 use crate::op::Op;
 use crate::reduce::reduce_raw;
-use crate::transport::shm::{Counter, Desc, ShmGroup};
 use crate::transport::OpCtx;
+use crate::transport::shm::{Counter, Desc, ShmGroup};
+
+/// Whether an all-reduce of `bytes` takes the one-shot path: there each rank reads every other
+/// rank's slot whole, `(size - 1) × bytes`, which must stay within `oneshot_bytes` (and the
+/// tensor within one slot). So the limit shrinks as the group grows: with the default 64 KiB,
+/// 64 KiB at 2 ranks and 9 KiB at 8, where the blocked path was 1.4-1.6 times faster from
+/// 32 KiB up on the 16-core host (docs/perf.md).
+pub fn takes_one_shot(bytes: usize, size: usize, oneshot_bytes: usize, chunk: usize) -> bool {
+    bytes <= chunk && bytes.saturating_mul(size.saturating_sub(1).max(1)) <= oneshot_bytes
+}
 
 pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, oneshot_bytes: usize) -> Result<()> {
     let buf = op.outputs[0];
-    if buf.len() <= oneshot_bytes.min(shm.chunk()) {
+    if takes_one_shot(buf.len(), shm.size(), oneshot_bytes, shm.chunk()) {
         one_shot(shm, ctx, op, desc)
     } else if super::zero_copy::tries(shm, buf.len()) || super::allreduce_cma::tries(shm, buf.len()) {
         super::allreduce_zero_copy::run(shm, ctx, op, desc)
@@ -78,10 +88,8 @@ pub fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Opt
         let (my_start, my_len) = part(rank);
         // Peers own everything but my part: copy what lies before and after it.
         let after = my_start + my_len;
-        shm.par().copy_all(&[
-            (block.sub(0, my_start), mine.sub(0, my_start)),
-            (block.sub(after, len - after), mine.sub(after, len - after)),
-        ]);
+        shm.par()
+            .copy_all(&[(block.sub(0, my_start), mine.sub(0, my_start)), (block.sub(after, len - after), mine.sub(after, len - after))]);
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
 
         let srcs: Vec<*const u8> = (0..size)
@@ -101,4 +109,20 @@ pub fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Opt
         finish_block(shm, g);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod one_shot_limit {
+    use super::takes_one_shot;
+
+    #[test]
+    fn the_limit_is_on_what_a_rank_reads_from_its_peers() {
+        let (limit, chunk) = (64 << 10, 4 << 20);
+        assert!(takes_one_shot(64 << 10, 2, limit, chunk) && !takes_one_shot((64 << 10) + 1, 2, limit, chunk));
+        assert!(takes_one_shot(9362, 8, limit, chunk) && !takes_one_shot(9363, 8, limit, chunk));
+        assert!(takes_one_shot(4369, 16, limit, chunk) && !takes_one_shot(4370, 16, limit, chunk));
+        assert!(takes_one_shot(100, 1, limit, chunk), "a group of one");
+        assert!(!takes_one_shot(8 << 10, 2, 1 << 20, 4 << 10), "never more than one slot");
+        assert!(takes_one_shot(0, 8, 0, chunk) && !takes_one_shot(1, 8, 0, chunk), "0 turns it off but for empty tensors");
+    }
 }
