@@ -112,15 +112,15 @@ impl Par {
         });
     }
 
-    /// Runs `f(piece, lo, hi)` for the byte ranges `[lo, hi)` that `bytes` of work are cut
-    /// into (at 64-byte boundaries), one per thread, the calling thread taking the first.
-    pub fn split(&self, bytes: usize, f: impl Fn(usize, usize, usize) + Sync) {
+    /// Runs `f(lo, hi)` for the byte ranges `[lo, hi)` that `bytes` of work are cut into (at
+    /// 64-byte boundaries), one per thread, the calling thread taking the first.
+    pub fn split(&self, bytes: usize, f: impl Fn(usize, usize) + Sync) {
         let pieces = self.pieces(bytes);
         let per = bytes.div_ceil(pieces).div_ceil(ALIGN) * ALIGN;
         self.run(pieces, |p| {
             let (lo, hi) = ((p * per).min(bytes), ((p + 1) * per).min(bytes));
             if lo < hi {
-                f(p, lo, hi);
+                f(lo, hi);
             }
         });
     }

@@ -7,7 +7,6 @@ use common::*;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -108,21 +107,6 @@ fn strangers_neither_join_nor_delay_the_mesh() {
         }
     }
     drop(held);
-}
-
-/// A store that gives rank 1 a proxy's address in place of rank 0's.
-struct Redirect {
-    inner: Arc<MemoryStore>,
-    rank0_via: String,
-}
-
-impl Store for Redirect {
-    fn set(&self, key: &str, value: &[u8]) -> xccl_rs::error::Result<()> {
-        self.inner.set(key, value)
-    }
-    fn get(&self, key: &str, timeout: Duration) -> xccl_rs::error::Result<Vec<u8>> {
-        if key == address_key(0) { Ok(self.rank0_via.clone().into_bytes()) } else { self.inner.get(key, timeout) }
-    }
 }
 
 /// Forwards one connection from `listener` to `to`, recording the client's bytes.

@@ -10,7 +10,6 @@ use common::*;
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -83,21 +82,6 @@ fn ranks_that_disagree_on_tls_fail_on_every_rank() {
             assert!(err.contains("XCCL_RS_TLS"), "TLS on rank {tls_rank} only: rank {rank} says: {err}");
         }
         assert!(start.elapsed() < Duration::from_secs(8), "the mismatch took {:?} to report", start.elapsed());
-    }
-}
-
-/// A store that gives rank 1 a proxy's address in place of rank 0's.
-struct Redirect {
-    inner: Arc<MemoryStore>,
-    rank0_via: String,
-}
-
-impl Store for Redirect {
-    fn set(&self, key: &str, value: &[u8]) -> xccl_rs::error::Result<()> {
-        self.inner.set(key, value)
-    }
-    fn get(&self, key: &str, timeout: Duration) -> xccl_rs::error::Result<Vec<u8>> {
-        if key == address_key(0) { Ok(self.rank0_via.clone().into_bytes()) } else { self.inner.get(key, timeout) }
     }
 }
 

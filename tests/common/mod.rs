@@ -693,3 +693,23 @@ pub fn raws(g: &mut [Guarded]) -> Vec<RawBuf> {
 pub fn joined(f: &mut Failures, g: &[Guarded], what: &str) -> Vec<u8> {
     g.iter().enumerate().flat_map(|(p, g)| g.data(f, &format!("{what}: piece {p}")).to_vec()).collect()
 }
+
+// ---------------------------------------------------------------------------------------------
+// A store for putting something between rank 1 and rank 0 (a proxy recording or altering the
+// link, tests/authentication.rs and tests/tls.rs).
+
+/// A store that gives rank 1 a proxy's address in place of rank 0's.
+#[allow(dead_code)]
+pub struct Redirect {
+    pub inner: std::sync::Arc<MemoryStore>,
+    pub rank0_via: String,
+}
+
+impl xccl_rs::Store for Redirect {
+    fn set(&self, key: &str, value: &[u8]) -> xccl_rs::error::Result<()> {
+        self.inner.set(key, value)
+    }
+    fn get(&self, key: &str, timeout: Duration) -> xccl_rs::error::Result<Vec<u8>> {
+        if key == xccl_rs::rendezvous::address_key(0) { Ok(self.rank0_via.clone().into_bytes()) } else { self.inner.get(key, timeout) }
+    }
+}

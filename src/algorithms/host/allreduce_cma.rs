@@ -50,8 +50,12 @@ thread_local! {
 
 /// The error of a read that the kernel refused: the peer died, or its published address does
 /// not hold its tensor.
-fn read_error(ctx: &OpCtx, r: usize, e: std::io::Error) -> CommError {
-    CommError::peer(format!("{}: reading local rank {r}'s tensor by cross-memory attach failed: {e} (did it exit?)", ctx.describe()))
+fn read_error(ctx: &OpCtx, shm: &ShmGroup, r: usize, bytes: usize, e: std::io::Error) -> CommError {
+    CommError::peer(format!(
+        "{}: reading rank {}'s tensor of {bytes} bytes by cross-memory attach failed: {e} (did it exit?)",
+        ctx.describe(),
+        shm.group_rank(r)
+    ))
 }
 
 /// Runs after the pre-sync for block `g` (zero_copy.rs: `presync`), when the group reads by
@@ -77,14 +81,15 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
     // Step 1: part `rank`, from every tensor, into this rank's.
     let (my_start, my_len) = part(rank);
     let reduction = op.reduction(size);
-    shm.par().split(my_len, |_, lo, hi| {
+    shm.par().split(my_len, |lo, hi| {
         BOUNCE.with_borrow_mut(|bounce| {
             bounce.resize((size - 1) * PIECE, 0);
+            let mut srcs: Vec<*const u8> = Vec::with_capacity(size);
             let mut at = lo;
             while at < hi {
                 let n = PIECE.min(hi - at);
                 let mine = (base + my_start + at) as *mut u8;
-                let mut srcs: Vec<*const u8> = Vec::with_capacity(size);
+                srcs.clear();
                 let mut slot = 0;
                 for (r, &(pid, addr)) in peers.iter().enumerate() {
                     if r == rank {
@@ -111,7 +116,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
         })
     });
     if let Some((r, e)) = failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        return Err(read_error(ctx, r, e));
+        return Err(read_error(ctx, shm, r, buf.len(), e));
     }
     shm.publish(Counter::Reduced, g);
     shm.wait_all(Counter::Reduced, g, ctx)?;
@@ -119,7 +124,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
     // Step 2: every other part, from its owner, into this rank's tensor.
     let others: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
     let total: usize = others.iter().map(|&r| part(r).1).sum();
-    shm.par().split(total, |_, lo, hi| {
+    shm.par().split(total, |lo, hi| {
         // This thread's bytes [lo, hi) of the concatenated parts.
         let mut at = 0;
         for &r in &others {
@@ -140,7 +145,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
         }
     });
     if let Some((r, e)) = failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        return Err(read_error(ctx, r, e));
+        return Err(read_error(ctx, shm, r, buf.len(), e));
     }
     shm.publish(Counter::Consumed, g);
     shm.wait_all(Counter::Consumed, g, ctx)

@@ -278,6 +278,10 @@ impl ShmGroup {
     pub fn rank(&self) -> usize {
         self.rank
     }
+    /// The group's rank of local rank `r`, for messages.
+    pub fn group_rank(&self, r: usize) -> usize {
+        self.members[r]
+    }
     pub fn size(&self) -> usize {
         self.size
     }
@@ -330,7 +334,8 @@ impl ShmGroup {
     /// Records, with the description of the op starting at block `g`, where this rank's
     /// `views` of the op lie in its heap: the first one's offset and their spacing, when all
     /// lie in the heap, have equal lengths and are evenly spaced without overlapping; else
-    /// "not in the heap".
+    /// "not in the heap". Also the first view's address in this process, for peers that read
+    /// it by cross-memory attach.
     pub fn describe_heap(&self, g: u64, views: &[RawBuf]) {
         let placed = || -> Option<(u64, u64)> {
             let heap = self.heap.as_ref()?;
