@@ -125,6 +125,11 @@ settings! {
     /// on this host, at most 8): threads a rank uses for the copies and reductions of large
     /// shared-memory blocks.
     threads: usize = "XCCL_RS_THREADS", default 0, parse |v| bytes_at_least(v, 0);
+    /// `XCCL_RS_STREAMING_STORE_BYTES` (default unset: this host's last-level cache divided by
+    /// the ranks on it): copy-out steps of at least this many bytes (a rank writing results it
+    /// does not read again in the op) use streaming stores, which write memory without first
+    /// reading it and leave the cache to data still needed. `0`: always.
+    streaming_store_bytes: Option<usize> = "XCCL_RS_STREAMING_STORE_BYTES", default None, parse |v| bytes_at_least(v, 0).map(Some);
     /// `XCCL_RS_THREAD_MIN_BYTES` (default 256 KiB): the smallest piece of a block step a
     /// helper thread takes; smaller steps stay on one thread.
     thread_min_bytes: usize = "XCCL_RS_THREAD_MIN_BYTES", default DEFAULT_THREAD_MIN_BYTES, parse |v| bytes_at_least(v, 0);
@@ -163,6 +168,33 @@ fn transport(v: &str) -> Result<TransportChoice, String> {
     }
 }
 
+/// The size of the last-level cache of the CPU this process runs on (Linux sysfs; 32 MiB where
+/// it cannot be read).
+fn last_level_cache_bytes() -> usize {
+    let parse = |text: &str| -> Option<usize> {
+        let t = text.trim();
+        let (digits, unit) = t.split_at(t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len()));
+        let n: usize = digits.parse().ok()?;
+        Some(match unit {
+            "K" => n << 10,
+            "M" => n << 20,
+            "G" => n << 30,
+            "" => n,
+            _ => return None,
+        })
+    };
+    (0..8)
+        .rev()
+        .find_map(|i| {
+            let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+            let level = std::fs::read_to_string(format!("{dir}/level")).ok()?;
+            let kind = std::fs::read_to_string(format!("{dir}/type")).ok()?;
+            (level.trim() == "3" && kind.trim() != "Instruction").then(|| std::fs::read_to_string(format!("{dir}/size")).ok()).flatten()
+        })
+        .and_then(|size| parse(&size))
+        .unwrap_or(32 << 20)
+}
+
 /// The largest power of two ≤ `bytes`, at least 64 KiB.
 fn pipeline_chunk(bytes: usize) -> usize {
     let b = bytes.max(64 << 10);
@@ -177,6 +209,13 @@ impl Config {
         }
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         (cores / local_ranks.max(1)).clamp(1, 8)
+    }
+
+    /// The smallest copy-out step a rank writes with streaming stores when `local_ranks`
+    /// ranks share this host (see `streaming_store_bytes`): by default its share of the
+    /// last-level cache, beyond which its results would not stay in the cache anyway.
+    pub fn streaming_min_for(&self, local_ranks: usize) -> usize {
+        self.streaming_store_bytes.unwrap_or_else(|| last_level_cache_bytes() / local_ranks.max(1))
     }
 }
 

@@ -113,7 +113,19 @@ impl Fabric {
         let fabric = Fabric { tcp, parts };
         let local_ranks = fabric.shm().map_or(1, |s| s.size());
         let cma = fabric.shm().is_some_and(|s| s.cma());
-        tracing::info!(rank, size, shm = fabric.shm().is_some(), cma, hosts, local_ranks, "xccl_rs communicator connected");
+        let threads = fabric.shm().map_or(1, |s| s.par().threads());
+        let streaming_min = fabric.shm().map_or(0, |s| s.par().streaming_min());
+        tracing::info!(
+            rank,
+            size,
+            shm = fabric.shm().is_some(),
+            cma,
+            hosts,
+            local_ranks,
+            threads,
+            streaming_min,
+            "xccl_rs communicator connected"
+        );
         Ok(fabric)
     }
 
@@ -124,7 +136,7 @@ impl Fabric {
         let local = hosts.ranks(host).to_vec();
         // Only a single-host group reads tensors in place (zero-copy), so only it has heaps.
         let setup = |namespace: &str, heap_bytes: usize| {
-            let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes);
+            let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes, config.streaming_min_for(local.len()));
             let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin, config.timeout);
             ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par, heap_bytes, config.cma)
         };

@@ -13,6 +13,7 @@
 //! publish a block are written only after all of its bytes are.
 
 use crate::reduce::{Reduction, reduce_raw};
+use crate::stream_copy::copy_streaming;
 use crate::transport::RawBuf;
 
 /// Pieces are cut at multiples of this (a cache line; a multiple of every element size).
@@ -22,6 +23,8 @@ pub struct Par {
     pool: Option<rayon::ThreadPool>,
     threads: usize,
     min_piece: usize,
+    /// Copy-out steps of at least this many bytes use streaming stores (stream_copy.rs).
+    streaming_min: usize,
 }
 
 /// Raw pointers for helper threads.
@@ -43,8 +46,9 @@ impl SendPtr {
 }
 
 impl Par {
-    /// `threads` threads in all (1: everything on the calling thread, no pool).
-    pub fn new(threads: usize, min_piece: usize) -> Par {
+    /// `threads` threads in all (1: everything on the calling thread, no pool); copy-out steps
+    /// of at least `streaming_min` bytes use streaming stores.
+    pub fn new(threads: usize, min_piece: usize, streaming_min: usize) -> Par {
         let threads = threads.max(1);
         let pool = (threads > 1)
             .then(|| {
@@ -57,7 +61,7 @@ impl Par {
             })
             .flatten();
         let threads = if pool.is_some() { threads } else { 1 };
-        Par { pool, threads, min_piece: min_piece.max(ALIGN) }
+        Par { pool, threads, min_piece: min_piece.max(ALIGN), streaming_min }
     }
 
     /// How many pieces `bytes` of work are cut into.
@@ -81,9 +85,37 @@ impl Par {
 
     /// Does every `(src, dst)` copy of a step (equal lengths, as `RawBuf::copy_to`).
     pub fn copy_all(&self, copies: &[(RawBuf, RawBuf)]) {
+        self.copy_pieces(copies, false)
+    }
+
+    /// `copy_all` for a copy-out step: the destinations are results no rank reads again in
+    /// this op, written with streaming stores (stream_copy.rs) when the op writes
+    /// `op_bytes` ≥ `streaming_min` in all on this rank: then its results would not stay in
+    /// this rank's share of the cache anyway. (Decided per op, not per step: a 64 MiB op that
+    /// goes in 4 MiB blocks streams all of them; measured in docs/perf.md.)
+    pub fn copy_all_out(&self, copies: &[(RawBuf, RawBuf)], op_bytes: usize) {
+        self.copy_pieces(copies, op_bytes >= self.streaming_min)
+    }
+
+    /// One copy-out, split (see `copy_all_out`).
+    pub fn copy_out(&self, src: RawBuf, dst: RawBuf, op_bytes: usize) {
+        self.copy_all_out(&[(src, dst)], op_bytes);
+    }
+
+    /// Threads in all (the calling one included).
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// The smallest op whose copy-outs use streaming stores.
+    pub fn streaming_min(&self) -> usize {
+        self.streaming_min
+    }
+
+    fn copy_pieces(&self, copies: &[(RawBuf, RawBuf)], streaming: bool) {
         let total: usize = copies.iter().map(|(s, _)| s.len()).sum();
         let pieces = self.pieces(total);
-        if pieces == 1 {
+        if pieces == 1 && !streaming {
             copies.iter().for_each(|(s, d)| s.copy_to(*d));
             return;
         }
@@ -105,7 +137,13 @@ impl Par {
                     // destination (valid for `len` bytes by RawBuf's contract); pieces are
                     // disjoint, and a step's sources and destinations do not overlap unless
                     // they are the same buffer, which is skipped (as in RawBuf::copy_to).
-                    unsafe { std::ptr::copy_nonoverlapping(s.at(start - at), d.at(start - at), end - start) };
+                    unsafe {
+                        if streaming {
+                            copy_streaming(s.at(start - at), d.at(start - at), end - start)
+                        } else {
+                            std::ptr::copy_nonoverlapping(s.at(start - at), d.at(start - at), end - start)
+                        }
+                    };
                 }
                 at += len;
             }
@@ -170,7 +208,7 @@ mod tests {
     fn copy_all_covers_every_byte_once() {
         let mut failures = Failures::new();
         for threads in [1, 2, 3, 5] {
-            let par = Par::new(threads, 64);
+            let par = Par::new(threads, 64, usize::MAX);
             let mut a: Vec<u8> = (0..10_007u32).map(|i| (i * 7 % 251) as u8).collect();
             let mut b: Vec<u8> = (0..333u32).map(|i| (i % 13) as u8).collect();
             let (mut x, mut y) = (vec![0u8; a.len()], vec![0u8; b.len()]);
@@ -185,6 +223,29 @@ mod tests {
     }
 
     #[test]
+    fn copy_all_out_with_streaming_stores_covers_every_byte_once() {
+        let mut failures = Failures::new();
+        for (threads, streaming_min) in [(1, 0), (2, 0), (3, 0), (2, 20_000), (2, usize::MAX)] {
+            let par = Par::new(threads, 64, streaming_min);
+            let mut a: Vec<u8> = (0..10_007u32).map(|i| (i * 7 % 251) as u8).collect();
+            let mut b: Vec<u8> = (0..333u32).map(|i| (i % 13) as u8).collect();
+            // Destinations off 16-byte alignment, so the unaligned head is exercised.
+            let (mut x, mut y) = (vec![0u8; a.len() + 3], vec![0u8; b.len() + 3]);
+            par.copy_all_out(
+                &[
+                    (RawBuf::from_slice(&mut a), RawBuf::from_slice(&mut x[3..])),
+                    (RawBuf::from_slice(&mut b), RawBuf::from_slice(&mut y[3..])),
+                ],
+                a.len() + b.len(),
+            );
+            let what = format!("threads {threads}, streaming from {streaming_min}");
+            failures.check(a[..] == x[3..] && x[..3] == [0; 3], || format!("{what}: the copy of 10007 bytes differs"));
+            failures.check(b[..] == y[3..] && y[..3] == [0; 3], || format!("{what}: the copy of 333 bytes differs"));
+        }
+        failures.finish("Par::copy_all_out");
+    }
+
+    #[test]
     fn reduce_split_matches_serial() {
         let r = Reduction { dtype: DType::Float32, op: ReduceOp::Avg, world_size: 3, premul_factor: 1.0 };
         let inputs: Vec<Vec<f32>> = (0..3).map(|k| (0..4099).map(|i| (i * (k + 1)) as f32 * 0.5).collect()).collect();
@@ -196,7 +257,7 @@ mod tests {
         for threads in [2, 3, 7] {
             let mut got = vec![0f32; 4099];
             // SAFETY: as above.
-            unsafe { Par::new(threads, 64).reduce(&r, got.as_mut_ptr() as *mut u8, &srcs, 4099, 4) };
+            unsafe { Par::new(threads, 64, usize::MAX).reduce(&r, got.as_mut_ptr() as *mut u8, &srcs, 4099, 4) };
             let wrong = got.iter().zip(&want).filter(|(g, w)| g != w).count();
             failures.check(wrong == 0, || format!("threads {threads}: {wrong} of 4099 elements differ from the serial reduction"));
         }

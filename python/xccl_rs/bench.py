@@ -152,7 +152,7 @@ def _time(run, group, iters, device, control, nbytes, op, world, warm=True) -> d
 def _worker(rank, world, port, args, queue):
     import xccl_rs  # noqa: F401
 
-    from xccl_rs.bench_peers import DeepSpeedPeer, copy_bandwidth
+    from xccl_rs.bench_peers import DeepSpeedPeer, copier_threads, copy_bandwidth
 
     torch.set_num_threads(1)
     if args.fake_hosts > 1:
@@ -203,7 +203,7 @@ def _worker(rank, world, port, args, queue):
                     run = peer.make(nbytes, DTYPES[dname], rank, world, control)
                     row["deepspeed"] = _time(run, None, iters, device, control, nbytes, op, world)
                 if args.memory_bound:
-                    per_rank = copy_bandwidth(nbytes, iters, control)
+                    per_rank = copy_bandwidth(nbytes, iters, control, copier_threads(world // args.fake_hosts))
                     sec = nbytes * BUS_FACTOR[op](world) / per_rank
                     row["bound"] = {"time_us": sec * 1e6, "algbw_GBps": nbytes / sec / 1e9, "busbw_GBps": per_rank / 1e9}
                 if "gloo" in row and "xccl_rs" in row:
@@ -255,7 +255,8 @@ def main(argv=None) -> int:
                    help="xccl_rs: the ranks pose as H hosts (consecutive blocks, through XCCL_RS_HOST_ID)")
     p.add_argument("--peer", choices=["deepspeed"], help="also time this peer's all-reduce (SUM) where it supports the dtype")
     p.add_argument("--memory-bound", action="store_true",
-                   help="also measure the copy bandwidth of as many concurrent copiers as ranks and print each op's bound")
+                   help="also measure the copy bandwidth of as many concurrent copiers as ranks (each with the threads "
+                        "an xccl_rs rank uses) and print each op's bound")
     p.add_argument("--json", help="write the results to this file")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -276,6 +277,10 @@ def main(argv=None) -> int:
             args.peer = None
     hosts = f" as {args.fake_hosts} hosts" if args.fake_hosts > 1 else ""
     print(f"xccl_rs.bench: {args.ranks} ranks{hosts}, {args.device} tensors, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+    if args.memory_bound:
+        from xccl_rs.bench_peers import copier_threads
+
+        print(f"bound: {args.ranks} concurrent copiers of {copier_threads(args.ranks // args.fake_hosts)} threads each", flush=True)
     header = [f"{'op':<15}", f"{'dtype':<9}", f"{'size':>9}"]
     columns = _columns(args)
     for b in columns:

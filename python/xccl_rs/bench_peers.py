@@ -12,8 +12,9 @@ every rank unlinks its own segment once all have mapped every segment. Each size
 once against the exact sum before it is timed.
 
 Memory bound (``--memory-bound``): every rank copies a buffer of the op's size into another at
-the same time (one thread each, like the ranks), so that the copy bandwidth per rank, B, is what
-this machine gives that many concurrent copiers at that size. A collective's bus bandwidth
+the same time, with as many threads as an xccl_rs rank uses for its copies (``copier_threads``:
+``XCCL_RS_THREADS``, or the cores divided by the ranks, at most 8), so that the copy bandwidth
+per rank, B, is what this machine gives that many concurrent copiers at that size. A collective's bus bandwidth
 (nccl-tests' formulas, see bench.py) can at best equal B: the bound is ``time = S * factor / B``.
 """
 
@@ -106,22 +107,36 @@ class DeepSpeedPeer:
         return lambda _group: torch.ops.deepspeed.inference_all_reduce_(t)
 
 
-def copy_bandwidth(nbytes: int, iters: int, control, reps: int = 3) -> float:
-    """Bytes per second one rank copies while every rank copies `nbytes` at once: the slowest
-    rank's mean over `iters` copies, the best of `reps` such loops (a bound is the best the
-    machine did, and a shared host's neighbours only ever slow it down)."""
+def copier_threads(local_ranks: int) -> int:
+    """The threads an xccl_rs rank uses for large copies (config.rs, `threads_for`)."""
+    explicit = int(os.environ.get("XCCL_RS_THREADS", "0") or 0)
+    if explicit > 0:
+        return explicit
+    return max(1, min(8, len(os.sched_getaffinity(0)) // max(1, local_ranks)))
+
+
+def copy_bandwidth(nbytes: int, iters: int, control, threads: int = 1, reps: int = 3) -> float:
+    """Bytes per second one rank copies, with `threads` threads, while every rank copies
+    `nbytes` at once: the slowest rank's mean over `iters` copies, the best of `reps` such loops
+    (a bound is the best the machine did, and a shared host's neighbours only ever slow it
+    down)."""
     nbytes = max(nbytes, 64)
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    for _ in range(max(1, iters // 10)):
-        dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        dist.barrier(group=control)
-        t0 = time.perf_counter()
-        for _ in range(iters):
+    ranks_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)  # torch's copy_ splits large copies over its threads
+    try:
+        for _ in range(max(1, iters // 10)):
             dst.copy_(src)
-        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
-        best = min(best, elapsed.item())
+        best = float("inf")
+        for _ in range(reps):
+            dist.barrier(group=control)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dst.copy_(src)
+            elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
+            best = min(best, elapsed.item())
+    finally:
+        torch.set_num_threads(ranks_threads)
     return nbytes / best

@@ -602,8 +602,10 @@ pub fn net_config(net: Net, timeout: Duration, segment_bytes: usize) -> Config {
         // chunks, the smaller ones (every multi-round path of a segment) in one.
         Net::Tcp => Config { transport: TransportChoice::Tcp, pipeline_chunk_bytes: 32 << 10, ..base },
         // Three threads per rank with 64-byte pieces, so that the split copies and reductions
-        // of large blocks run on these small blocks too; chunks of two slots.
+        // of large blocks run on these small blocks too; chunks of two slots. Every copy-out
+        // step with streaming stores (stream_copy.rs), which the default keeps for large ones.
         Net::Shm => Config {
+            streaming_store_bytes: Some(0),
             transport: TransportChoice::Auto,
             shm_chunk_bytes: 4096,
             shm_oneshot_bytes: 1024,

@@ -5,8 +5,8 @@
 use super::blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
 use crate::op::Op;
-use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::OpCtx;
+use crate::transport::shm::{Desc, ShmGroup};
 
 pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     gather_to(shm, ctx, op, desc, None)
@@ -27,16 +27,14 @@ pub fn gather_to(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: O
         shm.par().copy(input.sub(start, len), shm.slot(rank, g).sub(0, len));
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         if reads {
-            let copies: Vec<_> = (0..size)
-                .filter(|&p| p != rank)
-                .map(|peer| (shm.slot(peer, g).sub(0, len), op.outputs[peer].sub(start, len)))
-                .collect();
-            shm.par().copy_all(&copies);
+            let copies: Vec<_> =
+                (0..size).filter(|&p| p != rank).map(|peer| (shm.slot(peer, g).sub(0, len), op.outputs[peer].sub(start, len))).collect();
+            shm.par().copy_all_out(&copies, input.len() * size);
         }
         finish_block(shm, g);
     }
     if reads {
-        shm.par().copy(input, op.outputs[rank]);
+        shm.par().copy_out(input, op.outputs[rank], input.len() * size);
     }
     Ok(())
 }

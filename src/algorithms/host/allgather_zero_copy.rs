@@ -32,7 +32,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     if input.ptr() != op.outputs[rank].ptr() {
         copies.push((input, op.outputs[rank]));
     }
-    shm.par().copy_all(&copies);
+    shm.par().copy_all_out(&copies, input.len() * size);
     shm.publish(Counter::Reduced, g);
     shm.publish(Counter::Consumed, g);
     shm.wait_all(Counter::Consumed, g, ctx)

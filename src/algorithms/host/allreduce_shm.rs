@@ -104,7 +104,7 @@ pub fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Opt
         shm.publish(Counter::Reduced, g);
         if reader.is_none_or(|root| root == rank) {
             shm.wait_all(Counter::Reduced, g, ctx)?;
-            copy_reduced_parts(shm, g, block, part);
+            copy_reduced_parts(shm, g, block, part, buf.len());
         }
         finish_block(shm, g);
     }

@@ -2,8 +2,8 @@
 
 use super::blocks::{exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
-use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::OpCtx;
+use crate::transport::shm::{Desc, ShmGroup};
 
 pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, desc: Desc) -> Result<()> {
     let g = shm.begin_op(1);

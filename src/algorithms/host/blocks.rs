@@ -7,8 +7,8 @@
 use crate::algorithms::Step;
 use crate::error::Result;
 use crate::op::Op;
-use crate::transport::{OpCtx, RawBuf};
 use crate::transport::shm::{Counter, Desc, ShmGroup};
+use crate::transport::{OpCtx, RawBuf};
 
 /// What every rank of a shared-memory group says about `op` before touching peers' data.
 pub fn describe(step: &Step<'_>, op: &Op) -> Desc {
@@ -55,15 +55,15 @@ pub fn exchange_produced(shm: &ShmGroup, g: u64, first: Option<Desc>, ctx: &OpCt
 }
 
 /// Copies every rank's reduced part of block g, `part(r)` = (offset, length) in bytes, from its
-/// owner's slot into `block` (after every rank's `Reduced` for g).
-pub fn copy_reduced_parts(shm: &ShmGroup, g: u64, block: RawBuf, part: impl Fn(usize) -> (usize, usize)) {
+/// owner's slot into `block` (after every rank's `Reduced` for g), of an op writing `op_bytes`.
+pub fn copy_reduced_parts(shm: &ShmGroup, g: u64, block: RawBuf, part: impl Fn(usize) -> (usize, usize), op_bytes: usize) {
     let copies: Vec<_> = (0..shm.size())
         .map(|r| {
             let (s, l) = part(r);
             (shm.slot(r, g).sub(s, l), block.sub(s, l))
         })
         .collect();
-    shm.par().copy_all(&copies);
+    shm.par().copy_all_out(&copies, op_bytes);
 }
 
 /// Publishes `Reduced` and `Consumed` for g: this rank is done with block g.

@@ -40,7 +40,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
             return broadcast_zero_copy::finish(shm, ctx, op, g, g0 + blocks as u64 - 1);
         }
         if rank != root {
-            shm.par().copy(shm.slot(root, g).sub(0, len), buf.sub(start, len));
+            shm.par().copy_out(shm.slot(root, g).sub(0, len), buf.sub(start, len), buf.len());
         }
         finish_block(shm, g);
     }

@@ -16,7 +16,7 @@ pub fn finish(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -
     let buf = op.outputs[0];
     shm.count_zero_copy_op();
     if rank != root {
-        shm.par().copy(peer_views(shm, first, root, 1, buf.len())?[0], buf);
+        shm.par().copy_out(peer_views(shm, first, root, 1, buf.len())?[0], buf, buf.len());
     }
     shm.publish(Counter::Reduced, last);
     shm.publish(Counter::Consumed, last);

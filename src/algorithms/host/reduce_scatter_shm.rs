@@ -6,8 +6,8 @@
 use super::blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
 use crate::op::Op;
-use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::OpCtx;
+use crate::transport::shm::{Desc, ShmGroup};
 
 pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let (rank, size) = (shm.rank(), shm.size());
@@ -27,7 +27,9 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         shm.par().copy_all(&copies);
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         let srcs: Vec<*const u8> = (0..size)
-            .map(|r| if r == rank { op.inputs[rank].sub(start, len).ptr() } else { shm.slot(r, g).sub(rank * lane, len).ptr() } as *const u8)
+            .map(
+                |r| if r == rank { op.inputs[rank].sub(start, len).ptr() } else { shm.slot(r, g).sub(rank * lane, len).ptr() } as *const u8,
+            )
             .collect();
         if len > 0 {
             // SAFETY: peers' lanes for this rank hold `len` bytes of their inputs (published

@@ -5,8 +5,8 @@
 use super::blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
 use crate::error::Result;
 use crate::op::Op;
-use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::OpCtx;
+use crate::transport::shm::{Desc, ShmGroup};
 
 pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let (rank, size) = (shm.rank(), shm.size());
