@@ -126,9 +126,9 @@ settings! {
     /// shared-memory blocks.
     threads: usize = "XCCL_RS_THREADS", default 0, parse |v| bytes_at_least(v, 0);
     /// `XCCL_RS_STREAMING_STORE_BYTES` (default unset: this host's last-level cache divided by
-    /// the ranks on it): copy-out steps of at least this many bytes (a rank writing results it
-    /// does not read again in the op) use streaming stores, which write memory without first
-    /// reading it and leave the cache to data still needed. `0`: always.
+    /// the ranks on it): ops that write at least this many bytes on a rank do their copy-out
+    /// steps (results it does not read again in the op) with streaming stores, which write
+    /// memory without first reading it and leave the cache to data still needed. `0`: always.
     streaming_store_bytes: Option<usize> = "XCCL_RS_STREAMING_STORE_BYTES", default None, parse |v| bytes_at_least(v, 0).map(Some);
     /// `XCCL_RS_THREAD_MIN_BYTES` (default 256 KiB): the smallest piece of a block step a
     /// helper thread takes; smaller steps stay on one thread.
