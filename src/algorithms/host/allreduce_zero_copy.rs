@@ -16,7 +16,7 @@
 //! moves N bytes read and N/n written in step 1, (n−1)/n·N read and written in step 2: about 3N
 //! of memory traffic, against 5N through the slots. In blocks, what step 2 reads the peers
 //! have just written, and what it overwrites they have just read: both are still in the
-//! shared cache, so memory itself sees little more than each tensor read and written once.
+//! shared cache, so fewer of step 2's bytes go to memory (docs/perf.md measures it).
 //! Every element is reduced once, on its part's owner, in rank order: every rank ends with the
 //! same bits as on the slot path.
 
