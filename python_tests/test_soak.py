@@ -41,9 +41,12 @@ def test_short_soak_is_exact_and_leaks_nothing(tmp_path):
     # Each group ran on the transport it names (shared-memory mappings counted per group).
     for rank, t in f["transports"].items():
         assert t["shm"] > 0 and t["private"] > 0 and t["tcp"] == 0, (rank, t)
+    # Nothing left over at the end. A peak that goes away is not growth (the soak's own rule):
+    # a sample taken while a private group is being set up counts its threads for a moment
+    # (rank 0 once showed 9 threads against 6 at the start and the end).
     for rank, m in f["ranks"].items():
         for metric in ("fds", "threads", "shm_maps"):
-            assert m[metric]["max"] <= m[metric]["start"], (rank, metric, m[metric])
+            assert m[metric]["end"] <= m[metric]["start"], (rank, metric, m[metric])
     assert f["shm_leftovers"] == []
 
 
