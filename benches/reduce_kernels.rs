@@ -48,21 +48,26 @@ fn bench(dtype: DType, op: ReduceOp, nsrc: usize, count: usize) {
     }
     let traffic = (nsrc + 1) * bytes;
     println!(
-        "{:<9} {:<4} srcs={} count={:>3}M  {:>8.3} ms  {:>6.2} GB/s",
+        "{:<9} {:<4} srcs={} count={:>5}K  {:>8.3} ms  {:>6.2} GB/s",
         dtype.name(),
         op.name(),
         nsrc,
-        count >> 20,
+        count >> 10,
         best.as_secs_f64() * 1e3,
         traffic as f64 / best.as_secs_f64() / 1e9
     );
 }
 
 fn main() {
-    for count in [1 << 20, 16 << 20] {
+    // `REDUCE_BENCH_DTYPE=bfloat16` runs one dtype only (e.g. under a profiler).
+    let only = std::env::var("REDUCE_BENCH_DTYPE").ok();
+    for count in [256 << 10, 1 << 20, 16 << 20] {
         for dtype in [DType::Float32, DType::BFloat16] {
+            if only.as_deref().is_some_and(|d| d != dtype.name()) {
+                continue;
+            }
             for op in [ReduceOp::Sum, ReduceOp::Avg] {
-                for nsrc in [2, 4] {
+                for nsrc in [2, 8] {
                     bench(dtype, op, nsrc, count);
                 }
             }

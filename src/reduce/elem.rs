@@ -6,13 +6,14 @@
 //! for float16/bfloat16 (so a sum is rounded once, at the end), and a 0/1 normalization for bool.
 //! Caller memory is only touched through raw-pointer unaligned reads/writes and byte copies,
 //! never references, because caller buffers may be unaligned and may alias each other exactly.
-//! Every source after the first is read straight into the combining loop (no staging copy), and
+//! Every source after the first is read straight into the combining loop (no staging copy), up
+//! to four sources per pass over the accumulator, and
 //! the half-type conversions are fused into their read and write loops, so each loop stays a
 //! single vectorized pass.
 
-use half::{bf16, f16};
+use half::f16;
 
-use super::convert::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use super::convert::{f16_to_f32, f32_to_f16};
 use super::ops::{Bool01, Combine};
 
 /// One in-memory element type and how it maps to its accumulator.
@@ -28,11 +29,13 @@ pub(super) trait Elem {
     /// `src` must point to `out.len()` readable, initialized elements (any alignment).
     unsafe fn load(src: *const u8, out: &mut [Self::Acc]);
 
-    /// `acc[i] = C::combine(acc[i], element i at src)` for every i.
+    /// `acc[i] = C::combine(... C::combine(acc[i], element i at srcs[0]) ..., element i at
+    /// srcs[K - 1])` for every i: K sources folded in one pass, left to right, so the
+    /// accumulator is read and written once per K sources instead of once per source.
     ///
     /// # Safety
-    /// `src` must point to `acc.len()` readable, initialized elements (any alignment).
-    unsafe fn combine_from<C: Combine<Self::Acc>>(src: *const u8, acc: &mut [Self::Acc]);
+    /// Every `srcs[k]` must point to `acc.len()` readable, initialized elements (any alignment).
+    unsafe fn combine_from<C: Combine<Self::Acc>, const K: usize>(srcs: [*const u8; K], acc: &mut [Self::Acc]);
 
     /// Writes `acc` narrowed to the element type to `dst`.
     ///
@@ -59,16 +62,19 @@ macro_rules! native_elem {
             }
 
             #[inline(always)]
-            unsafe fn combine_from<C: Combine<$t>>(
-                src: *const u8,
+            unsafe fn combine_from<C: Combine<$t>, const K: usize>(
+                srcs: [*const u8; K],
                 acc: &mut [$t],
             ) {
-                let src = src.cast::<$t>();
+                let srcs = srcs.map(|s| s.cast::<$t>());
                 for (i, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: i < acc.len(), and the caller guarantees that many readable,
-                    // initialized elements at `src`; read_unaligned needs no alignment.
-                    let x = unsafe { src.add(i).read_unaligned() };
-                    *a = C::combine(*a, x);
+                    let mut v = *a;
+                    for src in srcs {
+                        // SAFETY: i < acc.len(), and the caller guarantees that many readable,
+                        // initialized elements at every source; read_unaligned needs no alignment.
+                        v = C::combine(v, unsafe { src.add(i).read_unaligned() });
+                    }
+                    *a = v;
                 }
             }
 
@@ -103,12 +109,15 @@ macro_rules! half_elem {
             }
 
             #[inline(always)]
-            unsafe fn combine_from<C: Combine<f32>>(src: *const u8, acc: &mut [f32]) {
-                let src = src.cast::<u16>();
+            unsafe fn combine_from<C: Combine<f32>, const K: usize>(srcs: [*const u8; K], acc: &mut [f32]) {
+                let srcs = srcs.map(|s| s.cast::<u16>());
                 for (i, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: as in `load`.
-                    let x = $widen(unsafe { src.add(i).read_unaligned() });
-                    *a = C::combine(*a, x);
+                    let mut v = *a;
+                    for src in srcs {
+                        // SAFETY: as in `load`, for every source.
+                        v = C::combine(v, $widen(unsafe { src.add(i).read_unaligned() }));
+                    }
+                    *a = v;
                 }
             }
 
@@ -127,8 +136,8 @@ macro_rules! half_elem {
 }
 half_elem! {
     f16 => f16_to_f32, f32_to_f16;
-    bf16 => bf16_to_f32, f32_to_bf16;
 }
+// bf16's impl reads and writes pairs of elements (bf16_pairs.rs).
 
 /// torch.bool: one byte per element. Any nonzero byte is read as true, so results are always
 /// exactly 0 or 1 even if a producer left other nonzero bytes behind.
@@ -148,11 +157,14 @@ impl Elem for BoolElem {
     }
 
     #[inline(always)]
-    unsafe fn combine_from<C: Combine<Bool01>>(src: *const u8, acc: &mut [Bool01]) {
+    unsafe fn combine_from<C: Combine<Bool01>, const K: usize>(srcs: [*const u8; K], acc: &mut [Bool01]) {
         for (i, a) in acc.iter_mut().enumerate() {
-            // SAFETY: as in `load`.
-            let x = Bool01(u8::from(unsafe { src.add(i).read() } != 0));
-            *a = C::combine(*a, x);
+            let mut v = *a;
+            for src in srcs {
+                // SAFETY: as in `load`, for every source.
+                v = C::combine(v, Bool01(u8::from(unsafe { src.add(i).read() } != 0)));
+            }
+            *a = v;
         }
     }
 

@@ -8,8 +8,9 @@
 //!
 //! Layout: this file holds the API and validation; `dispatch` picks a monomorphized kernel for a
 //! (dtype, op) pair, `kernels` is the blocked loop, `elem` moves elements between memory and
-//! accumulators (with `convert` for the half types), and `ops` is the per-element arithmetic.
+//! accumulators (with `convert` for the half types, `bf16_pairs` for bf16's), and `ops` is the per-element arithmetic.
 
+mod bf16_pairs;
 mod convert;
 mod dispatch;
 mod elem;

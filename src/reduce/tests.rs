@@ -277,7 +277,8 @@ fn full_matrix(level: &str) {
     let mut failures = Failures::new();
     for dtype in reducible() {
         for op in OPS {
-            for nsrc in 1..=5 {
+            // Up to two passes of four sources after the first, and every remainder after one.
+            for nsrc in [1, 2, 3, 4, 5, 6, 7, 8, 10] {
                 // world_size != nsrc on purpose: the divisor must come from world_size.
                 let r = red(dtype, op, nsrc + 1);
                 if r.validate().is_err() {
