@@ -62,7 +62,7 @@ fn main() {
     // `REDUCE_BENCH_DTYPE=bfloat16` runs one dtype only (e.g. under a profiler).
     let only = std::env::var("REDUCE_BENCH_DTYPE").ok();
     for count in [256 << 10, 1 << 20, 16 << 20] {
-        for dtype in [DType::Float32, DType::BFloat16] {
+        for dtype in [DType::Float32, DType::BFloat16, DType::Float16] {
             if only.as_deref().is_some_and(|d| d != dtype.name()) {
                 continue;
             }

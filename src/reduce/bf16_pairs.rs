@@ -43,6 +43,7 @@ fn split(acc: &mut [f32]) -> (&mut [f32], &mut [f32], &mut [f32]) {
 impl Elem for bf16 {
     const SIZE: usize = 2;
     type Acc = f32;
+    type Simd = bf16;
 
     #[inline(always)]
     unsafe fn load(src: *const u8, out: &mut [f32]) {

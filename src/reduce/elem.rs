@@ -22,6 +22,10 @@ pub(super) trait Elem {
     const SIZE: usize;
     /// What the kernel combines in.
     type Acc: Copy + Default;
+    /// The element type the AVX2 and AVX-512 builds of the loop use in this one's place, with
+    /// the same memory layout and accumulator: itself, except float16, whose conversions there
+    /// are the F16C instructions (f16c.rs).
+    type Simd: Elem<Acc = Self::Acc>;
 
     /// Reads `out.len()` elements starting at `src` into `out`, widened to the accumulator.
     ///
@@ -51,6 +55,7 @@ macro_rules! native_elem {
         impl Elem for $t {
             const SIZE: usize = size_of::<$t>();
             type Acc = $t;
+            type Simd = $t;
 
             #[inline(always)]
             unsafe fn load(src: *const u8, out: &mut [$t]) {
@@ -93,10 +98,11 @@ native_elem!(f32, f64, i8, i16, i32, i64, u8, u16, u32, u64);
 /// output is rounded (to nearest even) exactly once, on store. The conversions are fused into
 /// the read and write loops.
 macro_rules! half_elem {
-    ($($t:ty => $widen:path, $narrow:path);* $(;)?) => {$(
+    ($($t:ty => $widen:path, $narrow:path, $simd:ty);* $(;)?) => {$(
         impl Elem for $t {
             const SIZE: usize = 2;
             type Acc = f32;
+            type Simd = $simd;
 
             #[inline(always)]
             unsafe fn load(src: *const u8, out: &mut [f32]) {
@@ -134,8 +140,13 @@ macro_rules! half_elem {
         }
     )*};
 }
+#[cfg(target_arch = "x86_64")]
 half_elem! {
-    f16 => f16_to_f32, f32_to_f16;
+    f16 => f16_to_f32, f32_to_f16, super::f16c::F16c;
+}
+#[cfg(not(target_arch = "x86_64"))]
+half_elem! {
+    f16 => f16_to_f32, f32_to_f16, f16;
 }
 // bf16's impl reads and writes pairs of elements (bf16_pairs.rs).
 
@@ -146,6 +157,7 @@ pub(super) struct BoolElem;
 impl Elem for BoolElem {
     const SIZE: usize = 1;
     type Acc = Bool01;
+    type Simd = BoolElem;
 
     #[inline(always)]
     unsafe fn load(src: *const u8, out: &mut [Bool01]) {

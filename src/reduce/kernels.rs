@@ -9,10 +9,10 @@
 //! accumulator is aligned and small enough to stay in L1, and the per-element loops contain no
 //! branches on op or dtype, so they vectorize.
 //!
-//! On x86_64 the same loop is also compiled with AVX-512 (F, BW, VL) and with AVX2 enabled, and
-//! the widest the CPU has is picked at run time; elsewhere the portable build of the loop runs.
-//! AVX-512 halves the instructions per byte, which matters most for bf16/fp16, whose
-//! conversions to and from the fp32 accumulator cost more than the loads.
+//! On x86_64 the same loop is also compiled with AVX-512 (F, BW, VL) and with AVX2 enabled, both
+//! with F16C, and the widest the CPU has is picked at run time; elsewhere the portable build of
+//! the loop runs. AVX-512 halves the instructions per byte. In those two builds float16 is
+//! converted by F16C's instructions (`Elem::Simd`, f16c.rs) instead of integer arithmetic.
 
 use super::elem::Elem;
 use super::ops::{Combine, Finish};
@@ -65,6 +65,10 @@ fn allowed(avx512: bool) -> bool {
             return false;
         }
     }
+    // Both builds also convert float16 with F16C (f16c.rs), which every AVX2 CPU we know has.
+    if !std::arch::is_x86_feature_detected!("f16c") {
+        return false;
+    }
     if avx512 {
         std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw")
@@ -82,15 +86,15 @@ pub(super) unsafe fn run<E: Elem, C: Combine<E::Acc>, F: Finish<E::Acc>>(b: Buff
     #[cfg(target_arch = "x86_64")]
     {
         if allowed(true) {
-            // SAFETY: the CPU supports AVX-512 F/BW/VL (checked by `allowed`); the buffer
-            // contract is the caller's.
-            unsafe { run_avx512::<E, C, F>(b, finish) };
+            // SAFETY: the CPU supports AVX-512 F/BW/VL and F16C (checked by `allowed`); the
+            // buffer contract is the caller's, and E::Simd has E's memory layout.
+            unsafe { run_avx512::<E::Simd, C, F>(b, finish) };
             return;
         }
         if allowed(false) {
-            // SAFETY: the CPU supports AVX2 (checked by `allowed`); the buffer contract is the
-            // caller's.
-            unsafe { run_avx2::<E, C, F>(b, finish) };
+            // SAFETY: the CPU supports AVX2 and F16C (checked by `allowed`); the buffer contract
+            // is the caller's, and E::Simd has E's memory layout.
+            unsafe { run_avx2::<E::Simd, C, F>(b, finish) };
             return;
         }
     }
@@ -98,25 +102,25 @@ pub(super) unsafe fn run<E: Elem, C: Combine<E::Acc>, F: Finish<E::Acc>>(b: Buff
     unsafe { run_blocks::<E, C, F>(b, finish) }
 }
 
-/// [`run_blocks`] compiled with AVX2 enabled, so its inlined loops use 256-bit vectors.
+/// [`run_blocks`] compiled with AVX2 (and F16C) enabled, so its inlined loops use 256-bit vectors.
 ///
 /// # Safety
-/// The CPU must support AVX2, and `b` must satisfy the [`Buffers`] contract for `E` with
+/// The CPU must support AVX2 and F16C, and `b` must satisfy the [`Buffers`] contract for `E` with
 /// non-empty `b.srcs`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,f16c")]
 unsafe fn run_avx2<E: Elem, C: Combine<E::Acc>, F: Finish<E::Acc>>(b: Buffers<'_>, finish: Option<F>) {
     // SAFETY: the buffer contract is the caller's.
     unsafe { run_blocks::<E, C, F>(b, finish) }
 }
 
-/// [`run_blocks`] compiled with AVX-512 (F, BW, VL) enabled: 512-bit vectors.
+/// [`run_blocks`] compiled with AVX-512 (F, BW, VL, and F16C) enabled: 512-bit vectors.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW and VL, and `b` must satisfy the [`Buffers`] contract for
+/// The CPU must support AVX-512 F, BW and VL and F16C, and `b` must satisfy the [`Buffers`] contract for
 /// `E` with non-empty `b.srcs`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 unsafe fn run_avx512<E: Elem, C: Combine<E::Acc>, F: Finish<E::Acc>>(b: Buffers<'_>, finish: Option<F>) {
     // SAFETY: the buffer contract is the caller's.
     unsafe { run_blocks::<E, C, F>(b, finish) }

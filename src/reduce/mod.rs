@@ -8,10 +8,13 @@
 //!
 //! Layout: this file holds the API and validation; `dispatch` picks a monomorphized kernel for a
 //! (dtype, op) pair, `kernels` is the blocked loop, `elem` moves elements between memory and
-//! accumulators (with `convert` for the half types, `bf16_pairs` for bf16's), and `ops` is the per-element arithmetic.
+//! accumulators (with `convert` for the half types, `bf16_pairs` for bf16's, `f16c` for float16's in the
+//! AVX2 and AVX-512 builds), and `ops` is the per-element arithmetic.
 
 mod bf16_pairs;
 mod convert;
+#[cfg(target_arch = "x86_64")]
+mod f16c;
 mod dispatch;
 mod elem;
 mod kernels;

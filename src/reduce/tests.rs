@@ -748,3 +748,49 @@ fn f16_conversions_match_half() {
     }
     failures.finish("f16 conversions");
 }
+
+/// F16C's conversions (the AVX2 and AVX-512 builds' float16) against `half`, over every float16
+/// and the same float32 sweep as the software ones, through whole vectors and the scalar tail.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn f16c_conversions_match_half() {
+    use super::elem::Elem;
+    use super::f16c::F16c;
+    if !std::arch::is_x86_feature_detected!("f16c") {
+        eprintln!("skipped: this CPU has no F16C");
+        return;
+    }
+    let mut failures = Failures::new();
+    // 13 elements: one vector of 8 and a tail of 5.
+    let all: Vec<u16> = (0..=u16::MAX).collect();
+    for chunk in all.chunks(13) {
+        let mut wide = vec![0f32; chunk.len()];
+        // SAFETY: the CPU has F16C (checked above); `chunk` holds wide.len() float16.
+        unsafe { F16c::load(chunk.as_ptr().cast::<u8>(), &mut wide) };
+        for (&h, &got) in chunk.iter().zip(&wide) {
+            let want = f16::from_bits(h).to_f32();
+            let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+            failures.check(same, || format!("widening {h:#06x}: {got} vs {want}"));
+        }
+    }
+    let mut rng = Rng(11);
+    let mut inputs: Vec<f32> = Vec::new();
+    for hi in 0..(1u32 << 19) {
+        for lo in [0u32, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF] {
+            inputs.push(f32::from_bits((hi << 13) | lo));
+        }
+    }
+    for _ in 0..300_000 {
+        let bits = rng.next() as u32;
+        inputs.extend([bits, bits & 0x387F_FFFF, (bits & 0x3880_0000) | (bits & 0x8000_0000) | (1 << (bits % 23))].map(f32::from_bits));
+    }
+    for chunk in inputs.chunks(13) {
+        let mut narrow = vec![0u16; chunk.len()];
+        // SAFETY: the CPU has F16C; `narrow` has room for chunk.len() float16.
+        unsafe { F16c::store(chunk, narrow.as_mut_ptr().cast::<u8>()) };
+        for (&x, &got) in chunk.iter().zip(&narrow) {
+            failures.eq(got, f16::from_f32(x).to_bits(), format_args!("narrowing {:#010x}", x.to_bits()));
+        }
+    }
+    failures.finish("F16C conversions");
+}
