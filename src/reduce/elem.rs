@@ -7,9 +7,8 @@
 //! Caller memory is only touched through raw-pointer unaligned reads/writes and byte copies,
 //! never references, because caller buffers may be unaligned and may alias each other exactly.
 //! Every source after the first is read straight into the combining loop (no staging copy), up
-//! to four sources per pass over the accumulator, and
-//! the half-type conversions are fused into their read and write loops, so each loop stays a
-//! single vectorized pass.
+//! to four sources per pass over the accumulator, and the half-type conversions are fused into
+//! their read and write loops, so each loop stays a single vectorized pass.
 
 use half::f16;
 
