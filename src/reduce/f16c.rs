@@ -4,8 +4,9 @@
 //! element each way, which made float16 reductions compute-bound at a quarter of bfloat16's
 //! speed. `vcvtph2ps` widens eight elements exactly in one instruction and `vcvtps2ph` rounds
 //! eight to nearest, ties to even (subnormals and overflow as IEEE says, NaN made quiet with
-//! its top payload bits kept), the same values as convert.rs (a test compares them with `half` over
-//! every float16 and a sweep of float32 that covers every rounding case). Eight elements of every source are widened and folded at a time, in registers.
+//! its top payload bits kept): the same values as convert.rs (a test compares them with `half`
+//! over every float16 and a sweep of float32 that covers every rounding case). Eight elements
+//! of every source are widened and folded at a time, in registers.
 //!
 //! Every function here executes F16C instructions: [`F16c`] is used only through
 //! [`Elem::Simd`] by `run_avx2`/`run_avx512`, which are compiled with `f16c` and run only
