@@ -46,6 +46,12 @@ impl Elem for bf16 {
     type Simd = bf16;
 
     #[inline(always)]
+    unsafe fn read(src: *const u8, i: usize) -> f32 {
+        // SAFETY: the caller guarantees element i readable; read_unaligned needs no alignment.
+        bf16_to_f32(unsafe { src.cast::<u16>().add(i).read_unaligned() })
+    }
+
+    #[inline(always)]
     unsafe fn load(src: *const u8, out: &mut [f32]) {
         let (firsts, seconds, last) = split(out);
         let words = src.cast::<u32>();
@@ -56,7 +62,7 @@ impl Elem for bf16 {
         }
         if let [x] = last {
             // SAFETY: the last element, index out.len() - 1, is readable (as above).
-            *x = bf16_to_f32(unsafe { src.cast::<u16>().add(2 * firsts.len()).read_unaligned() });
+            *x = unsafe { Self::read(src, 2 * firsts.len()) };
         }
     }
 
@@ -77,7 +83,7 @@ impl Elem for bf16 {
         if let [v] = last {
             for s in srcs {
                 // SAFETY: as in `load`, for every source.
-                *v = C::combine(*v, bf16_to_f32(unsafe { s.cast::<u16>().add(2 * pairs).read_unaligned() }));
+                *v = C::combine(*v, unsafe { Self::read(s, 2 * pairs) });
             }
         }
     }

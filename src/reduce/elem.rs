@@ -26,11 +26,23 @@ pub(super) trait Elem {
     /// are the F16C instructions (f16c.rs).
     type Simd: Elem<Acc = Self::Acc>;
 
+    /// Element `i` at `src`, widened to the accumulator.
+    ///
+    /// # Safety
+    /// `src` must point to more than `i` readable, initialized elements (any alignment).
+    unsafe fn read(src: *const u8, i: usize) -> Self::Acc;
+
     /// Reads `out.len()` elements starting at `src` into `out`, widened to the accumulator.
     ///
     /// # Safety
     /// `src` must point to `out.len()` readable, initialized elements (any alignment).
-    unsafe fn load(src: *const u8, out: &mut [Self::Acc]);
+    #[inline(always)]
+    unsafe fn load(src: *const u8, out: &mut [Self::Acc]) {
+        for (i, o) in out.iter_mut().enumerate() {
+            // SAFETY: i < out.len(), which the caller guarantees readable at `src`.
+            *o = unsafe { Self::read(src, i) };
+        }
+    }
 
     /// `acc[i] = C::combine(... C::combine(acc[i], element i at srcs[0]) ..., element i at
     /// srcs[K - 1])` for every i: K sources folded in one pass, left to right, so the
@@ -38,7 +50,17 @@ pub(super) trait Elem {
     ///
     /// # Safety
     /// Every `srcs[k]` must point to `acc.len()` readable, initialized elements (any alignment).
-    unsafe fn combine_from<C: Combine<Self::Acc>, const K: usize>(srcs: [*const u8; K], acc: &mut [Self::Acc]);
+    #[inline(always)]
+    unsafe fn combine_from<C: Combine<Self::Acc>, const K: usize>(srcs: [*const u8; K], acc: &mut [Self::Acc]) {
+        for (i, a) in acc.iter_mut().enumerate() {
+            let mut v = *a;
+            for src in srcs {
+                // SAFETY: i < acc.len(), which the caller guarantees readable at every source.
+                v = C::combine(v, unsafe { Self::read(src, i) });
+            }
+            *a = v;
+        }
+    }
 
     /// Writes `acc` narrowed to the element type to `dst`.
     ///
@@ -48,7 +70,7 @@ pub(super) trait Elem {
 }
 
 /// Types that accumulate in themselves: loading and storing is a byte copy, and combining
-/// reads each element in place.
+/// reads each element in place (the trait's `combine_from`).
 macro_rules! native_elem {
     ($($t:ty),*) => {$(
         impl Elem for $t {
@@ -66,20 +88,10 @@ macro_rules! native_elem {
             }
 
             #[inline(always)]
-            unsafe fn combine_from<C: Combine<$t>, const K: usize>(
-                srcs: [*const u8; K],
-                acc: &mut [$t],
-            ) {
-                let srcs = srcs.map(|s| s.cast::<$t>());
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let mut v = *a;
-                    for src in srcs {
-                        // SAFETY: i < acc.len(), and the caller guarantees that many readable,
-                        // initialized elements at every source; read_unaligned needs no alignment.
-                        v = C::combine(v, unsafe { src.add(i).read_unaligned() });
-                    }
-                    *a = v;
-                }
+            unsafe fn read(src: *const u8, i: usize) -> $t {
+                // SAFETY: the caller guarantees element i readable; read_unaligned needs no
+                // alignment; every bit pattern is a valid value of `$t`.
+                unsafe { src.cast::<$t>().add(i).read_unaligned() }
             }
 
             #[inline(always)]
@@ -104,26 +116,10 @@ macro_rules! half_elem {
             type Simd = $simd;
 
             #[inline(always)]
-            unsafe fn load(src: *const u8, out: &mut [f32]) {
-                let src = src.cast::<u16>();
-                for (i, o) in out.iter_mut().enumerate() {
-                    // SAFETY: i < out.len(), and the caller guarantees that many readable,
-                    // initialized elements at `src`; read_unaligned needs no alignment.
-                    *o = $widen(unsafe { src.add(i).read_unaligned() });
-                }
-            }
-
-            #[inline(always)]
-            unsafe fn combine_from<C: Combine<f32>, const K: usize>(srcs: [*const u8; K], acc: &mut [f32]) {
-                let srcs = srcs.map(|s| s.cast::<u16>());
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let mut v = *a;
-                    for src in srcs {
-                        // SAFETY: as in `load`, for every source.
-                        v = C::combine(v, $widen(unsafe { src.add(i).read_unaligned() }));
-                    }
-                    *a = v;
-                }
+            unsafe fn read(src: *const u8, i: usize) -> f32 {
+                // SAFETY: the caller guarantees element i readable; read_unaligned needs no
+                // alignment.
+                $widen(unsafe { src.cast::<u16>().add(i).read_unaligned() })
             }
 
             #[inline(always)]
@@ -159,24 +155,9 @@ impl Elem for BoolElem {
     type Simd = BoolElem;
 
     #[inline(always)]
-    unsafe fn load(src: *const u8, out: &mut [Bool01]) {
-        for (i, o) in out.iter_mut().enumerate() {
-            // SAFETY: i < out.len(), and the caller guarantees that many readable, initialized
-            // bytes at `src`.
-            *o = Bool01(u8::from(unsafe { src.add(i).read() } != 0));
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn combine_from<C: Combine<Bool01>, const K: usize>(srcs: [*const u8; K], acc: &mut [Bool01]) {
-        for (i, a) in acc.iter_mut().enumerate() {
-            let mut v = *a;
-            for src in srcs {
-                // SAFETY: as in `load`, for every source.
-                v = C::combine(v, Bool01(u8::from(unsafe { src.add(i).read() } != 0)));
-            }
-            *a = v;
-        }
+    unsafe fn read(src: *const u8, i: usize) -> Bool01 {
+        // SAFETY: the caller guarantees byte i readable.
+        Bool01(u8::from(unsafe { src.add(i).read() } != 0))
     }
 
     #[inline(always)]

@@ -47,7 +47,7 @@ unsafe fn widen(src: *const u8, out: *mut f32, n: usize) {
     }
     for i in full..n {
         // SAFETY: i < n, so element i is readable and out[i] writable (the caller's contract).
-        unsafe { out.add(i).write(f16_to_f32(src.cast::<u16>().add(i).read_unaligned())) };
+        unsafe { out.add(i).write(F16c::read(src, i)) };
     }
 }
 
@@ -55,6 +55,12 @@ impl Elem for F16c {
     const SIZE: usize = 2;
     type Acc = f32;
     type Simd = F16c;
+
+    #[inline(always)]
+    unsafe fn read(src: *const u8, i: usize) -> f32 {
+        // SAFETY: the caller guarantees element i readable; read_unaligned needs no alignment.
+        f16_to_f32(unsafe { src.cast::<u16>().add(i).read_unaligned() })
+    }
 
     #[inline(always)]
     unsafe fn load(src: *const u8, out: &mut [f32]) {
@@ -84,7 +90,7 @@ impl Elem for F16c {
         for (i, a) in acc.iter_mut().enumerate().skip(full) {
             for src in srcs {
                 // SAFETY: i < acc.len(), so element i of every source is readable.
-                *a = C::combine(*a, f16_to_f32(unsafe { src.cast::<u16>().add(i).read_unaligned() }));
+                *a = C::combine(*a, unsafe { Self::read(src, i) });
             }
         }
     }
