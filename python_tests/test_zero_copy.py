@@ -137,9 +137,15 @@ def test_zero_copy_moves(w):
         assert res.value(r)["cases"] >= 20, res.value(r)
 
 
-@pytest.mark.parametrize("w", [2, 3])
-def test_zero_copy_all_reduce(w):
-    res = run_ranks(w, zero_copy_sweep, timeout_s=400)
+# The second case cuts every tensor into blocks of 64 KiB (so the 1 MiB and 3 MiB tensors take 16
+# and 49 blocks, the last one short), writes the copies with streaming stores and splits every
+# step over two threads (pieces of 4 KiB).
+SMALL_BLOCKS = {"XCCL_RS_SHM_CHUNK_BYTES": "65536", "XCCL_RS_STREAMING_STORE_BYTES": "0", "XCCL_RS_THREADS": "2", "XCCL_RS_THREAD_MIN_BYTES": "4096"}
+
+
+@pytest.mark.parametrize("w,env", [(2, None), (3, None), (3, SMALL_BLOCKS)], ids=["w2", "w3", "w3-small-blocks"])
+def test_zero_copy_all_reduce(w, env):
+    res = run_ranks(w, zero_copy_sweep, timeout_s=400, env=env)
     for r in range(w):
         assert res.value(r)["cases"] > 100, res.value(r)
 

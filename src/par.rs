@@ -196,6 +196,51 @@ impl Par {
             unsafe { reduce_raw(r, dst.at(off), &piece_srcs, hi - lo, true) };
         });
     }
+    /// `reduce` into `dst`, then every thread copies its own piece of the result into every
+    /// destination of `replicas`: one hand-off per call, and each piece is copied while it is
+    /// still in its thread's cache. The copies are copy-outs of an op writing `op_bytes`
+    /// (streaming stores from `streaming_min`, as `copy_all_out`).
+    ///
+    /// # Safety
+    /// As `reduce` for `dst` and `srcs`; every replica is writable for `count` elements, and
+    /// is either exactly equal to a src (overwritten after that piece's reduction has read
+    /// it) or overlaps none; replicas overlap neither `dst` nor each other; no one else
+    /// touches any of these ranges until the call returns.
+    pub unsafe fn reduce_and_replicate(
+        &self,
+        r: &Reduction,
+        dst: *mut u8,
+        srcs: &[*const u8],
+        replicas: &[*mut u8],
+        count: usize,
+        esz: usize,
+        op_bytes: usize,
+    ) {
+        let streaming = op_bytes >= self.streaming_min;
+        let dst = SendPtr(dst);
+        let srcs: Vec<SendPtr> = srcs.iter().map(|&s| SendPtr(s as *mut u8)).collect();
+        let replicas: Vec<SendPtr> = replicas.iter().map(|&d| SendPtr(d)).collect();
+        // Pieces are cut at 64-byte boundaries, whole elements of every dtype; the last one
+        // ends at count * esz.
+        self.split(count * esz, |lo, hi| {
+            let piece_srcs: Vec<*const u8> = srcs.iter().map(|s| s.at(lo) as *const u8).collect();
+            // SAFETY: [lo, hi) lies inside every buffer (hi <= count * esz) and starts and ends
+            // on whole elements; pieces are disjoint, so each thread writes its own bytes of dst
+            // and of every replica; dst's equality with or disjointness from each src is kept
+            // by shifting all of them by lo; a replica equal to a src is written only after
+            // this piece's reduction has read it; replicas overlap nothing else (the caller).
+            unsafe {
+                reduce_raw(r, dst.at(lo), &piece_srcs, (hi - lo) / esz, true);
+                for d in &replicas {
+                    if streaming {
+                        copy_streaming(dst.at(lo), d.at(lo), hi - lo)
+                    } else {
+                        std::ptr::copy_nonoverlapping(dst.at(lo), d.at(lo), hi - lo)
+                    }
+                }
+            }
+        });
+    }
 }
 
 #[cfg(test)]
@@ -262,5 +307,32 @@ mod tests {
             failures.check(wrong == 0, || format!("threads {threads}: {wrong} of 4099 elements differ from the serial reduction"));
         }
         failures.finish("Par::reduce");
+    }
+
+    #[test]
+    fn reduce_and_replicate_writes_the_sum_everywhere() {
+        // In place as the zero-copy all-reduce does it: the destination is source 0, and every
+        // replica is one of the other sources, overwritten after its piece was read.
+        let n = 4099;
+        let r = Reduction { dtype: DType::Float32, op: ReduceOp::Sum, world_size: 3, premul_factor: 1.0 };
+        let input = |k: usize| -> Vec<f32> { (0..n).map(|i| ((i * (k + 3)) % 97) as f32 - 40.0).collect() };
+        // The reference: plain float32 adds, in rank order.
+        let want: Vec<f32> = (0..n).map(|i| input(0)[i] + input(1)[i] + input(2)[i]).collect();
+        let mut failures = Failures::new();
+        for (threads, streaming_min) in [(1, usize::MAX), (2, 0), (3, usize::MAX), (5, 0)] {
+            let mut bufs: Vec<Vec<f32>> = (0..3).map(input).collect();
+            let ptrs: Vec<*mut u8> = bufs.iter_mut().map(|v| v.as_mut_ptr() as *mut u8).collect();
+            let srcs: Vec<*const u8> = ptrs.iter().map(|&p| p as *const u8).collect();
+            // SAFETY: three distinct buffers of n f32; the destination is exactly srcs[0] and
+            // the replicas exactly srcs[1] and srcs[2].
+            unsafe { Par::new(threads, 64, streaming_min).reduce_and_replicate(&r, ptrs[0], &srcs, &ptrs[1..], n, 4, n * 4) };
+            for (k, got) in bufs.iter().enumerate() {
+                let wrong = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+                failures.check(wrong == 0, || {
+                    format!("threads {threads}, streaming from {streaming_min}: buffer {k} has {wrong} of {n} elements wrong")
+                });
+            }
+        }
+        failures.finish("Par::reduce_and_replicate");
     }
 }

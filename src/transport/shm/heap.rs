@@ -9,7 +9,8 @@
 //! later) and freeing punches them out again, so memory goes back to the system as soon as the
 //! tensor dies, in every rank's mapping.
 //!
-//! A peer's heap is only ever read at an offset and length that peer published for one op;
+//! A peer's heap is only ever read or written at an offset and length that peer published for
+//! one op (the zero-copy all-reduce writes each rank's reduced part into every peer's tensor);
 //! `PeerHeap::range` bounds both by the size the file really has.
 
 use std::collections::BTreeMap;
@@ -222,8 +223,8 @@ pub struct PeerHeap {
     len: usize,
 }
 
-// SAFETY: see Heap; this rank only reads a peer's heap at ranges that peer published for an
-// op, under the counter protocol.
+// SAFETY: see Heap; this rank reads and writes a peer's heap only at ranges that peer
+// published for an op, under the counter protocol.
 unsafe impl Send for PeerHeap {}
 // SAFETY: as above.
 unsafe impl Sync for PeerHeap {}
