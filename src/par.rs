@@ -196,6 +196,7 @@ impl Par {
             unsafe { reduce_raw(r, dst.at(off), &piece_srcs, hi - lo, true) };
         });
     }
+
     /// `reduce` into `dst`, then every thread copies its own piece of the result into every
     /// destination of `replicas`: one hand-off per call, and each piece is copied while it is
     /// still in its thread's cache. The copies are copy-outs of an op writing `op_bytes`

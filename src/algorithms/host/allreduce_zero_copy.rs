@@ -14,9 +14,9 @@
 //! stores from the group's limit, par.rs). Every element is reduced once, on its part's owner,
 //! in rank order: every rank ends with the same bits as on the slot path.
 //!
-//! The parts go in blocks (`BLOCK_BYTES` of every tensor, cut in `size` parts as the blocked
-//! slot path cuts a block), each block one hand-off to the rank's threads: each thread reduces
-//! a piece of part r and copies it to the peers while it is still in its cache.
+//! The parts go in blocks (`block_bytes`: one slot's size of every tensor, cut in `size` parts
+//! as the blocked slot path cuts a block), each block one hand-off to the rank's threads: each
+//! thread reduces a piece of part r and copies it to the peers while it is still in its cache.
 
 use super::allreduce_shm::blocked;
 use super::blocks::{block_count, block_range, finish_block};
@@ -79,7 +79,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
 /// Bytes of every tensor that one block covers, whole elements: the slot size, which every
 /// rank agrees on (it is part of the op's description). At 8 ranks on the 16-core host, blocks
 /// of 1, 2 and 4 MiB were level at 64 MiB and 4 MiB the fastest at 16 MiB; blocks of 16 and
-/// 64 MiB lost 10-25% (docs/perf.md).
+/// 64 MiB lost 6-45% (docs/perf.md).
 fn block_bytes(chunk: usize, esz: usize) -> usize {
     chunk / esz * esz
 }
