@@ -139,7 +139,7 @@ def test_zero_copy_moves(w):
 
 # The second case cuts every tensor into blocks of 64 KiB (so the 1 MiB and 3 MiB tensors take 16
 # and 49 blocks, the last one short), writes the copies with streaming stores and splits every
-# step over two threads (pieces of 4 KiB).
+# step over two threads (pieces of at least 4 KiB).
 SMALL_BLOCKS = {"XCCL_RS_SHM_CHUNK_BYTES": "65536", "XCCL_RS_STREAMING_STORE_BYTES": "0", "XCCL_RS_THREADS": "2", "XCCL_RS_THREAD_MIN_BYTES": "4096"}
 
 

@@ -137,13 +137,7 @@ impl Par {
                     // destination (valid for `len` bytes by RawBuf's contract); pieces are
                     // disjoint, and a step's sources and destinations do not overlap unless
                     // they are the same buffer, which is skipped (as in RawBuf::copy_to).
-                    unsafe {
-                        if streaming {
-                            copy_streaming(s.at(start - at), d.at(start - at), end - start)
-                        } else {
-                            std::ptr::copy_nonoverlapping(s.at(start - at), d.at(start - at), end - start)
-                        }
-                    };
+                    unsafe { copy_bytes(s.at(start - at), d.at(start - at), end - start, streaming) };
                 }
                 at += len;
             }
@@ -168,33 +162,15 @@ impl Par {
         self.copy_all(&[(src, dst)]);
     }
 
-    /// `reduce_raw` over `count` elements of `esz` bytes, split by element ranges.
+    /// `reduce_raw` over `count` elements of `esz` bytes, split in pieces of whole elements
+    /// (`reduce_and_replicate` with no replicas).
     ///
     /// # Safety
     /// As `reduce_raw` for the whole range: every src holds `count` elements, `dst` is
     /// writable for `count` elements and equals a src exactly or overlaps none.
     pub unsafe fn reduce(&self, r: &Reduction, dst: *mut u8, srcs: &[*const u8], count: usize, esz: usize) {
-        let pieces = self.pieces(count * esz);
-        if pieces == 1 {
-            // SAFETY: the caller's contract is reduce_raw's.
-            unsafe { reduce_raw(r, dst, srcs, count, true) };
-            return;
-        }
-        let per = (count.div_ceil(pieces) * esz).div_ceil(ALIGN) * ALIGN / esz;
-        let dst = SendPtr(dst);
-        let srcs: Vec<SendPtr> = srcs.iter().map(|&s| SendPtr(s as *mut u8)).collect();
-        self.run(pieces, |p| {
-            let (lo, hi) = ((p * per).min(count), ((p + 1) * per).min(count));
-            if lo == hi {
-                return;
-            }
-            let off = lo * esz;
-            let piece_srcs: Vec<*const u8> = srcs.iter().map(|s| s.at(off) as *const u8).collect();
-            // SAFETY: [lo, hi) lies inside every buffer (hi <= count); pieces are disjoint, so
-            // each thread writes its own elements of dst; equality/overlap of dst with a src is
-            // preserved by shifting all of them by the same offset.
-            unsafe { reduce_raw(r, dst.at(off), &piece_srcs, hi - lo, true) };
-        });
+        // SAFETY: the caller's contract, with no replicas.
+        unsafe { self.reduce_and_replicate(r, dst, srcs, &[], count, esz, 0) }
     }
 
     /// `reduce` into `dst`, then every thread copies its own piece of the result into every
@@ -217,13 +193,22 @@ impl Par {
         esz: usize,
         op_bytes: usize,
     ) {
-        let streaming = op_bytes >= self.streaming_min;
+        let (bytes, streaming) = (count * esz, op_bytes >= self.streaming_min);
+        if self.pieces(bytes) == 1 {
+            // SAFETY: the caller's contract; the one piece is the whole range, so nothing is
+            // shifted and no list is allocated.
+            unsafe {
+                reduce_raw(r, dst, srcs, count, true);
+                replicas.iter().for_each(|&d| copy_bytes(dst, d, bytes, streaming));
+            }
+            return;
+        }
         let dst = SendPtr(dst);
         let srcs: Vec<SendPtr> = srcs.iter().map(|&s| SendPtr(s as *mut u8)).collect();
         let replicas: Vec<SendPtr> = replicas.iter().map(|&d| SendPtr(d)).collect();
         // Pieces are cut at 64-byte boundaries, whole elements of every dtype; the last one
         // ends at count * esz.
-        self.split(count * esz, |lo, hi| {
+        self.split(bytes, |lo, hi| {
             let piece_srcs: Vec<*const u8> = srcs.iter().map(|s| s.at(lo) as *const u8).collect();
             // SAFETY: [lo, hi) lies inside every buffer (hi <= count * esz) and starts and ends
             // on whole elements; pieces are disjoint, so each thread writes its own bytes of dst
@@ -232,16 +217,19 @@ impl Par {
             // this piece's reduction has read it; replicas overlap nothing else (the caller).
             unsafe {
                 reduce_raw(r, dst.at(lo), &piece_srcs, (hi - lo) / esz, true);
-                for d in &replicas {
-                    if streaming {
-                        copy_streaming(dst.at(lo), d.at(lo), hi - lo)
-                    } else {
-                        std::ptr::copy_nonoverlapping(dst.at(lo), d.at(lo), hi - lo)
-                    }
-                }
+                replicas.iter().for_each(|d| copy_bytes(dst.at(lo), d.at(lo), hi - lo, streaming));
             }
         });
     }
+}
+
+/// One copy of `len` bytes, with streaming stores or ordinary ones.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`.
+unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize, streaming: bool) {
+    // SAFETY: the caller's contract is both functions'.
+    unsafe { if streaming { copy_streaming(src, dst, len) } else { std::ptr::copy_nonoverlapping(src, dst, len) } }
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! All-reduce in place on ordinary tensors, by cross-memory attach (transport/shm/cma.rs):
 //! ranks read each other's tensors with one kernel copy instead of passing them through the
-//! slots. The same two steps as the zero-copy path (allreduce_zero_copy.rs), after the same
-//! pre-sync, in which every rank also publishes where its tensor lies in its own memory:
+//! slots. After the zero-copy path's pre-sync (zero_copy.rs), in which every rank also
+//! publishes where its tensor lies in its own memory, two steps:
 //!
 //! 1. Rank r reduces part r. Piece by piece ([`PIECE`] bytes, so the pieces stay in cache), it
 //!    reads part r of every peer's tensor into a bounce buffer of its own and reduces them,
@@ -10,9 +10,10 @@
 //! 2. Once all have, rank r reads part j of rank j's tensor straight into part j of its own,
 //!    for every j ≠ r, then publishes `Consumed` and waits for everyone's.
 //!
-//! Rank r writes only its own tensor, and only parts no peer reads at that step, as on the
-//! zero-copy path; every element is reduced once, on its part's owner, in rank order, so every
-//! rank ends with the same bits as through the slots. Per rank this moves about 4N of memory
+//! Rank r writes only its own tensor, and only parts no peer reads at that step (the zero-copy
+//! path writes into the peers' tensors instead, through their mapped heaps:
+//! allreduce_zero_copy.rs); every element is reduced once, on its part's owner, in rank order,
+//! so every rank ends with the same bits as through the slots. Per rank this moves about 4N of memory
 //! traffic (the kernel's copy reads and writes), against 5N through the slots; but each read
 //! pins the peer's pages, and with every rank reading every peer at once that cost more than
 //! the copy it saves on the 16-core host, so it is off unless `XCCL_RS_CMA=1` (docs/perf.md).
