@@ -24,7 +24,9 @@ def zero_copy_sweep(rank, w):
     for dtype in [F32, BF16, F16, F64, torch.int32]:
         ops = ["SUM", "AVG", "MAX", "PREMUL_SUM"] if dtype.is_floating_point else ["SUM", "MIN"]
         item = torch.empty(0, dtype=dtype).element_size()
-        for n in [(1 << 20) // item, (3 << 20) // item + 7]:
+        # 96 KiB and a few elements: past the one-shot limit (64 KiB of peers' reads) at every
+        # group size here, so zero-copy through the first block's answers, not a pre-sync.
+        for n in [(96 << 10) // item + 5, (1 << 20) // item, (3 << 20) // item + 7]:
             for op in ops:
                 # "all": every rank's tensor in its heap; "view": a view at an odd element
                 # offset inside a heap tensor; "mixed": rank 0's is an ordinary tensor.
@@ -137,8 +139,8 @@ def test_zero_copy_moves(w):
         assert res.value(r)["cases"] >= 20, res.value(r)
 
 
-# The second case cuts every tensor into blocks of 64 KiB (so the 1 MiB and 3 MiB tensors take 16
-# and 49 blocks, the last one short), writes the copies with streaming stores and splits every
+# The second case cuts every tensor into blocks of 64 KiB (so the 96 KiB, 1 MiB and 3 MiB tensors
+# take 2, 16 and 49 blocks, the last one short), writes the copies with streaming stores and splits every
 # step over two threads (pieces of at least 4 KiB).
 SMALL_BLOCKS = {"XCCL_RS_SHM_CHUNK_BYTES": "65536", "XCCL_RS_STREAMING_STORE_BYTES": "0", "XCCL_RS_THREADS": "2", "XCCL_RS_THREAD_MIN_BYTES": "4096"}
 

@@ -3,8 +3,9 @@
 Each rank of a group whose ranks are all on one host has a *heap*: shared memory that every
 peer has mapped (sparse: it costs memory only for what is allocated, ``XCCL_RS_SHM_HEAP_BYTES``
 of address space). A collective whose tensors lie in the heaps on every rank reads the peers'
-tensors where they are, with no copy through the shared-memory slots: an all-reduce of 1 MiB or
-more then moves about 3 bytes of memory per byte of tensor instead of 5 (docs/perf.md).
+tensors where they are, with no copy through the shared-memory slots: an all-reduce (past its
+one-shot limit, 9 KiB at 8 ranks) then moves 2 bytes of memory per byte of tensor instead of 5
+(docs/perf.md).
 
 Two ways in, the same memory:
 

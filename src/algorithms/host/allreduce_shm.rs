@@ -14,9 +14,15 @@
 //! alternate, so the next block's copy overlaps peers' reading of this one. A reduce
 //! (reduce_shm.rs) is the same with only the root copying the parts out.
 //!
-//! Large tensors that every rank allocated in its heap skip the slots altogether
-//! (allreduce_zero_copy.rs); other large tensors are read from the peers by cross-memory
-//! attach where the kernel allows it (allreduce_cma.rs).
+//! Tensors that every rank allocated in its heap skip the slots altogether
+//! (allreduce_zero_copy.rs). On a group with heaps each rank says with the first block whether
+//! its tensor lies in its heap, and then copies nothing into its slot if it does; once the
+//! first block's exchange shows every rank's answer, all go zero-copy, or all go on through the
+//! slots. That costs ordinary tensors nothing, so the zero-copy path runs at every size past
+//! the one-shot limit. When the answers differ (rare: a tensor in the heap on some ranks only),
+//! the slots of the ranks that said yes are empty, and the op starts over through the slots.
+//! Where cross-memory attach is on, large tensors take allreduce_zero_copy.rs's pre-sync
+//! instead, which picks between the two and the slots (allreduce_cma.rs).
 
 use super::blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
 use crate::algorithms::split::split_range;
@@ -39,10 +45,11 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, oneshot_bytes: 
     let buf = op.outputs[0];
     if takes_one_shot(buf.len(), shm.size(), oneshot_bytes, shm.chunk()) {
         one_shot(shm, ctx, op, desc)
-    } else if super::zero_copy::tries(shm, buf.len()) || super::allreduce_cma::tries(shm, buf.len()) {
+    } else if super::allreduce_cma::tries(shm, buf.len()) {
         super::allreduce_zero_copy::run(shm, ctx, op, desc)
     } else {
-        blocked(shm, ctx, op, desc, None)
+        let announce = shm.zero_copy();
+        through_slots(shm, ctx, op, desc, None, announce)
     }
 }
 
@@ -68,6 +75,13 @@ fn one_shot(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> 
 /// The blocked path; `reader`: None for all-reduce (everyone copies the result out), Some(root)
 /// for reduce.
 pub fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>) -> Result<()> {
+    through_slots(shm, ctx, op, desc, reader, false)
+}
+
+/// The blocked path; with `announce` (an all-reduce on a group with heaps), the first block also
+/// says whether this rank's tensor lies in its heap, and the op goes zero-copy when every
+/// rank's does (module comment).
+fn through_slots(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>, announce: bool) -> Result<()> {
     let (rank, size) = (shm.rank(), shm.size());
     let buf = op.outputs[0];
     let esz = op.dtype.size();
@@ -84,13 +98,34 @@ pub fn blocked(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Opt
             (s * esz, l * esz)
         };
         wait_slot_free(shm, g, ctx)?;
+        let in_my_heap = b == 0 && announce && {
+            shm.describe_heap(g, &[buf]);
+            shm.in_heap(g, rank)
+        };
         let mine = shm.slot(rank, g);
         let (my_start, my_len) = part(rank);
-        // Peers own everything but my part: copy what lies before and after it.
-        let after = my_start + my_len;
-        shm.par()
-            .copy_all(&[(block.sub(0, my_start), mine.sub(0, my_start)), (block.sub(after, len - after), mine.sub(after, len - after))]);
+        if !in_my_heap {
+            // Peers own everything but my part: copy what lies before and after it.
+            let after = my_start + my_len;
+            shm.par()
+                .copy_all(&[(block.sub(0, my_start), mine.sub(0, my_start)), (block.sub(after, len - after), mine.sub(after, len - after))]);
+        }
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
+        // Every rank's description is checked now, so every heap answer is that of this op.
+        if b == 0 && announce {
+            let last = g0 + blocks as u64 - 1;
+            let in_heap = (0..size).filter(|&r| shm.in_heap(g, r)).count();
+            if in_heap == size {
+                return super::allreduce_zero_copy::push(shm, ctx, op, g, last);
+            }
+            if in_heap > 0 {
+                // Those ranks' slots are empty: mark this op's blocks done (nobody read a slot
+                // of it) and start over through the slots, without asking.
+                shm.publish(Counter::Reduced, last);
+                shm.publish(Counter::Consumed, last);
+                return through_slots(shm, ctx, op, desc, reader, false);
+            }
+        }
 
         let srcs: Vec<*const u8> = (0..size)
             .map(|r| if r == rank { block.sub(my_start, my_len).ptr() } else { shm.slot(r, g).sub(my_start, my_len).ptr() } as *const u8)

@@ -4,9 +4,10 @@
 //! Rank r alone reads and writes part r of every tensor: it reduces part r of every B_j in rank
 //! order (scaling fused) into part r of its own B_r, then writes that result into part r of
 //! every peer's B_j. No other rank reads or writes part r, so the parts need no
-//! synchronization between them: after the pre-sync (every input ready), each rank goes through
-//! its parts alone, then publishes `Consumed` and waits for everyone's (zero_copy.rs): only then
-//! is every rank's tensor complete.
+//! synchronization between them: after the exchange that showed every tensor in its heap (the
+//! first block of the slot path, allreduce_shm.rs, or the pre-sync where cross-memory attach is
+//! on), each rank goes through its parts alone, then publishes `Consumed` and waits for
+//! everyone's (zero_copy.rs): only then is every rank's tensor complete.
 //!
 //! Per rank this moves N bytes read and N written (N/n of them to its own tensor, in cache),
 //! against 3N when each rank gathered the reduced parts itself after a synchronization per
@@ -27,18 +28,26 @@ use crate::op::Op;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 
-/// Runs the all-reduce zero-copy if every rank's tensor is in its heap, else by cross-memory
-/// attach where the group can, else through the slots.
+/// Where cross-memory attach is on (allreduce_shm.rs): after a pre-sync, runs the all-reduce
+/// zero-copy if every rank's tensor is in its heap, else by cross-memory attach.
 pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let buf = op.outputs[0];
     let g = presync(shm, ctx, desc, &[buf])?;
-    if !shm.all_in_heap(g) && shm.cma() {
+    if shm.all_in_heap(g) {
+        return push(shm, ctx, op, g, g);
+    }
+    if shm.cma() {
         return super::allreduce_cma::run(shm, ctx, op, g);
     }
-    if !shm.all_in_heap(g) {
-        finish_block(shm, g);
-        return blocked(shm, ctx, op, desc, None);
-    }
+    finish_block(shm, g);
+    blocked(shm, ctx, op, desc, None)
+}
+
+/// The all-reduce itself, once every rank said, with the op's block `first`, that its tensor
+/// lies in its heap; marks all the op's blocks (up to `last`) done.
+pub fn push(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
+    let buf = op.outputs[0];
+    let g = first;
     let (rank, size) = (shm.rank(), shm.size());
     let mut bufs = Vec::with_capacity(size);
     for r in 0..size {
@@ -71,9 +80,9 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
             shm.par().reduce_and_replicate(&reduction, buf.sub(my_start, my_len).ptr(), &srcs, &replicas, my_len / esz, esz, buf.len())
         };
     }
-    shm.publish(Counter::Reduced, g);
-    shm.publish(Counter::Consumed, g);
-    shm.wait_all(Counter::Consumed, g, ctx)
+    shm.publish(Counter::Reduced, last);
+    shm.publish(Counter::Consumed, last);
+    shm.wait_all(Counter::Consumed, last, ctx)
 }
 
 /// Bytes of every tensor that one block covers, whole elements: the slot size, which every

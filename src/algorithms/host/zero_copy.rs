@@ -11,9 +11,10 @@
 //!
 //! Every zero-copy op ends by waiting until every rank has published `Consumed` for the
 //! pre-sync's block: only then has no peer any reason left to read this rank's buffers, which
-//! the caller may overwrite as soon as the op returns. (Broadcast needs no pre-sync: only the
-//! root's answer counts, and the others read it with the first block of the slot path,
-//! broadcast_shm.rs.)
+//! the caller may overwrite as soon as the op returns. Broadcast and all-reduce need no
+//! pre-sync: each rank gives its answer with the first block of the slot path and fills no
+//! slot if it is yes (broadcast_shm.rs, from this size, where only the root's answer counts;
+//! allreduce_shm.rs, at every size past its one-shot limit unless cross-memory attach is on).
 
 use super::blocks::{exchange_produced, wait_slot_free};
 use crate::error::{CommError, Result};
