@@ -255,6 +255,14 @@ def mismatch_worker(rank, w, kind):
         t = torch.ones(262147 if rank == 1 else 1000)
     elif kind == "dtype":
         t = torch.ones(1000, dtype=torch.float64 if rank == 1 else torch.float32)
+    elif kind == "heap_size":  # zero-copy tensors (their heap answers travel with the sizes)
+        import xccl_rs
+
+        t = xccl_rs.empty(262147 if rank == 1 else 262144).fill_(1)
+    elif kind == "heap_dtype":
+        import xccl_rs
+
+        t = xccl_rs.empty(65536, dtype=torch.float64 if rank == 1 else torch.float32).fill_(1)
     else:
         raise ValueError(kind)
     return _outcome(lambda: dist.all_reduce(t))
@@ -290,17 +298,23 @@ def timeout_worker(rank, w, sleeper):
     return out
 
 
-def dead_peer_worker(rank, w, victim, warmup):
+def dead_peer_worker(rank, w, victim, warmup, heap=False):
     import torch
     import torch.distributed as dist
 
     if warmup:
         dist.all_reduce(torch.ones(1000))
+    if heap:  # the survivors' tensors in their heaps: the zero-copy all-reduce's first block
+        import xccl_rs
+
+        t = xccl_rs.empty(262147).fill_(1)
+    else:
+        t = torch.ones(262147)
     if rank == victim:
         time.sleep(0.2)
         os._exit(1)
     time.sleep(0.5)  # let the victim die first
-    return _outcome(lambda: dist.all_reduce(torch.ones(262147)))
+    return _outcome(lambda: dist.all_reduce(t))
 
 
 # --------------------------------------------------------------------------------------
@@ -427,6 +441,13 @@ def test_size_mismatch_raises_everywhere(kind):
     _assert_all_raise(f"{kind} mismatch", kw, outs=_mismatch(kind))
 
 
+@pytest.mark.skipif(IS_GLOO, reason="xccl_rs's shared-memory heap")
+@pytest.mark.parametrize("kind", ["heap_size", "heap_dtype"])
+def test_zero_copy_mismatch_raises_everywhere(kind):
+    kw = ("mismatch", "size", "numel", "count", "dtype", "type")
+    _assert_all_raise(f"{kind} mismatch", kw, outs=_mismatch(kind))  # no timeout words: the description check, not a hang
+
+
 @pytest.mark.skipif(IS_GLOO, reason="gloo does not detect cross-rank dtype mismatches (garbage or abort)")
 def test_dtype_mismatch_raises_everywhere():
     kw = ("mismatch", "dtype", "type", "size", *TIMEOUT_WORDS)
@@ -472,11 +493,15 @@ def test_timeout_raises_on_waiting_ranks():
     assert not probs, "\n".join(probs)
 
 
-@pytest.mark.parametrize("warmup", [True, False], ids=["after_warmup", "first_op"])
-def test_dead_peer_raises_on_survivors(warmup):
+@pytest.mark.parametrize(
+    "warmup,heap",
+    [(True, False), (False, False), pytest.param(True, True, marks=pytest.mark.skipif(IS_GLOO, reason="xccl_rs's heap"))],
+    ids=["after_warmup", "first_op", "zero_copy"],
+)
+def test_dead_peer_raises_on_survivors(warmup, heap):
     pg_timeout = 6.0
     res = run_ranks(
-        3, dead_peer_worker, 1, warmup, timeout_s=120, pg_timeout_s=pg_timeout,
+        3, dead_peer_worker, 1, warmup, heap, timeout_s=120, pg_timeout_s=pg_timeout,
         expect_fail_ranks=[1],
     )
     probs = []
