@@ -72,4 +72,9 @@ write_if_changed(
     f"TORCH_CXX11_ABI = {abi}\n",
 )
 
-setup(install_requires=[f"torch=={major}.{minor}.*"])
+# What the package imports at run time besides torch (python_tests/test_packaging.py checks that
+# every third-party import is here or guarded). tqdm: the weight sync's progress bars (the demo's).
+# numpy is not one: the package never calls .numpy() (torch does not bring numpy).
+DEPENDENCIES = ["tqdm>=4.62"]
+
+setup(install_requires=[f"torch=={major}.{minor}.*", *DEPENDENCIES])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Optional
 
@@ -67,6 +68,17 @@ def synchronize(device: torch.device) -> None:
     mod = getattr(torch, device.type, None)
     if mod is not None and hasattr(mod, "synchronize"):
         mod.synchronize(device)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a uint8 tensor (any device), copied to host. Not ``bytes(t.numpy())``:
+    ``.numpy()`` needs numpy, which torch does not bring (``pip install torch`` has none)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype != torch.uint8:
+        raise TypeError(f"tensor_bytes: expected a uint8 tensor, got {t.dtype}")
+    # string_at copies numel bytes from the tensor's first element (its storage offset included);
+    # `t` is a contiguous host tensor that stays alive for the call.
+    return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
 
 
 def progress_bar(enabled: bool, total: Optional[int], desc: str):

@@ -9,7 +9,16 @@ from typing import Iterator, Optional
 import torch
 
 from . import window
-from ._common import SyncStats, WeightSyncError, broadcast, describe, group_rank_size, progress_bar, resolve_device
+from ._common import (
+    SyncStats,
+    WeightSyncError,
+    broadcast,
+    describe,
+    group_rank_size,
+    progress_bar,
+    resolve_device,
+    tensor_bytes,
+)
 from .format import HEADER_LEN, Announcement, BucketMeta, Entry, Header
 
 
@@ -84,7 +93,7 @@ class WeightReceiver:
         h = Header.decode(header_t.cpu().tolist(), where, index, bucket_bytes)
         meta_t = torch.empty(h.meta_nbytes, dtype=torch.uint8, device=self.bucket_device)
         self._recv(meta_t, f"the metadata of bucket {index} ({h.meta_nbytes} bytes)")
-        meta = BucketMeta.decode(bytes(meta_t.cpu().numpy()), h, where)
+        meta = BucketMeta.decode(tensor_bytes(meta_t), h, where)
         if meta.abort is not None:
             raise WeightSyncError(f"weight sync: the sender (rank {self.src}) aborted at bucket {index}: {meta.abort}")
         return h, meta

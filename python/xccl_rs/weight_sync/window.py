@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ._common import broadcast
+from ._common import broadcast, tensor_bytes
 from .format import MAX_OFFER_BYTES, Announcement, check_length, decode_offer, encode_offer
 
 # The naming rule of the Rust core's shared-memory segments, which it must agree with:
@@ -138,7 +138,7 @@ def _exchange_offer(group, src: int, offer: Optional[Announcement], nbytes: int)
         return None
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if sender else torch.empty(n, dtype=torch.uint8)
     broadcast(group, buf, src).wait()
-    return offer if sender else decode_offer(bytes(buf.numpy()), where, nbytes)
+    return offer if sender else decode_offer(tensor_bytes(buf), where, nbytes)
 
 
 def bucket_done(group):
