@@ -1,11 +1,11 @@
-"""Collective benchmark: ``python -m xccl_rs.bench``.
+"""Collective benchmark: python -m xccl_rs.bench
 
 Runs N local ranks and times all_reduce, broadcast, all_gather and reduce_scatter on gloo and
 on xccl_rs side by side, in one run, over the same tensors. Prints time, algorithm bandwidth,
 bus bandwidth (nccl-tests formulas) and xccl_rs's speed-up over gloo; writes JSON with --json.
-`--peer deepspeed` adds DeepSpeed's CPU shared-memory all-reduce (when DeepSpeed imports) and
-`--memory-bound` the bound the machine's copy bandwidth sets (bench_peers.py says how both work);
-`--backends ... zero-copy` times xccl_rs on tensors from its shared-memory heap (xccl_rs.empty).
+--peer deepspeed adds DeepSpeed's CPU shared-memory all-reduce (when DeepSpeed imports) and
+--memory-bound the bound the machine's copy bandwidth sets (bench_peers.py says how both work);
+--backends ... zero-copy times xccl_rs on tensors from its shared-memory heap (xccl_rs.empty).
 
 Bus bandwidth (n ranks, S bytes, t seconds; nccl-tests' PERFORMANCE.md):
   all_reduce      algbw = S / t,  busbw = algbw * 2 (n-1) / n   (all_reduce_avg: ReduceOp.AVG)
@@ -39,6 +39,19 @@ BUS_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
 }
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help of the package's commands (bench, demo, soak): the description as written, and each
+    option's default after its help (none for flags, which take no value, nor for options unset
+    by default)."""
+
+    def _get_help_string(self, action):
+        text, default = action.help or "", action.default
+        if action.nargs == 0 or default is None or default == argparse.SUPPRESS or "%(default)" in text:
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})".lstrip()
 
 
 def parse_size(text: str) -> int:
@@ -240,16 +253,19 @@ def _print_row(row, columns):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--ops", nargs="+", default=OPS, choices=OPS)
-    p.add_argument("--dtypes", nargs="+", default=DEFAULT_DTYPES, choices=list(DTYPES))
-    p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="bytes, e.g. 8 64K 16M")
+    p = argparse.ArgumentParser(prog="python -m xccl_rs.bench", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--ranks", type=int, default=2, help="local rank processes")
+    p.add_argument("--ops", nargs="+", default=OPS, choices=OPS, metavar="OP", help=f"collectives to time, of: {' '.join(OPS)}")
+    p.add_argument("--dtypes", nargs="+", default=DEFAULT_DTYPES, choices=list(DTYPES), metavar="DTYPE",
+                   help=f"of: {' '.join(DTYPES)}")
+    p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, metavar="SIZE",
+                   help="bytes per op, with K, M, G for KiB, MiB, GiB (e.g. 8 64K 16M)")
     p.add_argument("--backends", nargs="+", default=["gloo", "xccl_rs"], choices=["gloo", "xccl_rs", "zero-copy"],
-                   help="zero-copy: xccl_rs on tensors from its shared-memory heap (xccl_rs.empty; CPU tensors)")
+                   metavar="BACKEND",
+                   help="of: gloo xccl_rs zero-copy (xccl_rs on tensors from its shared-memory heap, xccl_rs.empty; CPU tensors)")
     p.add_argument("--device", default="cpu", help="where the tensors live: cpu, cuda, xpu (every rank on this device)")
     p.add_argument("--issue-async", type=int, default=0, metavar="N",
-                   help="first time how long issuing N async 1 MiB all_reduces takes (xccl_rs)")
+                   help="first time how long issuing N async 1 MiB all_reduces takes (xccl_rs; 0: not timed)")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies the number of iterations")
     p.add_argument("--fake-hosts", type=int, default=1, metavar="H",
                    help="xccl_rs: the ranks pose as H hosts (consecutive blocks, through XCCL_RS_HOST_ID)")
@@ -257,7 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--memory-bound", action="store_true",
                    help="also measure the copy bandwidth of as many concurrent copiers as ranks (each with the threads "
                         "an xccl_rs rank uses) and print each op's bound")
-    p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--json", metavar="PATH", help="write the results to this file")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "zero-copy" in args.backends and args.device != "cpu":

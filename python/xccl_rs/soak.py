@@ -1,4 +1,4 @@
-"""The soak: ``python -m xccl_rs.soak`` (docs/reliability.md, the soak).
+"""The soak: python -m xccl_rs.soak (docs/reliability.md, the soak).
 
 Starts N rank processes (default 4) on this host. In each, three groups run at once, one Python
 thread per group, each issuing its own random sequence of c10d collectives:
@@ -16,9 +16,16 @@ wrong results. Values are small integers so every result is exact (see ``_values
 Every ``--interval`` seconds each rank samples its RSS, open fds, threads and mappings of
 /dev/shm, and rank 0 the /dev/shm entries. After the warm-up (the first ``--warmup`` of the
 samples) a least-squares slope is fitted per metric and rank. The run passes when no result is
-wrong, fds, threads, mappings and /dev/shm entries keep no growth after the warm-up (the last quarter of the samples never all above the start; a peak that goes away is not growth), RSS
-grows (fitted) by at most ``max(--rss-tol-mib, --rss-tol-pct of the RSS)``, and /dev/shm has no
-entry of the ranks left after they exit. Exit status 0 on a pass, 1 otherwise.
+wrong, fds, threads, mappings and /dev/shm entries keep no growth after the warm-up (the last
+quarter of the samples never all above the start; a peak that goes away is not growth), RSS
+does not grow (fitted) by more than ``max(--rss-tol-mib, --rss-tol-pct of the RSS)``, and
+/dev/shm has no entry of the ranks left after they exit.
+
+RSS is judged by ``rss_verdict``: a run long enough to tell a leak from the allocator settling
+(``--rss-min-ops`` ops after the warm-up) on the second half of its samples after the warm-up,
+where growth beyond the tolerance fails it if it is beyond the samples' jitter and not slowing
+down; a shorter run on all its samples after the warm-up, where growth beyond the tolerance is
+INCONCLUSIVE. Exit status 0 on a pass, 1 on a failure, 3 when inconclusive (and nothing failed).
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ METRICS = ("rss", "fds", "threads", "shm_maps", "shm_entries", "shm_total")
 EXACT_METRICS = ("fds", "threads", "shm_maps", "shm_entries")  # must not grow at all
 STOP_EVERY = 25  # --seconds: the ranks of a group agree every this many ops whether to stop
 MiB = 1 << 20
+EXIT = {"pass": 0, "fail": 1, "inconclusive": 3}  # 2 is argparse's usage error
 
 
 # ---------------------------------------------------------------- the op sequence and the data
@@ -496,14 +504,100 @@ def fit(xs: list[float], ys: list[float]) -> float:
     return 0.0 if sxx == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
+def slope_error(xs: list[float], ys: list[float]) -> float:
+    """The standard error of ``fit(xs, ys)`` (0 with fewer than 3 points or xs that do not vary)."""
+    n = len(xs)
+    mx = sum(xs) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n < 3 or sxx == 0:
+        return 0.0
+    slope, my = fit(xs, ys), sum(ys) / n
+    resid = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys))
+    return math.sqrt(resid / (n - 2) / sxx)
+
+
+RSS_STEADY = 0.6  # the last quarter's slope at least this fraction of the third quarter's: not slowing down
+# Ops per rank after the warm-up before RSS growth can fail a run (--rss-min-ops): the 2-core VM's
+# floor still climbs in steps of about 14 MiB between 10,000 and 20,000 ops (docs/reliability.md).
+RSS_MIN_OPS = 50_000
+RSS_MIN_SAMPLES = 16  # samples after warm-up, for a run to be judged on its second half
+RSS_FLOOR = 2  # RSS is judged on its floor: each sample's least with this many neighbours on each side
+RSS_ERRORS = 3  # growth beyond the tolerance by more than this many standard errors: not jitter
+
+
+def rss_verdict(ops: list[float], rss: list[float], tol: float, min_ops: float) -> tuple[str, str, dict]:
+    """The RSS verdict of one rank from its samples after the warm-up (``ops``: ops done at each
+    sample, ``rss``: bytes): ``("pass" | "fail" | "inconclusive", why, figures)``.
+
+    A leak grows RSS at a steady rate per op for as long as the run goes; the allocator settling
+    (glibc's arenas and its mmap threshold finding their sizes) grows it early, then stops; and a
+    sample taken while large buffers are in flight reads tens to hundreds of MiB above the rest,
+    sometimes a few samples in a row. So RSS is judged on its floor: each sample replaced by the
+    least of it and its RSS_FLOOR neighbours on either side (the first and last RSS_FLOOR samples
+    only serve as neighbours). A leak raises the floor; buffers in flight for up to
+    2 x RSS_FLOOR samples in a row do not. Telling a leak from the settling takes a run long
+    enough for the settling to end: at least ``min_ops`` ops and RSS_MIN_SAMPLES samples after
+    the warm-up.
+
+    - A run that long is judged on the second half of those samples, by the fitted growth of
+      their floor (the least-squares slope times the ops the half spans). Within ``tol`` it
+      passes. It fails when the growth exceeds ``tol`` by more than RSS_ERRORS standard errors
+      of the fit (not jitter) and is not slowing down (the slope over the last quarter of the
+      samples at least RSS_STEADY of the third quarter's). Otherwise (beyond ``tol`` but within
+      the jitter, or slowing down) it is inconclusive.
+    - A shorter run passes if the floor did not grow beyond ``tol`` (fitted) over all its samples
+      after the warm-up, and is inconclusive if it did: it cannot say whether that growth would
+      stop."""
+    samples, k, run_ops = len(ops), RSS_FLOOR, ops[-1] - ops[0]
+    if samples >= 2 * k + 3:
+        ops, rss = ops[k:samples - k], [min(rss[i - k:i + k + 1]) for i in range(k, samples - k)]
+    n = len(ops)
+    half, three = n // 2, (3 * n) // 4
+    slope, late_slope = fit(ops, rss), fit(ops[half:], rss[half:])
+    # The second half's own two halves (the sample between them in both): is its growth slowing?
+    q3_slope, q4_slope = fit(ops[half:three + 1], rss[half:three + 1]), fit(ops[three:], rss[three:])
+    span, late_ops = ops[-1] - ops[0], ops[-1] - ops[half]
+    late_growth, late_error = late_slope * late_ops, slope_error(ops[half:], rss[half:]) * late_ops
+    figures = {
+        "post_warmup_ops": run_ops, "post_warmup_samples": samples, "fitted_growth": slope * span,
+        "late_ops": late_ops, "late_growth": late_growth, "late_growth_error": late_error,
+        "late_slope_per_1k_ops": late_slope * 1000, "q3_slope_per_1k_ops": q3_slope * 1000,
+        "q4_slope_per_1k_ops": q4_slope * 1000,
+        "tolerance": tol, "min_ops": min_ops,
+    }
+    tolerance = f"tolerance {tol / MiB:.1f} MiB"
+    if run_ops < min_ops or samples < RSS_MIN_SAMPLES:
+        grew = f"RSS grew {slope * span / MiB:.1f} MiB (fitted) after warm-up ({run_ops:.0f} ops), {tolerance}"
+        if slope * span <= tol:
+            return "pass", grew, figures
+        return "inconclusive", (
+            f"{grew}, in a run too short to tell a leak from the allocator settling ({run_ops:.0f} ops and {samples} samples "
+            f"after warm-up; judging needs {min_ops:.0f} ops (--rss-min-ops) and {RSS_MIN_SAMPLES} samples): run longer"
+        ), figures
+    grew = (f"RSS grew {late_growth / MiB:.1f} ± {late_error / MiB:.1f} MiB (fitted) over the second half after "
+            f"warm-up ({late_ops:.0f} ops), {tolerance}")
+    if late_growth <= tol:
+        return "pass", grew, figures
+    if late_growth - RSS_ERRORS * late_error <= tol:
+        return "inconclusive", f"{grew}: within the samples' jitter; run longer", figures
+    rates = f"{q3_slope * 1000 / MiB:.2f} then {q4_slope * 1000 / MiB:.2f} MiB per 1,000 ops in its two halves"
+    if q4_slope < RSS_STEADY * q3_slope:
+        return "inconclusive", f"{grew}, but slowing down ({rates}): the allocator may still be settling; run longer", figures
+    return "fail", f"{grew}, at a steady rate ({rates}): a leak", figures
+
+
 def analyse(results: dict, args) -> dict:
     """Slopes, growth and the verdict from every rank's result."""
-    report = {"ranks": {}, "failures": []}
+    report = {"ranks": {}, "failures": [], "inconclusive": []}
     for rank, res in sorted(results.items()):
+        for g, gr in res["groups"].items():
+            if gr["wrong"]:
+                report["failures"].append(f"rank {rank}: {gr['wrong']} wrong results in group {g}: {gr['mismatches']}")
         samples = res["samples"]
         post = samples[int(len(samples) * args.warmup):]
         if len(post) < 3:
-            report["failures"].append(f"rank {rank}: only {len(post)} samples after warm-up (run longer or lower --interval)")
+            report["inconclusive"].append(f"rank {rank}: only {len(post)} samples after warm-up: growth not judged "
+                                          "(run longer or lower --interval)")
             continue
         xs = [s["ops"] for s in post]
         span = xs[-1] - xs[0]
@@ -525,15 +619,13 @@ def analyse(results: dict, args) -> dict:
             if m in row and row[m]["kept"] > 0:
                 report["failures"].append(f"rank {rank}: {m} went from {row[m]['start']} to {row[m]['end']} "
                                           f"(at least {row[m]['start'] + row[m]['kept']} over the last quarter) after warm-up")
-        rss = row["rss"]
-        tol = max(args.rss_tol_mib * MiB, args.rss_tol_pct / 100 * rss["start"])
-        row["rss"]["tolerance"] = tol
-        if rss["fitted_growth"] > tol:
-            report["failures"].append(f"rank {rank}: RSS grew {rss['fitted_growth'] / MiB:.1f} MiB (fitted) after "
-                                      f"warm-up, tolerance {tol / MiB:.1f} MiB")
-        for g, gr in res["groups"].items():
-            if gr["wrong"]:
-                report["failures"].append(f"rank {rank}: {gr['wrong']} wrong results in group {g}: {gr['mismatches']}")
+        tol = max(args.rss_tol_mib * MiB, args.rss_tol_pct / 100 * row["rss"]["start"])
+        rss, why, figures = rss_verdict(xs, [s["rss"] for s in post], tol, args.rss_min_ops)
+        row["rss"].update(figures, verdict=rss, samples=[[s["ops"], s["rss"]] for s in post])
+        if rss == "fail":
+            report["failures"].append(f"rank {rank}: {why}")
+        elif rss == "inconclusive":
+            report["inconclusive"].append(f"rank {rank}: {why}")
         report["ranks"][rank] = row
     groups = {g: {k: sum(r["groups"][g][k] for r in results.values()) for k in ("ops", "checked", "wrong")}
               for g in GROUPS}
@@ -571,16 +663,31 @@ def print_summary(report: dict) -> None:
                   f"{v['growth'] / scale:>10.2f} {v['slope_per_1k_ops'] / scale:>14.4f}{unit}")
     leftovers = report.get("shm_leftovers", [])
     print(f"/dev/shm entries of the ranks left after exit: {len(leftovers)}")
-    print("PASS" if not report["failures"] else "FAIL:\n  " + "\n  ".join(report["failures"]))
+    print(verdict_text(report))
+
+
+def verdict(report: dict) -> str:
+    """``fail`` on any failure; else ``inconclusive`` if some growth could not be judged; else ``pass``."""
+    return "fail" if report["failures"] else "inconclusive" if report.get("inconclusive") else "pass"
+
+
+def verdict_text(report: dict) -> str:
+    """The last lines a user reads: PASS, FAIL or INCONCLUSIVE, then why."""
+    lines = report["failures"] + report.get("inconclusive", [])
+    return verdict(report).upper() + "".join(f"\n  {line}" for line in lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m xccl_rs.soak", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", type=int, default=20000, help="ops per rank, over the three groups (default 20000)")
+    from xccl_rs.bench import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="python -m xccl_rs.soak", description=__doc__.split("\n\n")[0],
+                                epilog=f"Exit status: {', '.join(f'{c} {v}' for v, c in EXIT.items())}.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--ops", type=int, default=20000, help="ops per rank, over the three groups")
     p.add_argument("--seconds", type=float, help="run this long instead of --ops")
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--max-bytes", type=int, default=8 * MiB, help="largest buffer of an op (default 8 MiB)")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ranks", type=int, default=4, help="rank processes")
+    p.add_argument("--max-bytes", type=int, default=8 * MiB, help="largest buffer of an op, bytes")
+    p.add_argument("--seed", type=int, default=1, help="seed of the ops' sequence and data")
     p.add_argument("--check-every", type=int, default=20, help="check every this many ops of a group")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between metric samples")
     p.add_argument("--warmup", type=float, default=0.2, help="fraction of the samples that is warm-up")
@@ -589,7 +696,10 @@ def main(argv=None) -> int:
     p.add_argument("--deadline", type=float, help="kill the ranks after this many seconds (default: generous)")
     p.add_argument("--rss-tol-mib", type=float, default=8.0, help="RSS growth allowed after warm-up, MiB")
     p.add_argument("--rss-tol-pct", type=float, default=2.0, help="... or this percentage of the RSS, if larger")
-    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--rss-min-ops", type=float, default=RSS_MIN_OPS,
+                   help="ops per rank after warm-up that a run needs before RSS growth can fail it "
+                        "(a shorter run whose RSS grows is inconclusive)")
+    p.add_argument("--json", metavar="PATH", help="write the figures here")
     p.add_argument("--inject", choices=("fd", "rss", "wrong"),
                    help="testing the soak itself: rank 0 leaks an fd / 256 KiB every 50 ops, or checks against a wrong reference")
     args = p.parse_args(argv)
@@ -648,15 +758,16 @@ def main(argv=None) -> int:
     report["machine"] = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
                          "torch": torch.__version__, "commit": _commit()}
     report["wall_seconds"] = time.time() - start
-    report["passed"] = not report["failures"]
+    report["verdict"] = verdict(report)
+    report["passed"] = report["verdict"] == "pass"
     if report.get("groups"):
         print_summary(report)
     else:
-        print("FAIL:\n  " + "\n  ".join(report["failures"]))
+        print(verdict_text(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
-    return 0 if report["passed"] else 1
+    return EXIT[report["verdict"]]
 
 
 if __name__ == "__main__":
