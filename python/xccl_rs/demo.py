@@ -1,25 +1,23 @@
-"""The main demo: ``python -m xccl_rs.demo``: RL weight sync, as verl's disaggregated GRPO does it.
+"""The main demo: python -m xccl_rs.demo. RL weight sync, as verl's disaggregated GRPO does it.
 
 Four local processes play two roles:
 
-* **trainers** (processes 0 and 1) have a default world of their own (``xccl_rs``) and, every
-  round, AVG all_reduce a loss, as verl's engine workers do, then "train" (every weight moves);
-* **rollouts** (processes 2 and 3) only serve: they receive the fresh weights.
+* trainers (processes 0 and 1) have a default world of their own (xccl_rs) and, every round,
+  AVG all_reduce a loss, as verl's engine workers do, then "train" (every weight moves);
+* rollouts (processes 2 and 3) only serve: they receive the fresh weights.
 
-Every round, trainer 0 builds a *private* group with the two rollouts (``xccl_rs.new_group``
-over a ``PrefixStore(f"sync/{round}/", TCPStore(port=0))``, the master's real port published to
-the others), pushes a state dict shaped like Qwen2.5-0.5B (its real layer names and shapes,
-random values) with :class:`xccl_rs.weight_sync.WeightSender`, and destroys the group (verl's
-``rebuild_group``). Trainer 1 is not in the sync group and allocates nothing for it. Each rollout
-loads the tensors into its "engine" (parameters allocated once, as an inference engine's are)
-as they arrive, then checks every one, bit for bit, against the weights it computes itself
-(zeroing the engine before each sync, so a tensor that did not arrive cannot pass).
+Every round, trainer 0 builds a private group with the two rollouts (xccl_rs.new_group over a
+PrefixStore("sync/<round>/", TCPStore(port=0)), the master's real port published to the others),
+pushes a state dict shaped like Qwen2.5-0.5B (its real layer names and shapes, random values)
+with xccl_rs.weight_sync.WeightSender, and destroys the group (verl's rebuild_group). Trainer 1
+is not in the sync group and allocates nothing for it. Each rollout loads the tensors into its
+"engine" (parameters allocated once, as an inference engine's are) as they arrive, then checks
+every one, bit for bit, against the weights it computes itself (zeroing the engine before each
+sync, so a tensor that did not arrive cannot pass).
 
-The same sync then runs over gloo (a ``ProcessGroupGloo`` on the same kind of store) in the same
-run, and the demo prints the time and GB/s of each sync and xccl_rs's speed-up.
-
-Options: ``--dtype bf16|fp32``, ``--rounds N``, ``--layers N`` (24 in Qwen2.5-0.5B),
-``--bucket-mb``, ``--device cpu|cuda|xpu``, ``--no-gloo``.
+The same sync then runs over gloo (a ProcessGroupGloo on the same kind of store) in the same
+run, and the demo prints the time and speed of each sync in GB and GB/s (10^9 bytes, as its
+progress bar) and xccl_rs's speed-up.
 """
 
 from __future__ import annotations
@@ -223,6 +221,11 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
     queue.put(("done", proc))
 
 
+def sync_line(round_: int, kind: str, nbytes: int, seconds: float) -> str:
+    """One sync's line, in the units of its progress bar (decimal GB and GB/s)."""
+    return f"round {round_}  {kind:<8} sync {nbytes / 1e9:.2f} GB in {seconds:.3f} s  ({nbytes / seconds / 1e9:.2f} GB/s)"
+
+
 def _report(args, rows, verified) -> None:
     print()
     print(f"{'sync':<10}{'median':>10}{'first':>10}{'GB/s':>9}   verified")
@@ -242,15 +245,17 @@ def _report(args, rows, verified) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    p.add_argument("--rounds", type=int, default=4)
+    from xccl_rs.bench import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="python -m xccl_rs.demo", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="the weights' dtype")
+    p.add_argument("--rounds", type=int, default=4, help="syncs per backend (the first pays the warm-up)")
     p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers (Qwen2.5-0.5B has 24)")
-    p.add_argument("--bucket-mb", type=int, default=256)
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda or xpu")
+    p.add_argument("--bucket-mb", type=int, default=256, metavar="MIB", help="bucket size, MiB")
+    p.add_argument("--device", default="cpu", help="where the weights live: cpu, cuda or xpu")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo comparison")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--timeout", type=float, default=300.0, help="group timeout in seconds")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (it needs tqdm)")
+    p.add_argument("--timeout", type=float, default=300.0, help="group timeout, seconds")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dtype = DTYPES[args.dtype]
@@ -287,7 +292,7 @@ def main(argv=None) -> int:
         if msg[0] == "sync":
             _, kind, round_, b, sec = msg
             rows[kind].append((b, sec))
-            print(f"round {round_}  {kind:<8} sync {b / 1e9:.2f} GB in {sec:.3f} s  ({b / sec / 1e9:.2f} GB/s)", flush=True)
+            print(sync_line(round_, kind, b, sec), flush=True)
         elif msg[0] == "verified":
             verified[msg[1]] = verified.get(msg[1], 0) + msg[4]
         elif msg[0] == "memory":

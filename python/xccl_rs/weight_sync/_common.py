@@ -81,14 +81,24 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel()) if t.numel() else b""
 
 
+GB = 1e9  # the progress bars count in decimal GB and GB/s, as SyncStats.gbps and the demo's summary do
+
+
 def progress_bar(enabled: bool, total: Optional[int], desc: str):
+    """A tqdm bar that is updated in bytes and shows decimal GB and GB/s (``0.16/0.29 GB [00:01<00:01,
+    0.15 GB/s]``); None when disabled or tqdm is missing. ``total``: bytes, or None if unknown."""
     if not enabled:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+    if total:
+        fmt = "{desc}: {percentage:3.0f}%|{bar}| {n:.2f}/{total:.2f} GB [{elapsed}<{remaining}, {rate_noinv_fmt}]"
+    else:
+        fmt = "{desc}: {n:.2f} GB [{elapsed}, {rate_noinv_fmt}]"
+    # unit_scale=1/GB: tqdm scales the count, the total and the rate (rate_noinv_fmt: "%5.2f GB/s").
+    return tqdm(total=total or None, desc=desc, unit=" GB", unit_scale=1 / GB, bar_format=fmt, leave=False)
 
 
 def describe(index: int, names: list[str]) -> str:
