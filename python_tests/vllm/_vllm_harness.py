@@ -1,0 +1,463 @@
+"""What test_vllm_engine.py runs: a small Qwen2 on both sides, vLLM worker processes, and a client.
+
+* The trainer's model is transformers' ``Qwen2ForCausalLM`` made from a small config (no hub),
+  sent with vLLM's ``ModuleSource``: Hugging Face names (``q_proj``, ``gate_proj``, ...).
+* Each vLLM worker holds :class:`VllmQwen2`, built like vLLM's Qwen2: fused ``qkv_proj`` and
+  ``gate_up_proj``, tensor-parallel shards (vocabulary and column-parallel layers split along
+  dim 0, row-parallel ones along dim 1), parameters carrying a ``weight_loader``, and a
+  ``load_weights`` that maps checkpoint names through ``stacked_params_mapping``, raises
+  ``KeyError`` on a name the model does not have, and asserts shapes. Its reload metadata is
+  recorded at construction, as vLLM's model loader does, so the engine's layerwise reload runs.
+  Optionally layer 1's ``down_proj`` is fp8 (``float8_e4m3fn`` weight, fp32 ``weight_scale``).
+* A worker process (:func:`worker_main`) makes its engine with vLLM's factory after
+  ``vllm.plugins.load_general_plugins()`` (the entry point registers ``xccl_rs``), and answers
+  the four calls in the order vLLM's ``gpu_worker`` makes them, with its session checks.
+* :class:`PipeClient` is the trainer's ``VLLMWeightSyncClient``: each call goes to every worker
+  of every replica at once and waits for all (as vLLM's Ray client does), raising an error that
+  names the replica when one fails or died.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Cfg:
+    vocab: int = 256
+    hidden: int = 64
+    inter: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    dtype: str = "bfloat16"
+    fp8: bool = False  # layer 1's down_proj in fp8 with a weight_scale
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# the trainer's model (Hugging Face)
+# --------------------------------------------------------------------------------------
+
+
+def hf_model(cfg: Cfg, extra: str | None = None, fp32_name: str | None = None) -> nn.Module:
+    """transformers' Qwen2ForCausalLM of ``cfg``. ``extra``: also a parameter of that name (which
+    the vLLM model does not have); ``fp32_name``: that parameter kept in float32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    c = Qwen2Config(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.inter,
+                    num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                    num_key_value_heads=cfg.kv_heads, tie_word_embeddings=False)
+    m = Qwen2ForCausalLM(c).to(cfg.torch_dtype)
+    m.requires_grad_(False)
+    if cfg.fp8:
+        down = m.model.layers[1].mlp.down_proj
+        down.weight = nn.Parameter(down.weight.data.to(FP8), requires_grad=False)
+        down.register_parameter("weight_scale", nn.Parameter(torch.tensor(0.5), requires_grad=False))
+    if extra is not None:
+        owner, _, leaf = extra.rpartition(".")
+        m.get_submodule(owner).register_parameter(leaf, nn.Parameter(torch.zeros(4, dtype=cfg.torch_dtype),
+                                                                     requires_grad=False))
+    if fp32_name is not None:
+        owner, _, leaf = fp32_name.rpartition(".")
+        mod = m.get_submodule(owner)
+        setattr(mod, leaf, nn.Parameter(getattr(mod, leaf).data.float(), requires_grad=False))
+    return m
+
+
+@torch.no_grad()
+def train_step(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """New values in every parameter (deterministic from ``seed``); returns a copy of them."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+        out[name] = p.detach().clone()
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the vLLM worker's model
+# --------------------------------------------------------------------------------------
+
+
+def _param(shape, dtype, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+def _replicated_loader(param, loaded_weight):
+    assert param.shape == loaded_weight.shape, (
+        f"Attempted to load weight ({loaded_weight.shape}) into parameter ({param.shape})")
+    param.data.copy_(loaded_weight)
+
+
+class Shard:
+    """The tensor-parallel slicing of each kind of parameter (vLLM's linear layers)."""
+
+    def __init__(self, tp: int, rank: int):
+        self.tp, self.rank = tp, rank
+
+    def rows(self, w: torch.Tensor) -> torch.Tensor:  # column-parallel, vocab-parallel
+        n = w.shape[0] // self.tp
+        return w.narrow(0, self.rank * n, n)
+
+    def cols(self, w: torch.Tensor) -> torch.Tensor:  # row-parallel
+        n = w.shape[1] // self.tp
+        return w.narrow(1, self.rank * n, n)
+
+    def rows_loader(self):
+        def loader(param, loaded_weight):
+            part = self.rows(loaded_weight)
+            assert param.shape == part.shape, f"Attempted to load weight ({part.shape}) into parameter ({param.shape})"
+            param.data.copy_(part)
+        return loader
+
+    def cols_loader(self):
+        def loader(param, loaded_weight):
+            part = self.cols(loaded_weight)
+            assert param.shape == part.shape, f"Attempted to load weight ({part.shape}) into parameter ({param.shape})"
+            param.data.copy_(part)
+        return loader
+
+    def stacked_loader(self, sizes: dict):
+        """A fused parameter's loader: ``sizes`` maps shard id to its full size along dim 0."""
+        offsets, off = {}, 0
+        for sid, n in sizes.items():
+            offsets[sid] = (off, n // self.tp)
+            off += n // self.tp
+
+        def loader(param, loaded_weight, loaded_shard_id):
+            start, n = offsets[loaded_shard_id]
+            part = self.rows(loaded_weight)
+            assert part.shape[0] == n, f"shard {loaded_shard_id!r}: {part.shape[0]} rows, expected {n}"
+            param.data.narrow(0, start, n).copy_(part)
+        return loader
+
+
+class _Module(nn.Module):
+    def __init__(self, **params):
+        super().__init__()
+        for k, v in params.items():
+            self.register_parameter(k, v)
+
+
+class VllmQwen2(nn.Module):
+    """vLLM's Qwen2ForCausalLM's parameters and loading, for tensor-parallel rank ``rank`` of ``tp``."""
+
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, cfg: Cfg, tp: int = 1, rank: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        s = self.shard = Shard(tp, rank)
+        dt, H, I, V = cfg.torch_dtype, cfg.hidden, cfg.inter, cfg.vocab
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.model = nn.Module()
+        self.model.embed_tokens = _Module(weight=_param((V // tp, H), dt, s.rows_loader()))
+        self.model.layers = nn.ModuleList()
+        for i in range(cfg.layers):
+            layer = nn.Module()
+            layer.input_layernorm = _Module(weight=_param((H,), dt, _replicated_loader))
+            layer.post_attention_layernorm = _Module(weight=_param((H,), dt, _replicated_loader))
+            attn = layer.self_attn = nn.Module()
+            qkv = {"q": q, "k": kv, "v": kv}
+            attn.qkv_proj = _Module(weight=_param(((q + 2 * kv) // tp, H), dt, s.stacked_loader(qkv)),
+                                    bias=_param(((q + 2 * kv) // tp,), dt, s.stacked_loader(qkv)))
+            attn.o_proj = _Module(weight=_param((H, q // tp), dt, s.cols_loader()))
+            mlp = layer.mlp = nn.Module()
+            mlp.gate_up_proj = _Module(weight=_param((2 * I // tp, H), dt, s.stacked_loader({0: I, 1: I})))
+            if cfg.fp8 and i == 1:
+                mlp.down_proj = _Module(weight=_param((H, I // tp), FP8, s.cols_loader()),
+                                        weight_scale=_param((), torch.float32, _replicated_loader))
+            else:
+                mlp.down_proj = _Module(weight=_param((H, I // tp), dt, s.cols_loader()))
+            self.model.layers.append(layer)
+        self.model.norm = _Module(weight=_param((H,), dt, _replicated_loader))
+        self.lm_head = _Module(weight=_param((V // tp, H), dt, s.rows_loader()))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.zero_() if p.dtype != FP8 else p.copy_(torch.zeros(p.shape).to(FP8))
+        # vLLM's model loader records this right after making a model (model_loader/utils.py).
+        from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+        record_metadata_for_reloading(self)
+
+    def load_weights(self, weights) -> set[str]:
+        params_dict = dict(self.named_parameters())
+        loaded = set()
+        for name, loaded_weight in weights:
+            for param_name, weight_name, shard_id in self.stacked_params_mapping:
+                if weight_name not in name:
+                    continue
+                name = name.replace(weight_name, param_name)
+                param = params_dict[name]
+                param.weight_loader(param, loaded_weight, shard_id)
+                break
+            else:
+                param = params_dict[name]
+                param.weight_loader(param, loaded_weight)
+            loaded.add(name)
+        return loaded
+
+
+def expected_params(cfg: Cfg, sent: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """What a worker's parameters must hold after receiving ``sent`` (the trainer's tensors)."""
+    s = Shard(tp, rank)
+    out = {}
+    for name, w in sent.items():
+        if ".self_attn.q_proj." in name:
+            base = name.replace("q_proj", "qkv_proj")
+            parts = [s.rows(sent[name.replace("q_proj", x)]) for x in ("q_proj", "k_proj", "v_proj")]
+            out[base] = torch.cat(parts)
+        elif ".mlp.gate_proj." in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [s.rows(w), s.rows(sent[name.replace("gate_proj", "up_proj")])])
+        elif any(k in name for k in (".k_proj.", ".v_proj.", ".up_proj.")):
+            continue
+        elif "embed_tokens" in name or name.startswith("lm_head"):
+            out[name] = s.rows(w).clone()
+        elif ".o_proj." in name or (".down_proj.weight" in name and not name.endswith("weight_scale")):
+            out[name] = s.cols(w).clone()
+        else:
+            out[name] = w.clone()
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers of its element size (NaN-safe, fp8 included)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """Every difference, bit for bit, dtype and shape included."""
+    bad = []
+    for name in sorted(set(got) | set(want)):
+        if name not in got or name not in want:
+            bad.append(f"{name}: only in {'the worker' if name in got else 'the expectation'}")
+            continue
+        a, b = got[name], want[name]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            bad.append(f"{name}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}")
+        elif not torch.equal(bits(a), bits(b)):
+            n = int((bits(a) != bits(b)).sum())
+            bad.append(f"{name}: {n} of {a.numel()} elements differ")
+    return bad
+
+
+# --------------------------------------------------------------------------------------
+# a vLLM worker process
+# --------------------------------------------------------------------------------------
+
+
+class MiniWorker:
+    """vLLM's gpu_worker's weight-transfer methods (vllm/v1/worker/gpu_worker.py), with its
+    session checks: what calls the engine, and in which order."""
+
+    def __init__(self, engine, model):
+        self.engine, self.model = engine, model
+        self.active = False
+        self.meta_at_start = 0
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def start_weight_update(self) -> None:
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is already active")
+        self.engine.start_weight_update()
+        self.active = True
+        self.meta_at_start = len(self.meta_params())  # vLLM's layerwise reload put layers on meta
+
+    def update_weights(self, update_info: dict) -> None:
+        if not self.active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        try:
+            self.engine.update_weights(update_info)
+        except BaseException:
+            self.active = False
+            raise
+
+    def finish_weight_update(self) -> None:
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        self.engine.finish_weight_update()
+        self.active = False
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.engine.shutdown()
+
+    # ---- for the tests -------------------------------------------------------------
+
+    def params(self) -> dict:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def meta_params(self) -> list[str]:
+        return [n for n, p in self.model.named_parameters() if p.is_meta]
+
+    def die_after_loading(self, n: int) -> None:
+        """Exit (as a crashed replica) in the middle of the next round, after ``n`` tensors."""
+        inner = self.model.load_weights
+        count = [0]
+
+        def load_weights(weights):
+            count[0] += 1
+            if count[0] > n:
+                os._exit(17)
+            return inner(weights)
+
+        self.model.load_weights = load_weights
+
+    def layers_on_meta_at_start(self) -> int:
+        return self.meta_at_start
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def worker_main(conn, cfg: Cfg, tp: int, rank: int, dp_size: int, dp_index: int) -> None:
+    """A vLLM worker: makes its model and engine as vLLM does, then answers ``(method, args)``."""
+    try:
+        import types
+
+        import vllm.plugins
+        from vllm.config import ParallelConfig
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+        vllm.plugins.load_general_plugins()  # as every vLLM process does: our entry point registers
+        model = VllmQwen2(cfg, tp, rank)
+        pc = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp_size, data_parallel_rank=dp_index)
+        pc.rank = rank  # gpu_worker sets it
+        vllm_config = types.SimpleNamespace(parallel_config=pc, model_config=None)
+        engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend="xccl_rs"), vllm_config, torch.device("cpu"), model)
+        worker = MiniWorker(engine, model)
+        conn.send(("ok", type(engine).__name__))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            return
+        if method == "exit":
+            engine.shutdown()
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except BaseException as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+# --------------------------------------------------------------------------------------
+# the trainer's client
+# --------------------------------------------------------------------------------------
+
+
+class WorkerHandle:
+    def __init__(self, proc, conn, replica: int, rank: int):
+        self.proc, self.conn, self.replica, self.rank = proc, conn, replica, rank
+        self.lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"replica {self.replica} worker {self.rank} (pid {self.proc.pid})"
+
+    def call(self, method: str, *args, timeout: float = 120.0):
+        with self.lock:
+            try:
+                self.conn.send((method, args))
+                if not self.conn.poll(timeout):
+                    raise TimeoutError(f"{self}: {method} did not answer within {timeout} s")
+                status, value = self.conn.recv()
+            except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
+                raise RuntimeError(f"{self} died (exit code {self.proc.exitcode}): {type(e).__name__}") from None
+        if status != "ok":
+            raise RuntimeError(f"{method} raised {value}")
+        return value
+
+
+def start_workers(ctx, cfg: Cfg, replica: int, tp: int = 1, dp_size: int = 1) -> list[WorkerHandle]:
+    """The ``tp`` worker processes of data-parallel replica ``replica``."""
+    handles = []
+    for rank in range(tp):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=worker_main, args=(child, cfg, tp, rank, dp_size, replica), daemon=True)
+        p.start()
+        child.close()
+        handles.append(WorkerHandle(p, parent, replica, rank))
+    for h in handles:
+        if not h.conn.poll(300):
+            raise TimeoutError(f"{h} did not start")
+        status, value = h.conn.recv()
+        assert status == "ok", f"{h} failed to start:\n{value}"
+        assert value == "XcclRsWeightTransferEngine", value
+    return handles
+
+
+class PipeClient:
+    """The trainer's ``VLLMWeightSyncClient`` over the replicas' workers (a list per replica)."""
+
+    def __init__(self, replicas: list[list[WorkerHandle]], timeout: float = 120.0):
+        self.replicas = list(replicas)
+        self.timeout = timeout
+        self.calls: list[str] = []
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return [w for r in self.replicas for w in r]
+
+    def fan_out(self, method: str, *args):
+        self.calls.append(method)
+        results, errors = {}, []
+        workers = self.workers
+
+        def run(w):
+            try:
+                results[w] = w.call(method, *args, timeout=self.timeout)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(f"{w}: {e}")
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise RuntimeError(f"{method} failed on {len(errors)} of {len(workers)} workers: " + " | ".join(errors))
+        return [results[w] for w in workers]
+
+    # VLLMWeightSyncClient
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.fan_out("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self.fan_out("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self.fan_out("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.fan_out("finish_weight_update")

@@ -1,0 +1,20 @@
+"""python_tests/vllm runs only where vLLM is installed (scripts/test_vllm.sh makes such a venv).
+
+Elsewhere its tests are not collected at all, so the main suite's counts do not change. A real
+vLLM is a regular package; this directory itself would pass for a namespace package named
+``vllm`` when python_tests is on sys.path, hence the check of the spec's origin.
+"""
+
+import importlib.util
+
+
+def _vllm_installed() -> bool:
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+if not _vllm_installed():
+    collect_ignore_glob = ["test_*.py"]

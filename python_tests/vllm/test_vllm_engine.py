@@ -1,0 +1,300 @@
+"""The xccl_rs weight-transfer engine through vLLM's own classes (vllm==0.33.0 from PyPI).
+
+The trainer (this process) uses vLLM's ``WeightTransferTrainerFactory`` and ``ModuleSource`` over a
+transformers Qwen2; every vLLM worker is a process that makes its engine with vLLM's
+``WeightTransferEngineFactory`` after loading vLLM's plugins, and is driven in the order vLLM's
+worker drives it (_vllm_harness.py). After every round each worker's parameters are compared bit
+for bit with what the trainer's tensors give after sharding and fusing.
+
+Run by scripts/test_vllm.sh (a venv with vLLM); elsewhere not collected (conftest.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("vllm.distributed.weight_transfer")
+
+from functools import cached_property  # noqa: E402
+
+import torch  # noqa: E402
+from vllm.distributed.weight_transfer import ModuleSource, ParamMeta, WeightSource, WeightTransferTrainerFactory  # noqa: E402
+
+import _vllm_harness as H  # noqa: E402
+from xccl_rs.vllm_engine import WeightTransferError, XcclRsTrainerInitInfo  # noqa: E402
+
+TIMEOUT_S = 30.0  # the engine's group and store timeout
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    """Worker processes fork from a server that imported torch and vLLM once (seconds each)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    c = mp.get_context("forkserver")
+    c.set_forkserver_preload(["torch", "vllm.config", "vllm.distributed.weight_transfer",
+                              "vllm.model_executor.model_loader.reload"])
+    return c
+
+
+class Cluster:
+    """Replicas of vLLM workers (``tp`` processes each) and the trainer's client to them."""
+
+    def __init__(self, ctx, cfg: H.Cfg, replicas: int, tp: int = 1, dp_size: int | None = None):
+        self.ctx, self.cfg, self.tp = ctx, cfg, tp
+        self.dp_size = dp_size or replicas
+        self.client = H.PipeClient([])
+        for r in range(replicas):
+            self.add(r)
+
+    def add(self, replica: int) -> list[H.WorkerHandle]:
+        handles = H.start_workers(self.ctx, self.cfg, replica, self.tp, self.dp_size)
+        self.client.replicas.append(handles)
+        return handles
+
+    def check(self, sent: dict, replicas=None) -> None:
+        """Every worker of ``replicas`` (default: all) holds ``sent``, bit for bit."""
+        for replica in replicas or self.client.replicas:
+            for w in replica:
+                bad = H.compare(w.call("params"), H.expected_params(self.cfg, sent, len(replica), w.rank))
+                assert not bad, f"{w}: " + "; ".join(bad)
+
+    def close(self) -> None:
+        for w in self.client.workers:
+            if w.proc.is_alive():
+                try:
+                    w.call("exit", timeout=30)
+                except Exception:  # noqa: BLE001
+                    pass
+            w.proc.join(10)
+            if w.proc.is_alive():
+                w.proc.kill()
+
+
+@pytest.fixture
+def cluster(ctx):
+    made = []
+
+    def make(*args, **kwargs):
+        c = Cluster(ctx, *args, **kwargs)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def make_trainer(client, model, workers: int, bucket: int = 8 << 10, source=None):
+    info = XcclRsTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1 + workers, rank=0,
+                                 bucket_bytes=bucket, timeout_s=TIMEOUT_S)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source or ModuleSource(model))
+
+
+ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]
+
+
+@pytest.mark.parametrize("workers,dtype,fp8", [(1, "float32", False), (2, "float16", False), (3, "bfloat16", True)],
+                         ids=["1-fp32", "2-fp16", "3-bf16-fp8"])
+def test_workers_two_rounds(cluster, workers, dtype, fp8):
+    """1, 2 and 3 single-worker replicas; two rounds in a row; buckets smaller than the largest
+    tensors (the embedding and lm_head are split); the shared window on one host."""
+    cfg = H.Cfg(dtype=dtype, fp8=fp8)
+    c = cluster(cfg, workers)
+    model = H.hf_model(cfg)
+    engine = make_trainer(c.client, model, workers)
+    try:
+        for seed in (1, 2):
+            sent = H.train_step(model, seed)
+            engine.send_weights()
+            c.check(sent)
+            stats = engine.last_stats
+            assert stats.tensors == len(sent) and stats.buckets > 1, stats
+            for w in c.client.workers:  # the engine ran vLLM's layerwise reload
+                assert w.call("layers_on_meta_at_start") > 0, w
+            assert stats.shared_window, stats
+        assert c.client.calls == ["init_weight_transfer_engine"] + ROUND * 2
+        assert engine._generation == 1  # the group was kept between the rounds
+    finally:
+        engine.shutdown()
+
+
+def test_tensor_parallel_replica(cluster):
+    """One replica with tensor parallelism 2: both workers receive every tensor and keep their
+    shard (fused qkv / gate_up, vocabulary and row-parallel splits), fp8 kept in fp8."""
+    cfg = H.Cfg(dtype="bfloat16", fp8=True)
+    c = cluster(cfg, 1, tp=2)
+    model = H.hf_model(cfg)
+    engine = make_trainer(c.client, model, 2, bucket=4 << 10)
+    try:
+        for seed in (3, 4):
+            sent = H.train_step(model, seed)
+            engine.send_weights()
+            c.check(sent)
+    finally:
+        engine.shutdown()
+
+
+def test_replica_killed_mid_update_then_next_round(cluster):
+    """A replica dies in the middle of round 2: the trainer's error names it within the timeout,
+    the survivors' layers hold whole weights of round 1 or 2 (none on meta, none half loaded);
+    round 3 goes to the replicas left."""
+    cfg = H.Cfg(dtype="bfloat16")
+    c = cluster(cfg, 3)
+    model = H.hf_model(cfg)
+    engine = make_trainer(c.client, model, 3)
+    try:
+        first = H.train_step(model, 10)
+        engine.send_weights()
+        c.check(first)
+        dead = c.client.replicas[1]
+        dead_pid = dead[0].call("pid")
+        dead[0].call("die_after_loading", 5)
+        second = H.train_step(model, 11)
+        t0 = time.monotonic()
+        with pytest.raises(WeightTransferError) as err:
+            engine.send_weights()
+        elapsed = time.monotonic() - t0
+        assert elapsed < TIMEOUT_S, f"the failure took {elapsed:.1f} s"
+        msg = str(err.value)
+        assert "replica dp=1" in msg and f"pid {dead_pid}" in msg, msg
+        dead[0].proc.join(10)
+        assert dead[0].proc.exitcode == 17
+        survivors = [r for r in c.client.replicas if r is not dead]
+        for replica in survivors:
+            for w in replica:
+                assert w.call("meta_params") == [], w
+                got = w.call("params")
+                old, new = H.expected_params(cfg, first, 1, 0), H.expected_params(cfg, second, 1, 0)
+                for name, t in got.items():
+                    assert torch.equal(H.bits(t), H.bits(old[name])) or torch.equal(H.bits(t), H.bits(new[name])), name
+        c.client.replicas = survivors  # the client no longer calls the dead replica
+        third = H.train_step(model, 12)
+        engine.send_weights()
+        c.check(third)
+        assert engine._generation == 2 and len(engine._members) == 2
+    finally:
+        engine.shutdown()
+
+
+def test_late_replica_served_from_its_first_round(cluster):
+    cfg = H.Cfg(dtype="bfloat16", fp8=True)
+    c = cluster(cfg, 1, dp_size=2)
+    model = H.hf_model(cfg)
+    engine = make_trainer(c.client, model, 1)
+    try:
+        sent = H.train_step(model, 20)
+        engine.send_weights()
+        c.check(sent)
+        late = H.start_workers(c.ctx, cfg, 1, 1, 2)
+        engine.init_workers(H.PipeClient([late]))  # what a new replica gets: the worker init info
+        c.client.replicas.append(late)
+        sent = H.train_step(model, 21)
+        engine.send_weights()
+        c.check(sent)
+        assert len(engine._members) == 2 and engine._generation == 2
+        sent = H.train_step(model, 22)
+        engine.send_weights()
+        c.check(sent)
+        assert engine._generation == 2  # unchanged members keep their group
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["name", "dtype"])
+def test_mismatch_refused_on_both_sides(cluster, kind):
+    """A tensor the model does not have, or sent in another dtype than the model's: refused by the
+    workers, and the trainer's error names the tensor and the worker; the round is void on every
+    worker, and a trainer with a matching model then updates them."""
+    cfg = H.Cfg(dtype="bfloat16")
+    c = cluster(cfg, 2)
+    if kind == "name":
+        bad_name = "model.layers.0.mlp.extra_bias"
+        model = H.hf_model(cfg, extra=bad_name)
+        why = "KeyError"
+    else:
+        bad_name = "model.norm.weight"
+        model = H.hf_model(cfg, fp32_name=bad_name)
+        why = "the model stores it as torch.bfloat16, the trainer sent torch.float32"
+    engine = make_trainer(c.client, model, 2)
+    try:
+        H.train_step(model, 30)
+        with pytest.raises(WeightTransferError) as err:
+            engine.send_weights()
+        msg = str(err.value)
+        assert "refused" in msg and repr(bad_name) in msg and why in msg and "replica dp=0" in msg, msg
+        worker_side = str(err.value.__cause__)  # what the workers' update_weights raised
+        assert repr(bad_name) in worker_side and why in worker_side, worker_side
+        assert "finish_weight_update" not in c.client.calls
+        for w in c.client.workers:
+            assert w.call("meta_params") == [], w
+    finally:
+        engine.shutdown()
+    good = H.hf_model(cfg)
+    engine = make_trainer(c.client, good, 2)
+    try:
+        sent = H.train_step(good, 31)
+        engine.send_weights()
+        c.check(sent)
+    finally:
+        engine.shutdown()
+
+
+class _CountingSource(WeightSource):
+    """A source that counts its iterations (what a trainer rank that does not send runs)."""
+
+    def __init__(self, model):
+        self.model, self.passes = model, 0
+
+    @cached_property
+    def metadata(self):
+        return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def iter_full(self):
+        self.passes += 1
+        yield from self.model.named_parameters()
+
+
+def test_trainer_rank_that_does_not_send():
+    """Trainer rank 1 runs the source (its collectives) and nothing else: no store, no group, no
+    buckets, no call to vLLM."""
+    cfg = H.Cfg()
+    client = H.PipeClient([])
+    source = _CountingSource(H.hf_model(cfg))
+    info = XcclRsTrainerInitInfo(world_size=3, rank=1)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    engine.send_weights()
+    engine.send_weights()
+    assert source.passes == 2 and client.calls == []
+    assert engine._server is None and engine._group is None and engine._sender is None
+
+
+def test_registered_by_entry_point_alone():
+    """A fresh process that never imports xccl_rs: vLLM's plugin loader finds the entry point, and
+    both factories then make "xccl_rs" engines."""
+    script = r"""
+import sys, types, torch
+import vllm.plugins
+from vllm.config import ParallelConfig
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+assert "xccl_rs" not in sys.modules
+vllm.plugins.load_general_plugins()
+cfg = types.SimpleNamespace(parallel_config=ParallelConfig(), model_config=None)
+engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="xccl_rs"), cfg,
+                                                   torch.device("cpu"), torch.nn.Linear(2, 2))
+trainer = WeightTransferTrainerFactory._registry["xccl_rs"]()
+print("OK", type(engine).__module__, type(engine).__name__, trainer.__name__, trainer.init_info_cls.backend)
+"""
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    env.pop("PYTHONPATH", None)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, cwd="/")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert ("OK xccl_rs.vllm_engine XcclRsWeightTransferEngine XcclRsTrainerWeightTransferEngine xccl_rs"
+            in p.stdout), p.stdout + p.stderr[-3000:]
