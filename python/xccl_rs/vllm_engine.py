@@ -199,7 +199,14 @@ def _describe(info: dict) -> str:
     return f"replica dp={info.get('dp')}, rank {info.get('rank')} (pid {info.get('pid')} on {info.get('host')})"
 
 
-def _make_group(store, rank: int, world_size: int, timeout: timedelta, device):
+#: The process groups a session can run on: xccl_rs's (the default), or gloo's, for comparisons
+#: (``python -m xccl_rs.bench_vllm``) and as a fallback.
+GROUP_BACKENDS = ("xccl_rs", "gloo")
+
+
+def _make_group(store, rank: int, world_size: int, timeout: timedelta, device, backend: str = "xccl_rs"):
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     from . import new_group
 
     return new_group(store, rank, world_size, timeout=timeout, device=device, name=GROUP_NAME)
@@ -208,6 +215,8 @@ def _make_group(store, rank: int, world_size: int, timeout: timedelta, device):
 def _destroy_group(group) -> None:
     from . import destroy_group
 
+    if not isinstance(group, dist.ProcessGroup):
+        return  # a gloo backend object: it goes with its last reference
     try:
         destroy_group(group)
     except Exception as e:  # noqa: BLE001 - a dead peer must not stop the next generation
@@ -319,7 +328,8 @@ def _make_classes() -> None:
         plain dict on the wire: JSON and pickle both carry it). Like vLLM's NCCL init info:
         the trainer's store (``master_address``/``master_port``), ``rank_offset`` (1: the
         trainer is rank 0) and ``world_size`` (the trainer plus every worker at init); plus the
-        store prefix of the trainer's session, the timeout and where receive buckets live."""
+        store prefix of the trainer's session, the timeout, where receive buckets live, and the
+        process groups' backend."""
 
         master_address: str
         master_port: int
@@ -328,8 +338,12 @@ def _make_classes() -> None:
         session: str
         timeout_s: float = 600.0
         bucket_device: str = "cpu"
+        group_backend: str = "xccl_rs"
 
         def __post_init__(self) -> None:
+            if self.group_backend not in GROUP_BACKENDS:
+                raise ValueError(f"XcclRsWeightTransferInitInfo: group_backend {self.group_backend!r} is not one of "
+                                 f"{GROUP_BACKENDS}")
             if not 0 < int(self.master_port) < 65536:
                 raise ValueError(f"XcclRsWeightTransferInitInfo: master_port {self.master_port} is not a port")
             if self.rank_offset < 1 or self.world_size <= self.rank_offset:
@@ -359,7 +373,9 @@ def _make_classes() -> None:
         the number of vLLM workers (every worker of every replica). ``bucket_bytes``: the
         size of each of the trainer's two buckets (a tensor larger than one is split);
         ``timeout_s``: the group's and the store's timeout; ``device``: where the trainer's
-        buckets live; ``worker_bucket_device``: where the workers' receive buckets live."""
+        buckets live; ``worker_bucket_device``: where the workers' receive buckets live;
+        ``group_backend``: ``"xccl_rs"``, or ``"gloo"`` (the same rounds over a gloo group, for
+        comparisons: no shared window)."""
 
         backend: ClassVar[str] = BACKEND
 
@@ -370,6 +386,7 @@ def _make_classes() -> None:
         timeout_s: float = 600.0
         device: str = "cpu"
         worker_bucket_device: str = "cpu"
+        group_backend: str = "xccl_rs"
 
     class XcclRsWeightTransferEngine(
         WeightTransferEngine[XcclRsWeightTransferInitInfo, XcclRsWeightTransferUpdateInfo]
@@ -462,7 +479,7 @@ def _make_classes() -> None:
             rank = 1 + members.index(self._member)
             store = dist.PrefixStore(_Keys.generation(generation), self._root())
             timeout = timedelta(seconds=float(info.timeout_s))
-            self._group = _make_group(store, rank, 1 + len(members), timeout, info.bucket_device)
+            self._group = _make_group(store, rank, 1 + len(members), timeout, info.bucket_device, info.group_backend)
             self._generation = generation
             self._receiver = WeightReceiver(self._group, src=0, device=self.device, bucket_device=info.bucket_device)
 
@@ -474,15 +491,19 @@ def _make_classes() -> None:
                 _destroy_group(self._group)
             self._group = None
 
-        def _failed(self) -> None:
-            """After a failed round: the group is given up, the layerwise reload cancelled."""
-            self._drop_group()
+        def _cancel_reload(self) -> None:
+            """After a failed round: vLLM's layerwise reload ends, each layer holding whole weights."""
             if self._reloading:
                 self._reloading = False
                 try:
                     _cancel_layerwise_reload(self.model)
                 except Exception as e:  # noqa: BLE001
                     logger.warning("xccl_rs vLLM engine: cancelling the layerwise reload failed: %s", e)
+
+        def _failed(self) -> None:
+            """After a round that failed in transit: the group is given up too."""
+            self._drop_group()
+            self._cancel_reload()
 
         def receive_weights(self, update_info: XcclRsWeightTransferUpdateInfo) -> None:
             root = self._root()
@@ -521,25 +542,15 @@ def _make_classes() -> None:
                 ) from e
             self.last_stats = self._receiver.last_stats
             if refused is not None:
-                self._failed_round_keeps_group()
+                self._cancel_reload()  # the group ran the round to its end: kept
                 raise WeightTransferError(f"xccl_rs weight transfer: round {k}: this worker (group rank {rank}) "
                                           f"refused {refused}")
             if not all_ok:
-                self._failed_round_keeps_group()
+                self._cancel_reload()  # the group ran the round to its end: kept
                 raise WeightTransferError(
                     f"xccl_rs weight transfer: round {k}: another worker refused a tensor (the trainer's error "
                     "names it); the round is void on every worker"
                 )
-
-        def _failed_round_keeps_group(self) -> None:
-            """A refused round: the group is fine (the protocol ran to its end); only the reload
-            is cancelled."""
-            if self._reloading:
-                self._reloading = False
-                try:
-                    _cancel_layerwise_reload(self.model)
-                except Exception as e:  # noqa: BLE001
-                    logger.warning("xccl_rs vLLM engine: cancelling the layerwise reload failed: %s", e)
 
         def finish_weight_update(self) -> None:
             """Finishes vLLM's layerwise reload (as vLLM's NCCL engine does)."""
@@ -593,6 +604,9 @@ def _make_classes() -> None:
                         f"parameter {m.name!r} is sent by its first owner, rank {m.owners[0]}, but the xccl_rs "
                         "engine has a single sender, rank 0: every parameter's owners must start at rank 0"
                     )
+            if init_info.group_backend not in GROUP_BACKENDS:
+                raise ValueError(f"XcclRsTrainerInitInfo: group_backend {init_info.group_backend!r} is not one of "
+                                 f"{GROUP_BACKENDS}")
             if int(init_info.world_size) < 2:
                 raise ValueError(f"XcclRsTrainerInitInfo: world_size {init_info.world_size} leaves no vLLM worker")
             engine = cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank,
@@ -638,6 +652,7 @@ def _make_classes() -> None:
                 session=self.session,
                 timeout_s=float(self.info.timeout_s),
                 bucket_device=str(self.info.worker_bucket_device),
+                group_backend=str(self.info.group_backend),
             )
             return asdict(info)
 
@@ -722,7 +737,8 @@ def _make_classes() -> None:
                 try:
                     if self._group is None:
                         store = dist.PrefixStore(_Keys.generation(self._generation), self._root)
-                        self._group = _make_group(store, 0, 1 + len(members), self.timeout, self.info.device)
+                        self._group = _make_group(store, 0, 1 + len(members), self.timeout, self.info.device,
+                                                  self.info.group_backend)
                         self._sender = WeightSender(self._group, src=0, bucket_bytes=int(self.info.bucket_bytes),
                                                     device=self.info.device)
                     stats = self._sender.send(self._checked_iter(source, meta))

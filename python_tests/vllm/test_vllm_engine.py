@@ -91,24 +91,26 @@ def cluster(ctx):
         c.close()
 
 
-def make_trainer(client, model, workers: int, bucket: int = 8 << 10, source=None):
+def make_trainer(client, model, workers: int, bucket: int = 8 << 10, source=None, group: str = "xccl_rs"):
     info = XcclRsTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1 + workers, rank=0,
-                                 bucket_bytes=bucket, timeout_s=TIMEOUT_S)
+                                 bucket_bytes=bucket, timeout_s=TIMEOUT_S, group_backend=group)
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source or ModuleSource(model))
 
 
 ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]
 
 
-@pytest.mark.parametrize("workers,dtype,fp8", [(1, "float32", False), (2, "float16", False), (3, "bfloat16", True)],
-                         ids=["1-fp32", "2-fp16", "3-bf16-fp8"])
-def test_workers_two_rounds(cluster, workers, dtype, fp8):
+@pytest.mark.parametrize("workers,dtype,fp8,group", [(1, "float32", False, "xccl_rs"), (2, "float16", False, "xccl_rs"),
+                                                     (3, "bfloat16", True, "xccl_rs"), (2, "bfloat16", True, "gloo")],
+                         ids=["1-fp32", "2-fp16", "3-bf16-fp8", "2-bf16-fp8-gloo"])
+def test_workers_two_rounds(cluster, workers, dtype, fp8, group):
     """1, 2 and 3 single-worker replicas; two rounds in a row; buckets smaller than the largest
-    tensors (the embedding and lm_head are split); the shared window on one host."""
+    tensors (the embedding and lm_head are split); the shared window on one host (xccl_rs
+    groups; gloo groups broadcast the buckets)."""
     cfg = H.Cfg(dtype=dtype, fp8=fp8)
     c = cluster(cfg, workers)
     model = H.hf_model(cfg)
-    engine = make_trainer(c.client, model, workers)
+    engine = make_trainer(c.client, model, workers, group=group)
     try:
         for seed in (1, 2):
             sent = H.train_step(model, seed)
@@ -118,7 +120,7 @@ def test_workers_two_rounds(cluster, workers, dtype, fp8):
             assert stats.tensors == len(sent) and stats.buckets > 1, stats
             for w in c.client.workers:  # the engine ran vLLM's layerwise reload
                 assert w.call("layers_on_meta_at_start") > 0, w
-            assert stats.shared_window, stats
+            assert stats.shared_window == (group == "xccl_rs"), stats
         assert c.client.calls == ["init_weight_transfer_engine"] + ROUND * 2
         assert engine._generation == 1  # the group was kept between the rounds
     finally:
