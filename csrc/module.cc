@@ -102,5 +102,17 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
       },
       pybind11::arg("backend"),
       "Collectives of this backend so far that read the peers' tensors in place.");
+  m.def(
+      "wait_for_failure_hooks",
+      [] {
+        try {
+          pybind11::gil_scoped_release no_gil_while_waiting; // the hooks may need the GIL
+          return xccl_rs::wait_for_failure_hooks();
+        } catch (const rust::Error& e) {
+          xccl_rs::raise_core_error(e); // an invalid XCCL_RS_FAILURE_HOOKS_WAIT_MS
+        }
+      },
+      "Waits (at most XCCL_RS_FAILURE_HOOKS_WAIT_MS) until no group's abort hooks are running; "
+      "True when none are. Registered with atexit on import.");
   m.attr("torch_version_built") = xccl_rs::torch_version_built();
 }

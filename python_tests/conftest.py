@@ -27,7 +27,8 @@ def _has_accelerator() -> bool:
 
 # The smoke suite (`pytest -m smoke`), run on every torch of the version matrix
 # (scripts/torch_matrix.sh): registration, every collective at 2 ranks, AVG and PREMUL_SUM, size
-# and dtype mismatches, a private group, the backend's name and a weight-sync round trip.
+# and dtype mismatches, a private group, the backend's name, a weight-sync round trip and the exit
+# of a script that ends on an error.
 # Node-id prefixes.
 SMOKE = [
     "test_registration.py::test_init_env",
@@ -39,6 +40,7 @@ SMOKE = [
     "test_private_group.py::test_private_group_without_default_world",
     "test_private_group.py::test_torch_sees_our_name",  # _whole_group reads torch's helper's frame
     "test_weight_sync.py::test_round_trips",
+    "test_script_exit.py::",  # a script ending on our error exits with code 1 under torchrun
 ]
 
 

@@ -9,13 +9,19 @@
 //! a mismatch, an abort) and tells its listeners once, whether or not anyone waits for the op:
 //! that is how torch's abort hooks fire and `get_error()` answers. The listeners run on a thread
 //! of their own, like NCCL's watchdog: a hook may take seconds (torch's flight recorder writes
-//! its trace to disk there), and the failed op's error must not wait for it.
+//! its trace to disk there), and the failed op's error must not wait for it: a job that recovers
+//! (abort, reconfigure) would pay the dump on every failure. What must wait is the process's
+//! exit, so that a script that ends on the error does not finalize Python under a dump that
+//! still needs the interpreter: [`wait_for_listeners`] is what Python's exit calls. A run counts
+//! from before the failed op's error is returned, so an exit right after the error cannot miss it.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::error::{CommError, ErrorKind, Result};
 
@@ -103,9 +109,9 @@ impl FailureNotice {
     }
 
     /// Records `e` if it is the first failure, and then tells the listeners on a thread of
-    /// their own (outside the locks: a listener may ask for [`first`](Self::first)), whose
-    /// handle it returns; None when the group had failed already or there is no listener.
-    pub fn record(&self, e: &CommError) -> Option<std::thread::JoinHandle<()>> {
+    /// their own (outside the locks: a listener may ask for [`first`](Self::first)); None when
+    /// the group had failed already or there is no listener.
+    pub fn record(&self, e: &CommError) -> Option<ListenersRunning> {
         {
             let mut first = self.first.lock();
             if first.is_some() {
@@ -118,12 +124,64 @@ impl FailureNotice {
             return None;
         }
         let e = e.clone();
+        let (done, finished) = mpsc::channel::<()>();
+        let counted = ListenerRun::start();
         let tell = move || {
+            let _ends = (done, counted); // dropped when the thread ends, however it ends
             for listener in listeners {
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| listener(&e)));
             }
         };
-        std::thread::Builder::new().name("xccl_rs-hooks".into()).spawn(tell).ok()
+        std::thread::Builder::new().name("xccl_rs-hooks".into()).spawn(tell).ok().map(|_| ListenersRunning(finished))
+    }
+}
+
+/// Listener runs in progress in this process (every group's).
+static RUNNING: Mutex<usize> = Mutex::new(0);
+static RUN_ENDED: Condvar = Condvar::new();
+
+/// One listener run, counted from its start to its end.
+struct ListenerRun;
+
+impl ListenerRun {
+    fn start() -> ListenerRun {
+        *RUNNING.lock() += 1;
+        ListenerRun
+    }
+}
+
+impl Drop for ListenerRun {
+    fn drop(&mut self) {
+        *RUNNING.lock() -= 1;
+        RUN_ENDED.notify_all();
+    }
+}
+
+/// Waits until no group's failure listeners are running in this process, or `bound` has
+/// passed; true when none are.
+pub fn wait_for_listeners(bound: Duration) -> bool {
+    let deadline = std::time::Instant::now().checked_add(bound);
+    let mut running = RUNNING.lock();
+    while *running > 0 {
+        match deadline {
+            Some(d) => {
+                if RUN_ENDED.wait_until(&mut running, d).timed_out() {
+                    return *running == 0;
+                }
+            }
+            None => RUN_ENDED.wait(&mut running),
+        }
+    }
+    true
+}
+
+/// The failure listeners, running on their thread.
+pub struct ListenersRunning(mpsc::Receiver<()>);
+
+impl ListenersRunning {
+    /// Waits until every listener has returned, or `bound` has passed; true when they returned.
+    pub fn wait(&self, bound: Duration) -> bool {
+        !matches!(self.0.recv_timeout(bound), Err(mpsc::RecvTimeoutError::Timeout))
     }
 }
 
@@ -152,9 +210,29 @@ mod tests {
         let h = heard.clone();
         notice.listen(Arc::new(move |e: &CommError| h.lock().push(e.message.clone())));
         assert_eq!(notice.first(), None);
-        notice.record(&CommError::new(ErrorKind::Timeout, "first")).expect("a listener thread").join().unwrap();
+        assert!(notice.record(&CommError::new(ErrorKind::Timeout, "first")).expect("a listener thread").wait(Duration::from_secs(10)));
         assert!(notice.record(&CommError::new(ErrorKind::PeerFailure, "second")).is_none());
         assert_eq!(notice.first().map(|e| e.kind), Some(ErrorKind::Timeout));
         assert_eq!(*heard.lock(), vec!["first".to_string()]);
+    }
+
+    #[test]
+    fn waiting_for_the_listeners_is_bounded() {
+        let notice = FailureNotice::default();
+        let release = Arc::new(AtomicBool::new(false));
+        let r = release.clone();
+        notice.listen(Arc::new(move |_: &CommError| {
+            while !r.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }));
+        let running = notice.record(&CommError::new(ErrorKind::Timeout, "stuck hook")).expect("a listener thread");
+        let t0 = std::time::Instant::now();
+        assert!(!running.wait(Duration::from_millis(100)), "a listener that has not returned is still running");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(!wait_for_listeners(Duration::from_millis(50)), "the process-wide count sees it too");
+        release.store(true, Ordering::Release);
+        assert!(running.wait(Duration::from_secs(10)), "it returned once released");
+        assert!(wait_for_listeners(Duration::from_secs(10)), "and the count drops when its thread ends");
     }
 }

@@ -262,6 +262,15 @@ pub fn host_identity() -> std::result::Result<String, String> {
     })
 }
 
+/// Waits, at most `XCCL_RS_FAILURE_HOOKS_WAIT_MS`, until no group's abort hooks are running in
+/// this process (abort.rs); true when none are. Python's exit calls it.
+pub fn wait_for_failure_hooks() -> std::result::Result<bool, String> {
+    catch(|| {
+        let config = Config::from_env(Duration::from_secs(1)).map_err(|e| CommError::invalid(e.to_string()))?;
+        Ok(crate::abort::wait_for_listeners(config.failure_hooks_wait))
+    })
+}
+
 /// Runs `f`, turning errors and panics into the message C++ will raise.
 fn catch<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {

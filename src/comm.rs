@@ -242,8 +242,8 @@ impl Communicator {
     pub fn abort_now(&self, reason: &str) {
         let message = format!("xccl_rs: rank {}: {reason}", self.rank);
         self.abort_switch.raise(reason);
-        if let Some(hooks) = self.failure.record(&CommError::new(ErrorKind::Aborted, message.clone())) {
-            let _ = hooks.join();
+        if let Some(listeners) = self.failure.record(&CommError::new(ErrorKind::Aborted, message.clone())) {
+            listeners.wait(Duration::MAX);
         }
         let _ = self.send(Job::Abort { op: OpKind::Barrier, message });
     }
@@ -374,7 +374,9 @@ impl Worker {
         if self.failed.is_none() {
             tracing::error!(error = %e.message, "xccl_rs communicator failed");
             self.fabric.abort(ctx, &e.message);
-            drop(self.failure.record(&e)); // the listeners run on: the caller hears of `e` now
+            // The listeners run on: the caller hears of `e` now, and the interpreter's exit
+            // waits for them (abort.rs `wait_for_listeners`).
+            drop(self.failure.record(&e));
             self.failed = Some(e);
         }
     }

@@ -133,6 +133,12 @@ settings! {
     /// `XCCL_RS_THREAD_MIN_BYTES` (default 256 KiB): the smallest piece of a block step a
     /// helper thread takes; smaller steps stay on one thread.
     thread_min_bytes: usize = "XCCL_RS_THREAD_MIN_BYTES", default DEFAULT_THREAD_MIN_BYTES, parse |v| bytes_at_least(v, 0);
+    /// `XCCL_RS_FAILURE_HOOKS_WAIT_MS` (default 35000): how long the interpreter's exit waits
+    /// for abort hooks still running (torch's flight recorder writes its trace from one), so
+    /// that a script ending on a group's failure exits with the trace on disk. torch's own dump
+    /// gives up after two attempts of `TORCH_FR_WAIT_TIMEOUT_DUMP_MILSEC` (15 s each); hooks
+    /// that return sooner end the wait.
+    failure_hooks_wait: Duration = "XCCL_RS_FAILURE_HOOKS_WAIT_MS", default Duration::from_secs(35), parse |v| number(v, "milliseconds").map(Duration::from_millis);
     /// `XCCL_RS_PIPELINE_CHUNK_BYTES` (default 16 MiB, a power of two, at least 64 KiB; other
     /// values are rounded down to one): larger collectives run in chunks of this many bytes
     /// per buffer (src/pipeline.rs), so that the copies of accelerator tensors to and from the

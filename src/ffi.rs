@@ -10,7 +10,7 @@
 //! place, to a Python `ValueError` or `torch.distributed.DistBackendError`. No panic crosses
 //! (the Rust side catches them).
 
-use crate::bridge::{RustComm, SharedBlock, host_identity, new_comm, take_error_kind};
+use crate::bridge::{RustComm, SharedBlock, host_identity, new_comm, take_error_kind, wait_for_failure_hooks};
 
 #[cxx::bridge(namespace = "xccl_rs")]
 pub mod ffi {
@@ -174,6 +174,9 @@ pub mod ffi {
         fn take_error_kind() -> ErrorKind;
         /// Which ranks share memory: equal identities (XCCL_RS_HOST_ID, else host and /dev/shm).
         fn host_identity() -> Result<String>;
+        /// Waits (at most XCCL_RS_FAILURE_HOOKS_WAIT_MS) until no abort hooks are running; true
+        /// when none are. Python's exit calls it, without the GIL.
+        fn wait_for_failure_hooks() -> Result<bool>;
     }
 
     unsafe extern "C++" {
@@ -216,7 +219,8 @@ pub mod ffi {
         fn staging_stream_wait(staging: Pin<&mut StagingHandle>, toward: Toward, event: usize) -> Result<()>;
         /// After the last copy back: records the event the caller's stream waits for.
         fn staging_finish(staging: Pin<&mut StagingHandle>) -> Result<()>;
-        /// The group failed with `message`: runs the listener's hooks. Never throws.
+        /// The group failed with `message`: runs the listener's hooks on a C++ thread and
+        /// returns when they have. Never throws.
         fn group_failed(listener: &FailureListener, kind: ErrorKind, message: &str);
         /// Marks the work finished: `kind` Success (and `error` empty) on success.
         fn work_done(done: UniquePtr<WorkDone>, kind: ErrorKind, error: &str, source_rank: i64);

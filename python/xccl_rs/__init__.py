@@ -12,6 +12,7 @@ through the ``torch.distributed.backends`` entry point of this package.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import sys
@@ -215,6 +216,12 @@ def destroy_group(group: dist.ProcessGroup) -> None:
 
 
 register()
+
+# A failure's abort hooks run on a thread of their own (torch's flight recorder writes its trace
+# from one) while the error goes on to the caller. The interpreter's exit waits for them (at most
+# XCCL_RS_FAILURE_HOOKS_WAIT_MS) while Python can still serve them: a hook still running when
+# Python finalizes is killed mid-write, and with it, through torch's catch-all, the process.
+atexit.register(_C.wait_for_failure_hooks)
 
 
 from .debug import dump  # noqa: E402  (the flight recorder's entries of a group; debug.py)

@@ -3,7 +3,12 @@
 // not anyone waits for the failed op (the Rust core calls group_failed through a
 // FailureListener); completion hooks (register_completion_hook, what torch's flight recorder
 // retires its entries with), run once per Work that succeeds, on the thread that completes it.
+// A failure's hooks run on a C++ thread of their own, which Python's exit waits for (the Rust
+// core's wait_for_failure_hooks): a script that ends on the error then exits after torch's flight
+// recorder has written its trace.
 #pragma once
+
+#include <cxxabi.h>
 
 #include <cstdint>
 #include <functional>
@@ -36,7 +41,8 @@ class Hooks {
   }
 
   // Runs a snapshot of the hooks (a hook may register or remove hooks); one that throws is
-  // logged and the others still run.
+  // logged and the others still run. A forced unwind (pthread_exit: a hook that took the GIL
+  // while Python finalizes) is not an error of the hook's: it ends the thread, so it goes on.
   void run(Args... args) {
     std::vector<Hook> snapshot;
     {
@@ -48,6 +54,8 @@ class Hooks {
     for (const auto& hook : snapshot) {
       try {
         hook(args...);
+      } catch (abi::__forced_unwind&) {
+        throw;
       } catch (const std::exception& e) {
         LOG(ERROR) << "xccl_rs: a hook raised: " << e.what();
       } catch (...) {
