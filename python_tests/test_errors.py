@@ -540,3 +540,29 @@ def test_invalid_setting_fails_every_rank():
     for r in range(2):
         msg = res.value(r)
         assert msg and "XCCL_RS_TRANSPORT" in msg and '"shm"' in msg and "`auto`, `tcp`" in msg, f"rank {r}: {msg}"
+
+
+def w_meta_tensors(rank, world_size):
+    """What a meta tensor does: torch's dispatcher answers dist.* calls on it (its meta kernels
+    return without reaching a backend); the backend called directly refuses it."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(4, device="meta")
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    try:
+        backend.allreduce([t]).wait()
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def test_meta_tensors_never_reach_the_wire():
+    res = run_ranks(2, w_meta_tensors)
+    for r in range(2):
+        msg = res.value(r)
+        assert msg is not None, f"rank {r}: the backend accepted a meta tensor"
+        if IS_XCCL:
+            assert "meta device" in msg, msg

@@ -220,3 +220,37 @@ def test_groups_without_a_heap_fall_back_to_ordinary_tensors(env):
 def test_a_group_spanning_hosts_has_no_heap():
     # Four ranks posing as two hosts: a mixed group, whose collectives never read in place.
     run_ranks(4, no_heap, rank_env=lambda r: {"XCCL_RS_HOST_ID": f"zero-copy-host-{r // 2}"})
+
+
+def one_count_per_op(rank, w):
+    """An op of several pipeline chunks (XCCL_RS_PIPELINE_CHUNK_BYTES below its size) counts
+    once in zero_copy_ops, whatever the number of chunks that ran zero-copy."""
+    import torch
+    import torch.distributed as dist
+
+    import xccl_rs
+
+    problems = []
+    n = (3 << 20) // 4 + 17  # three and a bit 1 MiB chunks of float32
+    t = xccl_rs.empty(n, dtype=torch.float32).fill_(rank + 1)
+    out = xccl_rs.empty(n * w, dtype=torch.float32)
+    rs = xccl_rs.empty(n, dtype=torch.float32)
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(t),
+        "broadcast": lambda: dist.broadcast(t, src=0),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, t),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(rs, out),
+    }
+    for name, run in ops.items():
+        before = xccl_rs.zero_copy_ops()
+        run()
+        ran = xccl_rs.zero_copy_ops() - before
+        if ran != 1:
+            problems.append(f"{name} of {n * 4} bytes in 1 MiB pipeline chunks counted {ran} zero-copy ops, not 1")
+    return problems
+
+
+def test_an_op_of_several_pipeline_chunks_counts_once():
+    res = run_ranks(2, one_count_per_op, env={"XCCL_RS_PIPELINE_CHUNK_BYTES": str(1 << 20)})
+    problems = [f"rank {r}: {p}" for r in range(2) for p in res.value(r)]
+    assert not problems, "\n".join(problems)

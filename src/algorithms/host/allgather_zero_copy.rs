@@ -24,7 +24,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         finish_block(shm, g);
         return gather_to(shm, ctx, op, desc, None);
     }
-    shm.count_zero_copy_op();
+    shm.count_zero_copy_op(ctx.seq);
     let mut copies = Vec::with_capacity(size);
     for r in (0..size).filter(|&r| r != rank) {
         copies.push((peer_views(shm, g, r, 1, input.len())?[0], op.outputs[r]));

@@ -53,7 +53,7 @@ pub fn push(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> 
     for r in 0..size {
         bufs.push(if r == rank { buf } else { peer_views(shm, g, r, 1, buf.len())?[0] });
     }
-    shm.count_zero_copy_op();
+    shm.count_zero_copy_op(ctx.seq);
     let esz = op.dtype.size();
     let piece = block_bytes(shm.chunk(), esz);
     let reduction = op.reduction(size);

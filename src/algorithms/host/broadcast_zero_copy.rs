@@ -14,7 +14,7 @@ use crate::transport::shm::{Counter, ShmGroup};
 pub fn finish(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
     let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
-    shm.count_zero_copy_op();
+    shm.count_zero_copy_op(ctx.seq);
     if rank != root {
         shm.par().copy_out(peer_views(shm, first, root, 1, buf.len())?[0], buf, buf.len());
     }

@@ -26,7 +26,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         finish_block(shm, g);
         return reduce_scatter_shm::run(shm, ctx, op, desc);
     }
-    shm.count_zero_copy_op();
+    shm.count_zero_copy_op(ctx.seq);
     let mut srcs: Vec<*const u8> = Vec::with_capacity(size);
     for r in 0..size {
         let view = if r == rank { op.inputs[rank] } else { peer_views(shm, g, r, size, len)?[rank] };

@@ -83,6 +83,7 @@ pub struct ShmGroup {
     /// set-up), so every rank takes the same path through a collective.
     zero_copy: bool,
     zero_copy_ops: u64,
+    last_zero_copy_seq: Option<u64>,
     /// Every rank can read every peer's memory with cross-memory attach (cma.rs), probed and
     /// agreed at set-up; with it, each peer's pid.
     cma: Option<Vec<i32>>,
@@ -228,6 +229,7 @@ impl ShmGroup {
             peer_heaps,
             zero_copy,
             zero_copy_ops: 0,
+            last_zero_copy_seq: None,
             cma: all_read.then(|| segments_pids(&segments)).flatten(),
             cma_ops: 0,
             segments,
@@ -305,8 +307,13 @@ impl ShmGroup {
         self.zero_copy_ops
     }
 
-    pub fn count_zero_copy_op(&mut self) {
-        self.zero_copy_ops += 1;
+    /// Counts the op of sequence number `seq` as zero-copy, once however many pipeline chunks
+    /// of it run zero-copy (they share the op's number).
+    pub fn count_zero_copy_op(&mut self, seq: u64) {
+        if self.last_zero_copy_seq != Some(seq) {
+            self.last_zero_copy_seq = Some(seq);
+            self.zero_copy_ops += 1;
+        }
     }
 
     /// Whether collectives may read peers' buffers by cross-memory attach: the same on every
