@@ -300,3 +300,75 @@ print("OK", type(engine).__module__, type(engine).__name__, trainer.__name__, tr
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert ("OK xccl_rs.vllm_engine XcclRsWeightTransferEngine XcclRsTrainerWeightTransferEngine xccl_rs"
             in p.stdout), p.stdout + p.stderr[-3000:]
+
+
+# SGLang (0.5.23, which pins torch 2.14.1) makes its weight-update group with this function
+# (sglang/srt/utils/common.py, Apache-2.0), called with the ``backend`` string of
+# ``init_weights_update_group(..., backend=...)``; its workers then receive with
+# ``torch.distributed.broadcast(weight, src=0, group=group, async_op=True)`` per tensor, or one
+# broadcast of a flattened bucket (``load_format="flattened_bucket"``). SGLang needs CUDA, so
+# only these calls are reproduced here, on CPU tensors.
+SGLANG_RANK = r'''
+import sys, torch, torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+from datetime import timedelta
+
+def init_custom_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
+                              store=None, group_name=None, pg_options=None, device_id=None):
+    # sglang/srt/utils/common.py's, as of 0.5.23 (the torch >= 2.6 branch)
+    backend = Backend(backend) if backend else Backend("undefined")
+    if store is None:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
+                                      backend_options=pg_options, timeout=timeout, device_id=device_id)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+assert "xccl_rs" not in sys.modules
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # SGLang's own world
+pg = init_custom_process_group(backend="xccl_rs", init_method=f"tcp://127.0.0.1:{port}", world_size=3, rank=rank,
+                               group_name="weight_update_group", timeout=timedelta(seconds=60))
+assert "xccl_rs" in sys.modules, "torch's autoload did not import xccl_rs"
+assert dist.get_backend(pg) == "xccl_rs", dist.get_backend(pg)
+specs = [("a", torch.bfloat16, (300, 7)), ("b", torch.float32, (5,)), ("c", torch.float8_e4m3fn, (64, 64))]
+g = torch.Generator().manual_seed(5)
+want = [torch.randn(s, generator=g).to(dt) for _, dt, s in specs]
+got = [w.clone() if rank == 0 else torch.empty(s, dtype=dt) for w, (_, dt, s) in zip(want, specs)]
+for h in [dist.broadcast(t, src=0, group=pg, async_op=True) for t in got]:  # receive_weights_from_distributed
+    h.wait()
+flat = torch.cat([w.reshape(-1).view(torch.uint8) for w in want]) if rank == 0 else None
+bucket = flat.clone() if rank == 0 else torch.empty(sum(w.numel() * w.element_size() for w in want), dtype=torch.uint8)
+dist.broadcast(bucket, src=0, group=pg)  # the flattened-bucket format
+for w, t in zip(want, got):
+    assert torch.equal(w.view(torch.uint8), t.view(torch.uint8))
+assert torch.equal(bucket, torch.cat([w.reshape(-1).view(torch.uint8) for w in want]))
+dist.destroy_process_group(pg)
+print("OK", rank)
+'''
+
+
+def test_sglang_style_group_through_torch_autoload():
+    """SGLang's group creation with backend="xccl_rs" in processes that never import xccl_rs
+    (torch's backend entry point loads it), and its two ways of receiving."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    procs = [subprocess.Popen([sys.executable, "-c", SGLANG_RANK, str(r), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd="/") for r in range(3)]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out = p.communicate()[0] + "\n<killed>"
+        outs.append((p.returncode, out))
+    for r, (rc, out) in enumerate(outs):
+        assert rc == 0 and f"OK {r}" in out, f"rank {r}:\n{out[-4000:]}"
