@@ -23,6 +23,7 @@ use parking_lot::Mutex;
 
 use crate::abort::{AbortSwitch, FailureListener, FailureNotice};
 use crate::algorithms::mesh::p2p::{self, P2pCounters};
+use crate::algorithms::select::FirstUses;
 use crate::algorithms::{Step, run_collective};
 use crate::buf::Buf;
 use crate::config::Config;
@@ -95,6 +96,7 @@ impl Communicator {
             p2p: P2pCounters::new(size),
             scratch: Vec::new(),
             failed: None,
+            first_uses: FirstUses::default(),
         };
         let shared = Arc::new(Shared { worker: Mutex::new(worker), pending: AtomicUsize::new(0) });
         let thread_shared = shared.clone();
@@ -328,6 +330,7 @@ struct Worker {
     failed: Option<CommError>,
     abort_switch: Arc<AbortSwitch>,
     failure: Arc<FailureNotice>,
+    first_uses: FirstUses,
 }
 
 impl Worker {
@@ -470,6 +473,7 @@ impl Worker {
         let (count, key) = (op.count(), op.key());
         let chunk_bytes = self.config.pipeline_chunk_bytes;
         let world_size = self.fabric.tcp.size();
+        self.first_uses.note(op.kind, self.fabric.parts.shape(), count as usize * op.dtype.size(), ctx.rank);
         pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk| {
             let mut step = Step {
                 transport: self.fabric.tcp.as_mut(),

@@ -118,6 +118,8 @@ impl Fabric {
         tracing::info!(
             rank,
             size,
+            shape = ?fabric.parts.shape(),
+            tls = config.tls,
             shm = fabric.shm().is_some(),
             cma,
             hosts,

@@ -5,11 +5,13 @@
 //! (pairs exchange distinct data, which shared-memory slots would only copy once more), and
 //! so do the collectives that have no hierarchical version yet.
 
+use std::collections::HashSet;
+
 use crate::fabric::Shape;
 use crate::types::OpKind;
 
 /// Every algorithm, named `<Collective><Algorithm>` like its file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     AllReduceDirect,
     BroadcastDirect,
@@ -58,6 +60,27 @@ pub fn select(op: OpKind, shape: Shape) -> Algorithm {
         AllToAll => AllToAllPairwise,
         Barrier => row(BarrierDirect, BarrierShm, BarrierHier),
         Send | Recv | RecvAnySource => PointToPoint,
+    }
+}
+
+/// What a group has run, so that `XCCL_RS_LOG=debug` names each choice of the table once.
+#[derive(Default)]
+pub struct FirstUses(HashSet<(OpKind, Algorithm, u32)>);
+
+impl FirstUses {
+    /// Logs, at debug level, the algorithm chosen for `op` on a fabric of `shape` the first time
+    /// the group runs that op with a per-rank piece of `bytes` in its size class (the powers of
+    /// two); free when debug logging is off.
+    pub fn note(&mut self, op: OpKind, shape: Shape, bytes: usize, rank: usize) {
+        if !tracing::enabled!(tracing::Level::DEBUG) {
+            return;
+        }
+        let algorithm = select(op, shape);
+        let class = usize::BITS - bytes.leading_zeros(); // bytes < 2^class
+        if self.0.insert((op, algorithm, class)) {
+            let up_to = if class >= usize::BITS { "any size".to_string() } else { format!("< {} B", 1usize << class) };
+            tracing::debug!(rank, ?op, ?shape, ?algorithm, size = %up_to, "xccl_rs: first use of a path");
+        }
     }
 }
 
