@@ -106,7 +106,7 @@ _CLASSES = (
     "XcclRsTrainerInitInfo",
 )
 
-__all__ = ["BACKEND", "WeightTransferError", "register", *_CLASSES]
+__all__ = ["BACKEND", "TRLWeightTransfer", "WeightTransferError", "register", *_CLASSES]
 
 
 class WeightTransferError(RuntimeError):
@@ -299,6 +299,58 @@ def _cancel_layerwise_reload(model: torch.nn.Module) -> None:
             layerwise._place_kernel_tensors(layer, info)
         info.reset()
     layerwise.LOADING_LAYERS.clear()
+
+
+# --------------------------------------------------------------------------------------
+# TRL
+# --------------------------------------------------------------------------------------
+
+
+class TRLWeightTransfer:
+    """TRL's ``WeightTransferProtocol`` on this engine: pass it as ``weight_transfer=`` to TRL's
+    experimental ``AsyncGRPOTrainer`` or ``AsyncDistillationTrainer`` (TRL 1.16), whose own
+    default is vLLM's NCCL engine.
+
+    ``vllm_client`` is TRL's ``trl.experimental.async_grpo.vllm_client.VLLMClient`` (its
+    ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
+    ``finish_weight_update`` are vLLM's weight-sync calls over HTTP), for a server started with
+    ``VLLM_SERVER_DEV_MODE=1 vllm serve ... --weight-transfer-config '{"backend": "xccl_rs"}'``.
+    TRL calls it on its main process only; the other ranks run the weights' iterator themselves.
+    The keyword arguments are :class:`XcclRsTrainerInitInfo`'s."""
+
+    def __init__(self, vllm_client, *, master_address: str = "", master_port: int = 0,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 1800.0, device: str = "cpu",
+                 worker_bucket_device: str = "cpu", group_backend: str = "xccl_rs") -> None:
+        self.vllm = vllm_client
+        self.options = dict(master_address=master_address, master_port=master_port, bucket_bytes=bucket_bytes,
+                            timeout_s=timeout_s, device=device, worker_bucket_device=worker_bucket_device,
+                            group_backend=group_backend)
+        self.engine = None
+
+    def init_weight_transfer(self) -> None:
+        wait = getattr(self.vllm, "wait_for_server_ready", None)
+        if wait is not None:
+            wait()
+        _make_classes()
+        info = globals()["XcclRsTrainerInitInfo"](world_size=1 + int(self.vllm.get_world_size()), rank=0,
+                                                  **self.options)
+        self.engine = globals()[TRAINER_ENGINE].trainer_init(info, client=self.vllm, source=None)
+
+    def pause(self) -> None:
+        self.vllm.pause()
+
+    def send_weights(self, iterator) -> None:
+        if self.engine is None:
+            raise RuntimeError("TRLWeightTransfer: send_weights before init_weight_transfer")
+        self.engine.send_weights(iterator)
+
+    def resume(self) -> None:
+        self.vllm.resume()
+
+    def destroy(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
 
 # --------------------------------------------------------------------------------------
@@ -587,18 +639,16 @@ def _make_classes() -> None:
             self._members: list[int] = []
             self._sender: Optional[WeightSender] = None
             self._who: dict[int, dict] = {}  # member id -> its registration
-            self._sent_meta: Optional[list] = None
             self.last_stats = None
 
         @classmethod
         def trainer_init(cls, init_info: XcclRsTrainerInitInfo, *, client, source: Optional[WeightSource] = None):
-            if source is None:
-                raise ValueError("xccl_rs trainer weight transfer requires a WeightSource")
-            if not source.implements_iter_full():
+            # Without a source, every send_weights() gets its tensors as an argument.
+            if source is not None and not source.implements_iter_full():
                 raise TypeError(
                     f"xccl_rs broadcast sends full tensors, but {type(source).__name__} does not implement iter_full()"
                 )
-            for m in source.metadata:  # identical on every rank: every rank raises alike
+            for m in source.metadata if source is not None else ():  # the same on every rank: all raise alike
                 if m.owners is not None and m.owners[0] != 0:
                     raise ValueError(
                         f"parameter {m.name!r} is sent by its first owner, rank {m.owners[0]}, but the xccl_rs "
@@ -705,11 +755,19 @@ def _make_classes() -> None:
                 _destroy_group(self._group)
             self._group = None
 
-        def send_weights(self) -> None:
+        def send_weights(self, weights=None) -> None:
+            """One round: the source's tensors, checked against its metadata; or, when
+            ``weights`` (an iterable of ``(name, tensor)``, consumed once) is given, those (the
+            vLLM API's form for engines made without a source)."""
             source = self.source
-            meta = source.metadata
+            if weights is None and source is None:
+                raise ValueError("xccl_rs trainer engine: made without a WeightSource, send_weights needs the weights")
+            if weights is not None:
+                pairs = iter(weights)
+            else:
+                pairs = self._checked_iter(source, source.metadata)
             if not self.is_sender:
-                for _ in source.iter_full():  # the source's collectives (e.g. FSDP's all-gathers)
+                for _ in pairs:  # the producer's collectives (e.g. FSDP's all-gathers)
                     pass
                 return
             if self._root is None:
@@ -741,7 +799,7 @@ def _make_classes() -> None:
                                                   self.info.group_backend)
                         self._sender = WeightSender(self._group, src=0, bucket_bytes=int(self.info.bucket_bytes),
                                                     device=self.info.device)
-                    stats = self._sender.send(self._checked_iter(source, meta))
+                    stats = self._sender.send(pairs)
                     all_ok = _allreduce_min(self._group, True)
                 except BaseException as e:
                     self._drop_group()
@@ -777,7 +835,6 @@ def _make_classes() -> None:
                 # transfer returns only at the timeout (vLLM's NCCL engine does the same).
                 exe.shutdown(wait=False)
             self.client.finish_weight_update()
-            self._sent_meta = meta
             self.last_stats = stats
             logger.info("xccl_rs trainer engine: round %d to %d workers: %s", k, len(members), stats)
 

@@ -372,3 +372,46 @@ def test_sglang_style_group_through_torch_autoload():
         outs.append((p.returncode, out))
     for r, (rc, out) in enumerate(outs):
         assert rc == 0 and f"OK {r}" in out, f"rank {r}:\n{out[-4000:]}"
+
+
+class _TRLClient(H.PipeClient):
+    """What TRL's experimental VLLMClient offers besides vLLM's four weight-sync calls (which take
+    an optional ``timeout`` there)."""
+
+    def get_world_size(self) -> int:
+        return len(self.workers)
+
+    def wait_for_server_ready(self) -> None:
+        self.calls.append("wait_for_server_ready")
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+
+def test_trl_weight_transfer_protocol(ctx):
+    """xccl_rs.vllm_engine.TRLWeightTransfer as TRL's AsyncGRPOTrainer drives a weight_transfer:
+    init once, then pause / send_weights(iterator) / resume, then destroy; the iterator is
+    consumed once per round (an engine made without a WeightSource)."""
+    from xccl_rs.vllm_engine import TRLWeightTransfer
+
+    cfg = H.Cfg(dtype="bfloat16", fp8=True)
+    c = Cluster(ctx, cfg, 2)
+    c.client = _TRLClient(c.client.replicas)
+    model = H.hf_model(cfg)
+    wt = TRLWeightTransfer(c.client, master_address="127.0.0.1", bucket_bytes=8 << 10, timeout_s=TIMEOUT_S)
+    try:
+        wt.init_weight_transfer()
+        for seed in (40, 41):
+            sent = H.train_step(model, seed)
+            wt.pause()
+            wt.send_weights((n, p.detach()) for n, p in model.named_parameters())
+            wt.resume()
+            c.check(sent)
+        assert c.client.calls == ["wait_for_server_ready", "init_weight_transfer_engine"] + (
+            ["pause"] + ROUND + ["resume"]) * 2
+    finally:
+        wt.destroy()
+        c.close()
