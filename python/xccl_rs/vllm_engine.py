@@ -69,6 +69,11 @@ worker holds two receive buckets and the tensor being loaded (vLLM's layerwise r
 layer's tensors until the layer is complete, as with vLLM's own engines). On one host the
 buckets are a shared-memory window that the workers read in place.
 
+Also here: :class:`TRLWeightTransfer`, TRL's ``WeightTransferProtocol`` on this engine (for TRL's
+experimental async trainers), and ``group_backend="gloo"`` in the init info, the same rounds over
+a gloo group (``python -m xccl_rs.bench_vllm`` compares the two). docs/usage.md ("vLLM, TRL,
+SGLang") is the user's guide.
+
 Importing this module does not import vLLM; its engine classes are made on first access.
 """
 
