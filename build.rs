@@ -128,6 +128,7 @@ fn build_bridge() {
         "csrc/work.cc",
         "csrc/store.cc",
         "csrc/errors.cc",
+        "csrc/profile.cc",
     ];
     if python {
         sources.push("csrc/module.cc");

@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "xccl_rs/errors.h"
+#include "xccl_rs/profile.h"
 
 namespace xccl_rs {
 
@@ -184,6 +185,7 @@ class XcclRsBackend::Job {
   // thread that runs the job, src/staging/).
   BufferView input(const at::Tensor& t) {
     check(t);
+    profile_.input(t);
     if (!t.device().is_cpu()) {
       return staged(staging(t).add(t, /*read=*/true, /*write=*/false), t);
     }
@@ -212,6 +214,7 @@ class XcclRsBackend::Job {
 
   BufferView output(const at::Tensor& t, bool read) {
     check(t);
+    profile_.output(t);
     state_->outputs.push_back(t);
     if (!t.device().is_cpu()) {
       return staged(staging(t).add(t, read, /*write=*/true), t);
@@ -261,6 +264,15 @@ class XcclRsBackend::Job {
   const std::shared_ptr<WorkState>& state() const {
     return state_;
   }
+  const OpProfile& profile() const {
+    return profile_;
+  }
+  const char* what() const {
+    return what_;
+  }
+  OpKind kind() const {
+    return kind_;
+  }
 
  private:
   XcclRsBackend& backend_;
@@ -268,12 +280,30 @@ class XcclRsBackend::Job {
   OpKind kind_;
   std::shared_ptr<WorkState> state_;
   rust::Vec<OpRequest> ops_;
+  OpProfile profile_; // the call's tensors, while a profiler is on
 };
 
 XcclRsBackend::XcclRsBackend(std::shared_ptr<CommHandle> comm, int rank, int size, std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size), comm_(std::move(comm)), timeout_(timeout), instance_id_(std::random_device{}()) {
   instance_id_ = instance_id_ << 32 | std::random_device{}();
   listen_for_failure();
+}
+
+void XcclRsBackend::set_global_ranks(const std::vector<int64_t>& ranks) {
+  // No list: the default group, whose members are the world (ProcessGroupNCCL's reading).
+  global_rank_start_ = 0;
+  global_rank_stride_ = ranks.empty() ? 1 : 0;
+  if (static_cast<int>(ranks.size()) != getSize()) {
+    return;
+  }
+  const int64_t stride = ranks.size() > 1 ? ranks[1] - ranks[0] : 1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (stride <= 0 || ranks[i] != ranks[0] + static_cast<int64_t>(i) * stride) {
+      return;
+    }
+  }
+  global_rank_start_ = static_cast<int>(ranks[0]);
+  global_rank_stride_ = static_cast<int>(stride);
 }
 
 RustComm& XcclRsBackend::comm() const {
@@ -309,10 +339,21 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type
   auto done = std::make_unique<WorkDone>(WorkDone{job.state()});
   rust::Vec<StagedTensor> staged;
   auto staging = seal_staging(*job.state(), staged);
-  try {
-    comm().submit(std::move(job.ops()), std::move(staged), std::move(staging), std::move(done), caller_waits);
-  } catch (const rust::Error& e) {
-    raise_core_error(e);
+  auto submit = [&] {
+    try {
+      comm().submit(std::move(job.ops()), std::move(staged), std::move(staging), std::move(done), caller_waits);
+    } catch (const rust::Error& e) {
+      raise_core_error(e);
+    }
+  };
+  if (job.profile().on()) {
+    const auto kind = job.kind();
+    const bool p2p = kind == OpKind::Send || kind == OpKind::Recv || kind == OpKind::RecvAnySource;
+    const OpIssuer issuer{{getGroupUid(), getGroupDesc()}, getRank(), getSize(), global_rank_start_, global_rank_stride_};
+    profiled_call(job.profile(), issuer, job.what(), kind, static_cast<int64_t>(comm().next_seq()), p2p,
+                  job.state()->profile_end, submit);
+  } else {
+    submit();
   }
   return c10::make_intrusive<XcclRsWork>(getRank(), type, job.state());
 }

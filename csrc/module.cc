@@ -103,6 +103,16 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
       pybind11::arg("backend"),
       "Collectives of this backend so far that read the peers' tensors in place.");
   m.def(
+      "set_global_ranks",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend, const std::vector<int64_t>& ranks) {
+        if (auto* ours = dynamic_cast<xccl_rs::XcclRsBackend*>(backend.get())) {
+          ours->set_global_ranks(ranks);
+        }
+      },
+      pybind11::arg("backend"),
+      pybind11::arg("ranks"),
+      "Tells the backend its members' global ranks (torch.profiler's records carry them).");
+  m.def(
       "wait_for_failure_hooks",
       [] {
         try {

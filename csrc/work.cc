@@ -4,6 +4,7 @@
 #include <atomic>
 
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 
 #include "xccl_rs/errors.h"
 #include "xccl_rs/src/ffi.rs.h"
@@ -102,6 +103,13 @@ void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, 
     complete_future(*state, failure);
   } else {
     complete_future(*state, failure);
+  }
+  if (state->profile_end) {
+    try {
+      state->profile_end();
+    } catch (const std::exception& e) {
+      LOG(WARNING) << "xccl_rs: ending the profiler's range of " << state->what << " failed: " << e.what();
+    }
   }
   // Only success is reported (a failed or timed-out op must not read as finished).
   if (!failure) {

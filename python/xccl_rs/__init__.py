@@ -100,6 +100,7 @@ def _create_backend(dist_backend_opts, backend_options=None):
         str(getattr(o, "group_id", "")),
         bool(getattr(o, "enable_reconfigure", False)),  # torch >= 2.15: connect at reconfigure()
     )
+    _C.set_global_ranks(backend, list(getattr(o, "global_ranks_in_group", None) or []))  # profiler records
     helper = _group_served_by_us_alone(sys._getframe(1))
     return backend if helper is None else _whole_group(backend, o, helper)
 

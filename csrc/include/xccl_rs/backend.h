@@ -218,6 +218,11 @@ class XcclRsBackend : public c10d::Backend {
   }
 #endif
 
+  // The group's members' global ranks, indexed by group rank (torch's global_ranks_in_group,
+  // empty for the default group), for torch.profiler's records; kept when they are evenly
+  // spaced, as torch records them.
+  void set_global_ranks(const std::vector<int64_t>& ranks);
+
  // Builds one submission (backend.cc); public so that file-local helpers can take it.
   class Job;
 
@@ -235,6 +240,10 @@ class XcclRsBackend : public c10d::Backend {
 
   std::shared_ptr<CommHandle> comm_;
   std::chrono::milliseconds timeout_;
+  // The group's global ranks as start + i * stride, for profiler records (set_global_ranks);
+  // stride 0: not known.
+  int global_rank_start_ = 0;
+  int global_rank_stride_ = 0;
   std::shared_ptr<AbortHooks> abort_hooks_ = std::make_shared<AbortHooks>();
   std::shared_ptr<CompletionHooks> completion_hooks_ = std::make_shared<CompletionHooks>();
   // A new job's state, told the completion hooks.

@@ -4,6 +4,7 @@
 
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,6 +45,8 @@ struct WorkState {
   uint64_t completion_key = 0;
   std::chrono::steady_clock::time_point issued = std::chrono::steady_clock::now();
   float duration_ms = 0; // from the call to the completion, once done
+  // Ends the op's torch.profiler range (profile.h); empty while no profiler is on.
+  std::function<void()> profile_end;
 };
 
 struct WorkDone {

@@ -1,0 +1,85 @@
+// torch.profiler records of xccl_rs ops (see profile.h).
+#include "xccl_rs/profile.h"
+
+#include <memory>
+
+#include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
+
+#include "xccl_rs/src/ffi.rs.h"
+
+namespace xccl_rs {
+namespace {
+
+// The op's name in its range, as gloo's and NCCL's ranges and torch's flight recorder spell it.
+const char* range_title(OpKind kind) {
+  switch (kind) {
+    case OpKind::AllReduce: return "xccl_rs:all_reduce";
+    case OpKind::Broadcast: return "xccl_rs:broadcast";
+    case OpKind::Reduce: return "xccl_rs:reduce";
+    case OpKind::AllGather: return "xccl_rs:all_gather";
+    case OpKind::Gather: return "xccl_rs:gather";
+    case OpKind::Scatter: return "xccl_rs:scatter";
+    case OpKind::ReduceScatter: return "xccl_rs:reduce_scatter";
+    case OpKind::AllToAll: return "xccl_rs:all_to_all";
+    case OpKind::Send: return "xccl_rs:send";
+    case OpKind::Recv:
+    case OpKind::RecvAnySource: return "xccl_rs:recv";
+    case OpKind::Barrier: return "xccl_rs:barrier";
+    default: return "xccl_rs:op";
+  }
+}
+
+int64_t elements(const std::vector<at::Tensor>& tensors) {
+  int64_t n = 0;
+  for (const auto& t : tensors) {
+    n += t.numel();
+  }
+  return n;
+}
+
+// The range from the call to the completion: asynchronous, since the progress thread ends it
+// (torch's own Work does the same for its profiling title).
+std::function<void()> start_range(const char* title, const std::vector<at::Tensor>& inputs) {
+  auto range = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+  if (!range->isActive()) {
+    return {};
+  }
+  range->_setAsync();
+  std::vector<c10::IValue> shapes(inputs.begin(), inputs.end());
+  range->before(title, c10::ArrayRef<const c10::IValue>(shapes.data(), shapes.size()));
+  return at::wrapPropagateTLSState([range] { range->end(); });
+}
+
+} // namespace
+
+OpProfile::OpProfile() : on_(at::hasCallbacks()) {}
+
+void profiled_call(const OpProfile& profile, const OpIssuer& issuer, const char* what, OpKind kind, int64_t seq,
+                   bool is_p2p, std::function<void()>& range_end, const std::function<void()>& submit) {
+  // An op in place (all_reduce, broadcast, a receive) reads what it writes: recorded as both,
+  // as ProcessGroupNCCL records it.
+  const auto& out = profile.outputs();
+  const auto& in = profile.inputs().empty() ? out : profile.inputs();
+  const auto dtype = !in.empty() ? in.front().scalar_type() : !out.empty() ? out.front().scalar_type() : at::kByte;
+  range_end = start_range(range_title(kind), in);
+  RECORD_PARAM_COMMS_DATA(
+      std::make_tuple(seq, is_p2p),
+      issuer.group,
+      in,
+      out,
+      issuer.rank,
+      what,
+      elements(in),
+      elements(out),
+      dtype,
+      profile.in_splits(),
+      profile.out_splits(),
+      issuer.global_rank_start,
+      issuer.global_rank_stride,
+      issuer.size);
+  submit();
+}
+
+} // namespace xccl_rs
