@@ -86,4 +86,8 @@ uint64_t XcclRsBackend::zero_copy_ops() const {
   return comm_->comm.has_value() ? (*comm_->comm)->zero_copy_ops() : 0;
 }
 
+rust::Vec<OpStatsRow> XcclRsBackend::stats() const {
+  return comm_->comm.has_value() ? (*comm_->comm)->stats() : rust::Vec<OpStatsRow>{};
+}
+
 } // namespace xccl_rs

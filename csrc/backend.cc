@@ -336,6 +336,10 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::launch(Job& job, c10d::OpType type
     }
     return c10::make_intrusive<XcclRsWork>(getRank(), type, coalesced_state_);
   }
+  if (!named_) { // torch names a group after creating its backend
+    comm().set_group_name(getGroupUid());
+    named_ = true;
+  }
   auto done = std::make_unique<WorkDone>(WorkDone{job.state()});
   rust::Vec<StagedTensor> staged;
   auto staging = seal_staging(*job.state(), staged);

@@ -103,6 +103,25 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
       pybind11::arg("backend"),
       "Collectives of this backend so far that read the peers' tensors in place.");
   m.def(
+      "stats",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) {
+        auto* ours = dynamic_cast<xccl_rs::XcclRsBackend*>(backend.get());
+        TORCH_CHECK_VALUE(ours != nullptr, "xccl_rs.stats: ", backend->getBackendName(), " is not an xccl_rs backend");
+        pybind11::list rows;
+        for (const auto& r : ours->stats()) {
+          pybind11::dict row;
+          row["op"] = std::string(r.op);
+          row["path"] = std::string(r.path);
+          row["ops"] = r.ops;
+          row["bytes"] = r.bytes;
+          row["seconds"] = static_cast<double>(r.nanos) / 1e9;
+          rows.append(row);
+        }
+        return rows;
+      },
+      pybind11::arg("backend"),
+      "The backend's statistics so far: one dict per (op, path) that ran (op, path, ops, bytes, seconds).");
+  m.def(
       "set_global_ranks",
       [](const c10::intrusive_ptr<c10d::Backend>& backend, const std::vector<int64_t>& ranks) {
         if (auto* ours = dynamic_cast<xccl_rs::XcclRsBackend*>(backend.get())) {

@@ -12,25 +12,6 @@
 namespace xccl_rs {
 namespace {
 
-// The op's name in its range, as gloo's and NCCL's ranges and torch's flight recorder spell it.
-const char* range_title(OpKind kind) {
-  switch (kind) {
-    case OpKind::AllReduce: return "xccl_rs:all_reduce";
-    case OpKind::Broadcast: return "xccl_rs:broadcast";
-    case OpKind::Reduce: return "xccl_rs:reduce";
-    case OpKind::AllGather: return "xccl_rs:all_gather";
-    case OpKind::Gather: return "xccl_rs:gather";
-    case OpKind::Scatter: return "xccl_rs:scatter";
-    case OpKind::ReduceScatter: return "xccl_rs:reduce_scatter";
-    case OpKind::AllToAll: return "xccl_rs:all_to_all";
-    case OpKind::Send: return "xccl_rs:send";
-    case OpKind::Recv:
-    case OpKind::RecvAnySource: return "xccl_rs:recv";
-    case OpKind::Barrier: return "xccl_rs:barrier";
-    default: return "xccl_rs:op";
-  }
-}
-
 int64_t elements(const std::vector<at::Tensor>& tensors) {
   int64_t n = 0;
   for (const auto& t : tensors) {
@@ -41,14 +22,14 @@ int64_t elements(const std::vector<at::Tensor>& tensors) {
 
 // The range from the call to the completion: asynchronous, since the progress thread ends it
 // (torch's own Work does the same for its profiling title).
-std::function<void()> start_range(const char* title, const std::vector<at::Tensor>& inputs) {
+std::function<void()> start_range(std::string title, const std::vector<at::Tensor>& inputs) {
   auto range = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
   if (!range->isActive()) {
     return {};
   }
   range->_setAsync();
   std::vector<c10::IValue> shapes(inputs.begin(), inputs.end());
-  range->before(title, c10::ArrayRef<const c10::IValue>(shapes.data(), shapes.size()));
+  range->before(std::move(title), c10::ArrayRef<const c10::IValue>(shapes.data(), shapes.size()));
   return at::wrapPropagateTLSState([range] { range->end(); });
 }
 
@@ -63,7 +44,7 @@ void profiled_call(const OpProfile& profile, const OpIssuer& issuer, const char*
   const auto& out = profile.outputs();
   const auto& in = profile.inputs().empty() ? out : profile.inputs();
   const auto dtype = !in.empty() ? in.front().scalar_type() : !out.empty() ? out.front().scalar_type() : at::kByte;
-  range_end = start_range(range_title(kind), in);
+  range_end = start_range(std::string("xccl_rs:") + std::string(op_label(kind)), in);
   RECORD_PARAM_COMMS_DATA(
       std::make_tuple(seq, is_p2p),
       issuer.group,

@@ -126,6 +126,11 @@ fn core_kind(k: ffi::OpKind) -> Result<OpKind> {
     OpKind::from_code(k.repr).ok_or_else(|| CommError::invalid(format!("unknown op kind {}", k.repr)))
 }
 
+/// The op's name as torch spells it (stats.rs), for C++'s profiler ranges.
+pub fn op_label(kind: ffi::OpKind) -> &'static str {
+    core_kind(kind).map_or("op", crate::stats::op_label)
+}
+
 /// How a core error reads in torch's terms (`c10d::ErrorType`, and the Python exception).
 fn shared_error_kind(kind: &ErrorKind) -> ffi::ErrorKind {
     match kind {
@@ -192,6 +197,24 @@ impl RustComm {
 
     pub fn zero_copy_ops(&self) -> u64 {
         self.0.zero_copy_ops()
+    }
+
+    pub fn stats(&self) -> Vec<ffi::OpStatsRow> {
+        self.0
+            .stats()
+            .into_iter()
+            .map(|(op, algorithm, t)| ffi::OpStatsRow {
+                op: crate::stats::op_label(op),
+                path: format!("{algorithm:?}"),
+                ops: t.ops,
+                bytes: t.bytes,
+                nanos: t.nanos,
+            })
+            .collect()
+    }
+
+    pub fn set_group_name(&self, name: &str) {
+        self.0.set_group_name(name);
     }
 
     pub fn submit(

@@ -17,15 +17,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use parking_lot::Mutex;
 
 use crate::abort::{AbortSwitch, FailureListener, FailureNotice};
 use crate::algorithms::mesh::p2p::{self, P2pCounters};
-use crate::algorithms::select::FirstUses;
+use crate::algorithms::select::{Algorithm, FirstUses, select};
+use crate::stats::{GroupStats, OpSample, Totals, fabric_name};
 use crate::algorithms::{Step, run_collective};
-use crate::buf::Buf;
+use crate::buf::{Buf, Extent};
 use crate::config::Config;
 use crate::error::{CommError, ErrorKind, Result};
 use crate::fabric::Fabric;
@@ -68,6 +69,8 @@ pub struct Communicator {
     /// This rank's shared-memory heap (transport/shm/heap.rs), in a single-host group; let go
     /// at shutdown (tensors allocated from it keep it, and its descriptor, while they live).
     heap: Mutex<Option<Arc<Heap>>>,
+    /// The group's name as torch knows it, for the statistics (stats.rs).
+    group_name: Arc<Mutex<String>>,
 }
 
 impl Communicator {
@@ -86,6 +89,8 @@ impl Communicator {
         let pipeline_chunk_bytes = config.pipeline_chunk_bytes;
         let abort_switch = Arc::new(AbortSwitch::new()?);
         let failure = Arc::new(FailureNotice::default());
+        let group_name = Arc::new(Mutex::new(String::new()));
+        let stats = GroupStats::new(rank, group_name.clone(), config.stats_path.as_deref(), config.stats_max_bytes);
         let worker = Worker {
             fabric,
             abort_switch: abort_switch.clone(),
@@ -97,6 +102,7 @@ impl Communicator {
             scratch: Vec::new(),
             failed: None,
             first_uses: FirstUses::default(),
+            stats,
         };
         let shared = Arc::new(Shared { worker: Mutex::new(worker), pending: AtomicUsize::new(0) });
         let thread_shared = shared.clone();
@@ -116,6 +122,7 @@ impl Communicator {
             failure,
             pipeline_chunk_bytes,
             heap: Mutex::new(heap),
+            group_name,
         })
     }
 
@@ -141,6 +148,16 @@ impl Communicator {
     /// group): shows which transport a group uses, for diagnostics and tests.
     pub fn shm_blocks_used(&self) -> u64 {
         self.shared.worker.lock().fabric.shm().map_or(0, |s| s.blocks_used())
+    }
+
+    /// Names the group in its statistics lines (torch names groups after they are made).
+    pub fn set_group_name(&self, name: &str) {
+        *self.group_name.lock() = name.to_string();
+    }
+
+    /// The group's statistics so far: ops, bytes and time per (op kind, algorithm).
+    pub fn stats(&self) -> Vec<(OpKind, Algorithm, Totals)> {
+        self.shared.worker.lock().stats.totals()
     }
 
     /// Operations that read peers' tensors in place (zero-copy) so far: for diagnostics and tests.
@@ -331,6 +348,7 @@ struct Worker {
     abort_switch: Arc<AbortSwitch>,
     failure: Arc<FailureNotice>,
     first_uses: FirstUses,
+    stats: GroupStats,
 }
 
 impl Worker {
@@ -340,6 +358,7 @@ impl Worker {
         }
         self.fabric.close();
         self.abort_switch.close();
+        self.stats.flush();
     }
 
     /// Runs a job; a panic becomes an error (and fails the communicator) instead of unwinding
@@ -422,7 +441,12 @@ impl Worker {
             } else {
                 let ctx = self.ctx(op.kind, self.seq);
                 self.seq += 1;
+                let started = Instant::now();
+                let staged = staging.is_some();
                 let r = self.run_one(op, i, &ctx, staging.as_deref_mut());
+                if r.is_ok() {
+                    self.record(op, ctx.seq, staged, started);
+                }
                 i += 1;
                 r.map_err(|e| (ctx, e))
             };
@@ -461,6 +485,26 @@ impl Worker {
             range.clone().try_for_each(|i| s.outputs_done(i, 0)).map_err(|e| ctx.annotate(e))?;
         }
         Ok(result)
+    }
+
+    /// Adds a collective that succeeded, started at `started`, to the group's statistics.
+    fn record(&mut self, op: &Op<Buf>, seq: u64, staged: bool, started: Instant) {
+        let duration = started.elapsed();
+        // The wall clock only where a line shows it.
+        let start = if self.stats.writes_lines() { SystemTime::now() - duration } else { SystemTime::UNIX_EPOCH };
+        let total = |bufs: &[Buf]| bufs.iter().map(|b| b.len()).sum::<usize>();
+        let shape = self.fabric.parts.shape();
+        self.stats.record(&OpSample {
+            seq,
+            op: op.kind,
+            dtype: op.dtype,
+            bytes: total(&op.inputs).max(total(&op.outputs)),
+            algorithm: select(op.kind, shape),
+            fabric: fabric_name(shape, staged),
+            start,
+            duration,
+            ranks: self.fabric.tcp.size(),
+        });
     }
 
     fn p2p_seq(&self, op: &Op<Buf>) -> u64 {

@@ -139,6 +139,13 @@ settings! {
     /// gives up after two attempts of `TORCH_FR_WAIT_TIMEOUT_DUMP_MILSEC` (15 s each); hooks
     /// that return sooner end the wait.
     failure_hooks_wait: Duration = "XCCL_RS_FAILURE_HOOKS_WAIT_MS", default Duration::from_secs(35), parse |v| number(v, "milliseconds").map(Duration::from_millis);
+    /// `XCCL_RS_STATS` (default unset): a file to which every op of every group is written as
+    /// one JSON line (src/stats.rs); `%p` in it stands for the process id. Unset: only the sums
+    /// that `xccl_rs.stats(group)` returns are kept.
+    stats_path: Option<String> = "XCCL_RS_STATS", default None, parse |v| Ok(Some(v.to_string()));
+    /// `XCCL_RS_STATS_MAX_BYTES` (default 256 MiB): the size at which the statistics file stops
+    /// growing, with a last line that says so.
+    stats_max_bytes: u64 = "XCCL_RS_STATS_MAX_BYTES", default 256 << 20, parse |v| number(v, "bytes");
     /// `XCCL_RS_PIPELINE_CHUNK_BYTES` (default 16 MiB, a power of two, at least 64 KiB; other
     /// values are rounded down to one): larger collectives run in chunks of this many bytes
     /// per buffer (src/pipeline.rs), so that the copies of accelerator tensors to and from the

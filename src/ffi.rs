@@ -10,7 +10,7 @@
 //! place, to a Python `ValueError` or `torch.distributed.DistBackendError`. No panic crosses
 //! (the Rust side catches them).
 
-use crate::bridge::{RustComm, SharedBlock, host_identity, new_comm, take_error_kind, wait_for_failure_hooks};
+use crate::bridge::{RustComm, SharedBlock, host_identity, new_comm, op_label, take_error_kind, wait_for_failure_hooks};
 
 #[cxx::bridge(namespace = "xccl_rs")]
 pub mod ffi {
@@ -133,6 +133,15 @@ pub mod ffi {
         outputs: Vec<BufferView>,
     }
 
+    /// A group's statistics for one (op kind, algorithm): src/stats.rs.
+    struct OpStatsRow {
+        op: &'static str,
+        path: String,
+        ops: u64,
+        bytes: u64,
+        nanos: u64,
+    }
+
     extern "Rust" {
         type RustComm;
         /// Connects to the group (blocking) and starts its progress thread.
@@ -168,6 +177,12 @@ pub mod ffi {
         fn alloc_shared(self: &RustComm, bytes: usize) -> Result<Box<SharedBlock>>;
         fn has_heap(self: &RustComm) -> bool;
         fn zero_copy_ops(self: &RustComm) -> u64;
+        /// The group's statistics so far, one row per (op kind, algorithm) that ran.
+        fn stats(self: &RustComm) -> Vec<OpStatsRow>;
+        /// Names the group in its statistics lines.
+        fn set_group_name(self: &RustComm, name: &str);
+        /// The op's name as torch's flight recorder and profiler ranges spell it ("all_reduce").
+        fn op_label(kind: OpKind) -> &'static str;
         fn address(self: &SharedBlock) -> usize;
         /// The kind of the last error a function of this bridge returned to this thread (then
         /// `Success` until the next one).

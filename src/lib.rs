@@ -21,6 +21,7 @@ pub mod pipeline;
 pub mod reduce;
 pub mod rendezvous;
 pub mod staging;
+pub mod stats;
 pub mod stream_copy;
 pub mod transport;
 pub mod types;

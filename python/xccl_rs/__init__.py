@@ -71,7 +71,7 @@ def _load_extension():
 
 _C = _load_extension()
 
-__all__ = ["BACKEND_NAME", "destroy_group", "dump", "empty", "new_group", "register", "torch_version_built", "zero_copy_ops", "zeros"]
+__all__ = ["BACKEND_NAME", "destroy_group", "dump", "empty", "new_group", "register", "stats", "torch_version_built", "zero_copy_ops", "zeros"]
 __version__ = "0.1.0"
 
 BACKEND_NAME = "xccl_rs"
@@ -227,3 +227,4 @@ atexit.register(_C.wait_for_failure_hooks)
 
 from .debug import dump  # noqa: E402  (the flight recorder's entries of a group; debug.py)
 from .memory import empty, zero_copy_ops, zeros  # noqa: E402  (tensors peers read in place; memory.py)
+from .stats import stats  # noqa: E402  (what a group's ops cost; stats.py)

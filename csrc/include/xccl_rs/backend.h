@@ -121,6 +121,8 @@ class XcclRsBackend : public c10d::Backend {
   at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
   // Collectives so far that read peers' tensors in place (diagnostics, tests).
   uint64_t zero_copy_ops() const;
+  // The group's statistics so far (src/stats.rs), one row per (op kind, algorithm).
+  rust::Vec<OpStatsRow> stats() const;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
@@ -244,6 +246,8 @@ class XcclRsBackend : public c10d::Backend {
   // stride 0: not known.
   int global_rank_start_ = 0;
   int global_rank_stride_ = 0;
+  // Whether the communicator knows the group's name (its statistics lines carry it).
+  bool named_ = false;
   std::shared_ptr<AbortHooks> abort_hooks_ = std::make_shared<AbortHooks>();
   std::shared_ptr<CompletionHooks> completion_hooks_ = std::make_shared<CompletionHooks>();
   // A new job's state, told the completion hooks.
