@@ -15,6 +15,7 @@ use crate::error::{CommError, Result};
 /// The longest host identity a rank may publish (hostname, `/dev/shm` device and inode, or
 /// `XCCL_RS_HOST_ID`).
 pub const MAX_HOST_ID_LEN: usize = 4096;
+use crate::keys::Key;
 use crate::rendezvous::{Store, rendezvous_error};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,10 +50,10 @@ impl HostMap {
 
     /// Publishes this rank's identity under `xccl_rs/host/<rank>` and reads every rank's.
     pub fn exchange(store: &dyn Store, rank: usize, size: usize, mine: &str, timeout: Duration) -> Result<HostMap> {
-        store.set(&format!("xccl_rs/host/{rank}"), mine.as_bytes())?;
+        store.set(&Key::Host(rank).text(), mine.as_bytes())?;
         let mut ids = Vec::with_capacity(size);
         for peer in 0..size {
-            let id = store.get(&format!("xccl_rs/host/{peer}"), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
+            let id = store.get(&Key::Host(peer).text(), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
             if id.len() > MAX_HOST_ID_LEN {
                 return Err(CommError::io(format!(
                     "xccl_rs: rank {peer} published a host identity of {} bytes (at most {MAX_HOST_ID_LEN})",

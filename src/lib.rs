@@ -15,6 +15,7 @@ pub mod config;
 pub mod error;
 pub mod fabric;
 pub mod hosts;
+pub mod keys;
 pub mod op;
 pub mod par;
 pub mod pipeline;

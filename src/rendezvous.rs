@@ -8,6 +8,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, ErrorKind, Result};
+use crate::keys::Key;
 use crate::transport::tcp::handshake::{SECRET_LEN, Secret};
 
 /// The two calls rendezvous needs from a c10d-like store.
@@ -63,25 +64,18 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
 }
 
-/// Key under which `rank` publishes how to reach it.
-pub fn address_key(rank: usize) -> String {
-    format!("xccl_rs/addr/{rank}")
-}
-
-/// Key of the group's secret: 32 random bytes from rank 0 with which every TCP connection of
-/// the group authenticates (transport/tcp/handshake.rs). The Store is the trust root, as it is
-/// for every c10d backend: whoever can read the group's keys can join its links.
-pub const SECRET_KEY: &str = "xccl_rs/secret";
-
-/// Rank 0 draws the secret and publishes it; the others read it.
+/// Rank 0 draws the group's secret and publishes it ([`Key::Secret`]); the others read it. The
+/// secret is 32 random bytes with which every TCP connection of the group authenticates
+/// (transport/tcp/handshake.rs). The Store is the trust root, as it is for every c10d backend:
+/// whoever can read the group's keys can join its links.
 pub fn agree_on_secret(store: &dyn Store, rank: usize, timeout: Duration) -> Result<Secret> {
     if rank == 0 {
         let mut bytes = [0u8; SECRET_LEN];
         getrandom::fill(&mut bytes).map_err(|e| CommError::io(format!("getrandom failed: {e}")))?;
-        store.set(SECRET_KEY, &bytes)?;
+        store.set(&Key::Secret.text(), &bytes)?;
         Ok(Secret(bytes))
     } else {
-        let v = store.get(SECRET_KEY, timeout).map_err(|e| rendezvous_error(rank, 0, e))?;
+        let v = store.get(&Key::Secret.text(), timeout).map_err(|e| rendezvous_error(rank, 0, e))?;
         parse_secret(&v).map_err(CommError::io)
     }
 }

@@ -11,7 +11,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use xccl_rs::config::TransportChoice;
-use xccl_rs::rendezvous::{Store, address_key, parse_address};
+use xccl_rs::keys::Key;
+use xccl_rs::rendezvous::{Store, parse_address};
 use xccl_rs::transport::tcp::connect::{Link, MeshSpec, connect_mesh};
 use xccl_rs::transport::tcp::handshake::{CHALLENGE_LEN, HELLO_LEN, Hello, PROOF_LEN, Secret};
 use xccl_rs::{Communicator, Config, MemoryStore, OpKind, ReduceOp};
@@ -70,7 +71,7 @@ fn strangers_neither_join_nor_delay_the_mesh() {
         thread::spawn(move || {
             let mut held = Vec::new();
             for rank in 0..size - 1 {
-                let raw = store.get(&address_key(rank), Duration::from_secs(30)).expect("rank published its address");
+                let raw = store.get(&Key::Address(rank).text(), Duration::from_secs(30)).expect("rank published its address");
                 held.extend(harass(parse_address(&raw).unwrap(), rank as u32));
             }
             held
@@ -142,7 +143,7 @@ fn a_replayed_handshake_is_refused() {
     let s0 = store.clone();
     let sec = secret.clone();
     let rank0 = thread::spawn(move || mesh(&*s0, 0, 2, &sec, timeout).map(|_| ()));
-    let rank0_addr = parse_address(&store.get(&address_key(0), timeout).unwrap()).unwrap();
+    let rank0_addr = parse_address(&store.get(&Key::Address(0).text(), timeout).unwrap()).unwrap();
     let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
     let via = proxy.local_addr().unwrap().to_string();
     let recorder = recording_proxy(proxy, rank0_addr);
@@ -156,7 +157,7 @@ fn a_replayed_handshake_is_refused() {
     let s0 = store.clone();
     let sec = secret.clone();
     let rank0 = thread::spawn(move || mesh(&*s0, 0, 2, &sec, timeout).map(|links| links[1].is_some()));
-    let addr = parse_address(&store.get(&address_key(0), timeout).unwrap()).unwrap();
+    let addr = parse_address(&store.get(&Key::Address(0).text(), timeout).unwrap()).unwrap();
     let mut replay = TcpStream::connect(addr).unwrap();
     replay.write_all(&recorded[..HELLO_LEN]).unwrap();
     let mut challenge = [0u8; CHALLENGE_LEN];

@@ -14,7 +14,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use xccl_rs::config::TransportChoice;
-use xccl_rs::rendezvous::{Store, address_key, parse_address};
+use xccl_rs::keys::Key;
+use xccl_rs::rendezvous::{Store, parse_address};
 use xccl_rs::{Communicator, Config, DType, MemoryStore, OpKind, ReduceOp};
 
 fn tcp_config(tls: bool) -> Config {
@@ -143,7 +144,7 @@ fn through_proxy(tls: bool, flip_at: Option<usize>) -> (Vec<Result<Vec<u8>, Stri
             Ok(data)
         })
     };
-    let rank0_addr = parse_address(&store.get(&address_key(0), timeout).unwrap()).unwrap();
+    let rank0_addr = parse_address(&store.get(&Key::Address(0).text(), timeout).unwrap()).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let via = listener.local_addr().unwrap().to_string();
     let recorder = proxy(listener, rank0_addr, flip_at);

@@ -712,6 +712,6 @@ impl xccl_rs::Store for Redirect {
         self.inner.set(key, value)
     }
     fn get(&self, key: &str, timeout: Duration) -> xccl_rs::error::Result<Vec<u8>> {
-        if key == xccl_rs::rendezvous::address_key(0) { Ok(self.rank0_via.clone().into_bytes()) } else { self.inner.get(key, timeout) }
+        if key == xccl_rs::keys::Key::Address(0).text() { Ok(self.rank0_via.clone().into_bytes()) } else { self.inner.get(key, timeout) }
     }
 }

@@ -24,6 +24,7 @@ use super::layout::{ABORT_CLOSED, ABORT_FAILED, Desc, RankHeader};
 use super::segment::Segment;
 use crate::error::{CommError, ErrorKind, Result};
 use crate::par::Par;
+use crate::keys::Key;
 use crate::rendezvous::{Store, rendezvous_error};
 use crate::transport::{OpCtx, RawBuf};
 use crate::types::{DType, OpKind, ReduceOp};
@@ -145,10 +146,10 @@ impl ShmGroup {
         let size = members.len();
         let me = members[rank];
         let (own, name) = Segment::create(chunk)?;
-        store.set(&format!("xccl_rs/shm{namespace}/{rank}"), name.as_bytes())?;
+        store.set(&Key::ShmSegment { namespace, rank }.text(), name.as_bytes())?;
         // Where this process sees its own header: peers probe cross-memory attach with it.
         let own_header = own.header() as *const RankHeader as u64;
-        store.set(&format!("xccl_rs/shm_cma{namespace}/{rank}"), own_header.to_string().as_bytes())?;
+        store.set(&Key::ShmCma { namespace, rank }.text(), own_header.to_string().as_bytes())?;
         // A heap that cannot be made (address space limits, say) leaves the group without
         // zero-copy, not without shared memory.
         let heap = match (heap_bytes >= super::heap::HEAP_PAGE).then(|| Heap::create(heap_bytes)).transpose() {
@@ -159,7 +160,7 @@ impl ShmGroup {
             }
         };
         let heap_name = heap.as_ref().map_or(String::new(), |(_, name)| name.clone());
-        store.set(&format!("xccl_rs/shm_heap{namespace}/{rank}"), heap_name.as_bytes())?;
+        store.set(&Key::ShmHeap { namespace, rank }.text(), heap_name.as_bytes())?;
         let heap = heap.map(|(heap, _)| heap);
         let mut segments = Vec::with_capacity(size);
         let mut own = Some(own);
@@ -168,7 +169,7 @@ impl ShmGroup {
                 segments.push(own.take().expect("own segment placed once"));
                 continue;
             }
-            let peer_name = store.get(&format!("xccl_rs/shm{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+            let peer_name = store.get(&Key::ShmSegment { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
             segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), chunk)?);
         }
         let mut peer_heaps: Vec<Option<PeerHeap>> = Vec::with_capacity(size);
@@ -177,7 +178,7 @@ impl ShmGroup {
                 peer_heaps.push(None);
                 continue;
             }
-            let name = store.get(&format!("xccl_rs/shm_heap{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+            let name = store.get(&Key::ShmHeap { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
             let name = String::from_utf8_lossy(&name);
             // A peer's heap that cannot be mapped here (an address-space limit, say) leaves the
             // group without zero-copy: this rank then says so below, and every rank agrees.
@@ -198,11 +199,11 @@ impl ShmGroup {
         if reads_peers {
             said.push(b'c');
         }
-        store.set(&format!("xccl_rs/shm_mapped{namespace}/{rank}"), &said)?;
+        store.set(&Key::ShmMapped { namespace, rank }.text(), &said)?;
         let (mut zero_copy, mut all_read) = (true, true);
         for (peer, &member) in members.iter().enumerate() {
             let mapped =
-                store.get(&format!("xccl_rs/shm_mapped{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+                store.get(&Key::ShmMapped { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
             zero_copy &= mapped.first() == Some(&b'h');
             all_read &= mapped.get(1) == Some(&b'c');
         }
@@ -251,7 +252,7 @@ impl ShmGroup {
         let me = members[rank];
         let mut all = true;
         for (peer, &member) in members.iter().enumerate() {
-            let raw = store.get(&format!("xccl_rs/shm_cma{namespace}/{peer}"), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+            let raw = store.get(&Key::ShmCma { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
             if peer == rank {
                 continue;
             }

@@ -15,7 +15,8 @@ use super::handshake::{
     CHALLENGE_LEN, Challenge, FLAG_TLS, Hello, MAC_LEN, Secret, Transcript, encode_proof, flags_mismatch, random_nonce,
 };
 use crate::error::{CommError, ErrorKind, Result};
-use crate::rendezvous::{Store, address_key, parse_address, rendezvous_error};
+use crate::keys::Key;
+use crate::rendezvous::{Store, parse_address, rendezvous_error};
 
 /// How long one connection may take to authenticate (less when the group's timeout is shorter).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -102,7 +103,7 @@ pub fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<Link>>> {
     let (outgoing, incoming) = std::thread::scope(|s| {
         let acceptor = (rank + 1 < size).then(|| s.spawn(|| accept_peers(&listener, &accept_spec)));
         let outgoing = store
-            .set(&address_key(rank), format!("{host}:{port}").as_bytes())
+            .set(&Key::Address(rank).text(), format!("{host}:{port}").as_bytes())
             .and_then(|_| (0..rank).map(|peer| connect_to(spec, peer, deadline, handshake_timeout)).collect::<Result<Vec<Link>>>());
         if outgoing.is_err() {
             stop.store(true, Ordering::Release);
@@ -138,7 +139,7 @@ fn remaining(deadline: Instant) -> Duration {
 /// a peer that answers but cannot prove it knows the secret is an error at once.
 fn connect_to(spec: &MeshSpec<'_>, peer: usize, deadline: Instant, handshake_timeout: Duration) -> Result<Link> {
     let rank = spec.rank;
-    let raw = spec.store.get(&address_key(peer), remaining(deadline)).map_err(|e| rendezvous_error(rank, peer, e))?;
+    let raw = spec.store.get(&Key::Address(peer).text(), remaining(deadline)).map_err(|e| rendezvous_error(rank, peer, e))?;
     let addr = parse_address(&raw).map_err(|m| CommError::io(format!("xccl_rs: rank {peer} published an unusable address: {m}")))?;
     let mut backoff = Duration::from_millis(1);
     loop {

@@ -3,7 +3,7 @@
 //!
 //! Trust comes from the Store, as for the handshake (handshake.rs): each rank draws an
 //! ephemeral key pair and a self-signed certificate for this group only and publishes the
-//! certificate under [`cert_key`]. Each side of a link then accepts exactly the certificate its
+//! certificate under [`Key::TlsCert`]. Each side of a link then accepts exactly the certificate its
 //! peer published, and nothing else (mutual TLS, pinned certificates: no certificate
 //! authority, no names, no expiry to manage). The authenticated handshake runs first, on the
 //! plain connection, and both sides' flags are part of its MACs, so TLS cannot be stripped
@@ -21,6 +21,7 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{ClientConfig, ClientConnection, Connection, DigitallySignedStruct, DistinguishedName, ServerConfig, ServerConnection};
 
 use crate::error::{CommError, Result};
+use crate::keys::Key;
 use crate::rendezvous::{Store, rendezvous_error};
 
 /// The name in every certificate. Names are not checked (certificates are pinned), but TLS
@@ -29,11 +30,6 @@ const NAME: &str = "xccl-rs";
 
 /// The longest certificate a rank may publish; ours are about 400 bytes.
 pub const MAX_CERT_LEN: usize = 16 << 10;
-
-/// Key under which `rank` publishes its certificate (DER).
-pub fn cert_key(rank: usize) -> String {
-    format!("xccl_rs/tls_cert/{rank}")
-}
 
 /// This rank's key pair and certificate for one group.
 pub struct Identity {
@@ -56,7 +52,7 @@ impl Identity {
 
     /// Publishes the certificate for the group's other ranks.
     pub fn publish(&self, store: &dyn Store, rank: usize) -> Result<()> {
-        store.set(&cert_key(rank), self.cert.as_ref())
+        store.set(&Key::TlsCert(rank).text(), self.cert.as_ref())
     }
 }
 
@@ -71,7 +67,7 @@ pub fn parse_cert(value: &[u8]) -> std::result::Result<CertificateDer<'static>, 
 
 /// Reads `peer`'s certificate from the store.
 pub fn peer_cert(store: &dyn Store, rank: usize, peer: usize, timeout: std::time::Duration) -> Result<CertificateDer<'static>> {
-    let raw = store.get(&cert_key(peer), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
+    let raw = store.get(&Key::TlsCert(peer).text(), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
     parse_cert(&raw).map_err(|m| CommError::io(format!("xccl_rs: rank {peer} published an unusable certificate: {m}")))
 }
 

@@ -1,0 +1,67 @@
+//! Every key the core writes to or reads from a group's Store, declared once: the side that
+//! publishes a value and the side that reads it name the same variant, so a misspelt key is a
+//! compile error, not a rank waiting for a key nobody writes.
+//!
+//! The Store a group receives is already private to the group (torch's `PrefixStore` per group
+//! and device), so keys only tell the core's own exchanges apart.
+
+/// One key of the core's rendezvous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Key<'a> {
+    /// The group's secret, which rank 0 draws (rendezvous.rs).
+    Secret,
+    /// How to reach a rank over TCP: `host:port` (transport/tcp/connect.rs).
+    Address(usize),
+    /// A rank's TLS certificate, DER (transport/tcp/tls.rs).
+    TlsCert(usize),
+    /// A rank's host identity (hosts.rs).
+    Host(usize),
+    /// The name of a rank's shared-memory segment, within one host's group (`namespace` keeps
+    /// the groups of different hosts apart; transport/shm/group.rs).
+    ShmSegment { namespace: &'a str, rank: usize },
+    /// Whether a rank could map every peer's segment.
+    ShmMapped { namespace: &'a str, rank: usize },
+    /// The name of a rank's shared-memory heap.
+    ShmHeap { namespace: &'a str, rank: usize },
+    /// A rank's answer to the cross-memory-attach probe.
+    ShmCma { namespace: &'a str, rank: usize },
+}
+
+impl Key<'_> {
+    /// The key's text in the Store.
+    pub fn text(&self) -> String {
+        match self {
+            Key::Secret => "xccl_rs/secret".to_string(),
+            Key::Address(rank) => format!("xccl_rs/addr/{rank}"),
+            Key::TlsCert(rank) => format!("xccl_rs/tls_cert/{rank}"),
+            Key::Host(rank) => format!("xccl_rs/host/{rank}"),
+            Key::ShmSegment { namespace, rank } => format!("xccl_rs/shm{namespace}/{rank}"),
+            Key::ShmMapped { namespace, rank } => format!("xccl_rs/shm_mapped{namespace}/{rank}"),
+            Key::ShmHeap { namespace, rank } => format!("xccl_rs/shm_heap{namespace}/{rank}"),
+            Key::ShmCma { namespace, rank } => format!("xccl_rs/shm_cma{namespace}/{rank}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_key_is_distinct() {
+        let ns = "/h1";
+        let keys = [
+            Key::Secret,
+            Key::Address(1),
+            Key::TlsCert(1),
+            Key::Host(1),
+            Key::ShmSegment { namespace: ns, rank: 1 },
+            Key::ShmMapped { namespace: ns, rank: 1 },
+            Key::ShmHeap { namespace: ns, rank: 1 },
+            Key::ShmCma { namespace: ns, rank: 1 },
+        ];
+        let texts: std::collections::HashSet<_> = keys.iter().map(Key::text).collect();
+        assert_eq!(texts.len(), keys.len());
+        assert_eq!(Key::Address(3).text(), "xccl_rs/addr/3", "tests and tools read this one");
+    }
+}
