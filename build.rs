@@ -176,6 +176,51 @@ fn build_bridge() {
     // built against. In practice `import torch` has already loaded them by the time we load.
     println!("cargo:rustc-cdylib-link-arg=-Wl,-rpath,$ORIGIN/../torch/lib:{lib}");
     println!("cargo:rustc-env=XCCL_RS_TORCH_VERSION={}.{}", torch.version.0, torch.version.1);
+    println!("cargo:rerun-if-env-changed=XCCL_RS_PORTABLE");
+    if std::env::var_os("XCCL_RS_PORTABLE").is_some_and(|v| v == "1") {
+        link_portable(&torch);
+    }
+}
+
+/// XCCL_RS_PORTABLE=1 (scripts/build_wheels.sh): the extension needs no newer glibc and
+/// libstdc++ than torch's own wheels (manylinux_2_28), though it is built on a newer system.
+/// tools/manylinux_shim.cc (which says why each of its wraps is sound) is linked in, as an
+/// object so that it is always loaded, with `-Wl,--wrap=X` for each `__wrap_X` it defines.
+/// Off by default: a build for this machine needs none of it.
+#[cfg(feature = "cpp")]
+fn link_portable(torch: &Torch) {
+    const SHIM: &str = "tools/manylinux_shim.cc";
+    println!("cargo:rerun-if-changed={SHIM}");
+    let text = std::fs::read_to_string(SHIM).unwrap_or_else(|e| panic!("{SHIM}: {e}"));
+    let mut build = cc::Build::new();
+    // C++17: the shim itself must reference nothing newer. Only torch's C++ ABI of its flags.
+    build.cpp(true).file(SHIM).flag("-std=c++17").opt_level(2).debug(false);
+    for flag in torch.cxx_flags.iter().filter(|f| f.starts_with("-D_GLIBCXX_USE_CXX11_ABI")) {
+        build.flag(flag);
+    }
+    for object in build.compile_intermediates() {
+        println!("cargo:rustc-cdylib-link-arg={}", object.display());
+    }
+    for symbol in wrapped_symbols(&text) {
+        println!("cargo:rustc-cdylib-link-arg=-Wl,--wrap={symbol}");
+    }
+    // Before glibc 2.34 the pthread functions live in libpthread.so.0 and dlsym in libdl.so.2.
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--push-state,--no-as-needed,-l:libpthread.so.0,-l:libdl.so.2,--pop-state");
+}
+
+/// The X of every `__wrap_X` the shim defines (a name followed by `(` or `=`), in order.
+#[cfg(feature = "cpp")]
+fn wrapped_symbols(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for (i, _) in text.match_indices("__wrap_") {
+        let rest = &text[i + "__wrap_".len()..];
+        let name: String = rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+        let after = rest[name.len()..].trim_start();
+        if !name.is_empty() && (after.starts_with('(') || after.starts_with('=')) && !out.contains(&name) {
+            out.push(name);
+        }
+    }
+    out
 }
 
 /// One translation unit that includes every C++ source and the cxx glue. Each of them includes

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,18 @@ major, minor = flags["version_major"][0], flags["version_minor"][0]
 abi = flags["cxx11_abi"][0] == "1"
 
 
+def crate_version() -> str:
+    """xccl_rs's own version: the crate's (Cargo.toml), which CMakeLists.txt reads too."""
+    with open(os.path.join(ROOT, "Cargo.toml")) as f:
+        return re.search(r'^version = "([0-9][0-9.]*)"', f.read(), re.M).group(1)
+
+
+# The distribution's version leads with the torch release it is compiled against, then ours:
+# xccl_rs 0.1.0 for torch 2.15 is 2.15.0.1.0. A c10d backend is built per torch minor version,
+# and this way `pip install "xccl_rs==2.15.*"` gets the newest xccl_rs for torch 2.15 from an
+# index that holds wheels for every torch (docs/building.md#wheels says why not the alternatives).
+VERSION = f"{major}.{minor}.{crate_version()}"
+
 
 def write_if_changed(path: str, text: str) -> None:
     """cargo reruns build.rs (and recompiles the C++) when the flags file's time changes."""
@@ -69,7 +82,8 @@ write_if_changed(
     BUILD_INFO,
     '"""Written by setup.py: the torch this copy of xccl_rs was compiled against."""\n\n'
     f'TORCH_VERSION = "{major}.{minor}"\n'
-    f"TORCH_CXX11_ABI = {abi}\n",
+    f"TORCH_CXX11_ABI = {abi}\n"
+    f'DISTRIBUTION_VERSION = "{VERSION}"\n',
 )
 
 # What the package imports at run time besides torch (python_tests/test_packaging.py checks that
@@ -77,4 +91,4 @@ write_if_changed(
 # numpy is not one: the package never calls .numpy() (torch does not bring numpy).
 DEPENDENCIES = ["tqdm>=4.62"]
 
-setup(install_requires=[f"torch=={major}.{minor}.*", *DEPENDENCIES])
+setup(version=VERSION, install_requires=[f"torch=={major}.{minor}.*", *DEPENDENCIES])
