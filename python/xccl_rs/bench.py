@@ -1,27 +1,55 @@
 """Collective benchmark: python -m xccl_rs.bench
 
 Runs N local ranks and times all_reduce, broadcast, all_gather and reduce_scatter on gloo and
-on xccl_rs side by side, in one run, over the same tensors. Prints time, algorithm bandwidth,
-bus bandwidth (nccl-tests formulas) and xccl_rs's speed-up over gloo; writes JSON with --json.
---peer deepspeed adds DeepSpeed's CPU shared-memory all-reduce (when DeepSpeed imports) and
---memory-bound the bound the machine's copy bandwidth sets (bench_peers.py says how both work);
---backends ... zero-copy times xccl_rs on tensors from its shared-memory heap (xccl_rs.empty).
+on xccl_rs side by side, in one run, over the same tensors, in the shape of nccl-tests'
+all_reduce_perf: one line per size and backend with out-of-place and in-place columns (time,
+algbw, busbw, #wrong), then closing lines with the wrong elements and the average bus
+bandwidth. --json writes every field, each iteration's time included; --plot draws busbw
+against size. --peer deepspeed adds DeepSpeed's CPU shared-memory all-reduce (when DeepSpeed
+imports) and --memory-bound the bound the machine's copy bandwidth sets (bench_peers.py says
+how both work); --backends ... zero-copy times xccl_rs on tensors from its shared-memory heap
+(xccl_rs.empty).
 
-Bus bandwidth (n ranks, S bytes, t seconds; nccl-tests' PERFORMANCE.md):
-  all_reduce      algbw = S / t,  busbw = algbw * 2 (n-1) / n   (all_reduce_avg: ReduceOp.AVG)
-  broadcast       algbw = S / t,  busbw = algbw
-  all_gather      algbw = S / t,  busbw = algbw * (n-1) / n     (S: the gathered output)
-  reduce_scatter  algbw = S / t,  busbw = algbw * (n-1) / n     (S: the full input)
+Columns (n ranks):
+  size     bytes of the op's buffer S (all_gather: the gathered output; reduce_scatter: the
+           full input), B
+  count    its elements; type: the dtype; redop: sum, avg or none; root: broadcast's, else -1
+  time     the slowest rank's mean time per iteration over the timed iterations, us
+  algbw    S / time, GB/s (10^9 bytes per second)
+  busbw    algbw * the op's bus factor (nccl-tests' PERFORMANCE.md), GB/s:
+             all_reduce 2(n-1)/n, broadcast 1, all_gather and reduce_scatter (n-1)/n
+  #wrong   elements of the result that differ from the reference, summed over the ranks
+  vs gloo  gloo's time / this line's (vs ds: DeepSpeed's time / this line's)
+
+Out of place and in place: torch's all_reduce (SUM, and AVG as all_reduce_avg) and broadcast
+work in place only, one tensor being input and output, so they fill the in-place columns and
+out-of-place shows "-". all_gather (all_gather_into_tensor) and reduce_scatter
+(reduce_scatter_tensor) run both: out of place on separate tensors, in place as nccl-tests
+does, the input being this rank's slot of the output (all_gather) or the output this rank's
+slot of the input (reduce_scatter).
+
+The check, after the timed iterations: every rank fills its input from a seed of (op, dtype,
+size, rank), fills its output with NaN, runs the op once and compares the result with a
+reference computed with plain torch ops from every rank's input, regenerated locally (never
+with a backend). Inputs are small integers, so sums are exact in every dtype and must match
+exactly; AVG may differ by one rounding of the dtype. --no-check skips it (#wrong N/A).
+
+Closing lines: the wrong elements of the whole run (exit status 1 if any), and per backend
+its average bus bandwidth: the mean over its results (every op, dtype, size and mode) of busbw,
+then the same mean of each result's per-iteration min, median and max busbw.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
+import statistics
 import sys
 import time
+import zlib
 from datetime import timedelta
 
 import torch
@@ -39,6 +67,14 @@ BUS_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
 }
+REDOP = {"all_reduce": "sum", "all_reduce_avg": "avg", "broadcast": "none", "all_gather": "none",
+         "reduce_scatter": "sum"}
+MODES = ("out_of_place", "in_place")
+IN_PLACE_ONLY = ("all_reduce", "all_reduce_avg", "broadcast")  # torch's ops take one tensor
+CHUNK = 1 << 20  # elements per step of filling and checking: bounds the reference's memory
+# Testing the benchmark itself (hidden --inject wrong): rank 0 adds this to the first element of
+# every result after the checked run, so #wrong must be > 0 and the exit status 1.
+INJECTED_ERROR = 100.0
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -62,16 +98,13 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def human(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"
-
-
 def iterations(nbytes: int, scale: float) -> int:
     """Enough repetitions for a stable median, few for huge tensors."""
     return max(3, min(200, int(scale * (256 << 20) / max(nbytes, 1 << 16))))
+
+
+def modes(op: str) -> tuple[str, ...]:
+    return ("in_place",) if op in IN_PLACE_ONLY else MODES
 
 
 def _free_port() -> int:
@@ -80,40 +113,125 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make(op: str, nbytes: int, dtype: torch.dtype, rank: int, world: int, device: torch.device, heap=None):
-    """The tensors of one op, and a closure that runs it on a group. `heap`: the group whose
-    shared-memory heap holds the tensors (`xccl_rs.empty`: the zero-copy column)."""
-    esz = torch.tensor([], dtype=dtype).element_size()
+# ---------------------------------------------------------------- inputs and the reference
+
+
+def pattern(key: int, start: int, stop: int, amplitude: int) -> torch.Tensor:
+    """Elements [start, stop) of the input seeded by `key`: integers in [-amplitude, amplitude]
+    (int64), a hash of (key, index), so that any slice can be made on its own."""
+    h = torch.arange(start, stop, dtype=torch.int64).mul_(0x9E3779B1).add_(key).bitwise_and_(0xFFFFFFFF)
+    h.bitwise_xor_(h >> 15).mul_(0x2C1B3C6D).bitwise_and_(0xFFFFFFFF)
+    h.bitwise_xor_(h >> 12)
+    return h.remainder_(2 * amplitude + 1).sub_(amplitude)
+
+
+def shape(op: str, nbytes: int, dtype: torch.dtype, world: int) -> tuple[int, int, int]:
+    """(per, count, size) of an op asked for `nbytes`: all_gather and reduce_scatter have `per`
+    elements per rank and a buffer of `count = per * world` (the gathered output, the full
+    input); all_reduce and broadcast one tensor of `count` (= per). `size`: the bytes of that
+    buffer, S, which can exceed `nbytes` at tiny sizes (at least one element per rank)."""
+    esz = torch.empty((), dtype=dtype).element_size()
+    if op in ("all_gather", "reduce_scatter"):
+        per = max(1, nbytes // esz // world)
+        return per, per * world, per * world * esz
     count = max(1, nbytes // esz)
-    kw = {"dtype": dtype, "device": device}
-    if heap is not None:
-        import xccl_rs
+    return count, count, count * esz
 
-        def full(shape, value, dtype, device):
-            return xccl_rs.empty(shape, dtype=dtype, group=heap).fill_(value)
 
-        def empty(shape, dtype, device):
-            return xccl_rs.empty(shape, dtype=dtype, group=heap)
-    else:
-        full, empty = torch.full, torch.empty
-    if op in ("all_reduce", "all_reduce_avg"):
-        t = full((count,), float(rank + 1), **kw)
-        reduce_op = dist.ReduceOp.AVG if op == "all_reduce_avg" else dist.ReduceOp.SUM
-        return lambda g: dist.all_reduce(t, op=reduce_op, group=g)
-    if op == "broadcast":
-        t = full((count,), float(rank), **kw)
-        return lambda g: dist.broadcast(t, src=dist.get_global_rank(g, 0), group=g)
-    if op == "all_gather":
-        per = max(1, count // world)
-        out = empty((per * world,), **kw)
-        inp = full((per,), float(rank), **kw)
-        return lambda g: dist.all_gather_into_tensor(out, inp, group=g)
-    if op == "reduce_scatter":
-        per = max(1, count // world)
-        inp = full((per * world,), float(rank), **kw)
-        out = empty((per,), **kw)
-        return lambda g: dist.reduce_scatter_tensor(out, inp, group=g)
-    raise ValueError(op)
+class Case:
+    """One op in one mode on this rank: its tensors, `run(group)`, `fill()` (the input from the
+    seed, the output poisoned) and `wrong()` (the elements of the output that differ from the
+    reference). Its sizes are `shape`'s."""
+
+    def __init__(self, op, mode, nbytes, dtype, rank, world, device, heap=None, runner=None):
+        self.op, self.mode, self.dtype, self.rank, self.world = op, mode, dtype, rank, world
+        self.per, self.count, self.size = shape(op, nbytes, dtype, world)
+        # Small integers: a sum over the ranks stays exact in bfloat16 (8-bit significand).
+        self.amplitude = max(1, min(4, 256 // world))
+        self.keys = [zlib.crc32(f"{op}/{dtype}/{self.count}/{r}".encode()) for r in range(world)]
+        if heap is not None:
+            import xccl_rs
+
+            def alloc(n):
+                return xccl_rs.empty((n,), dtype=dtype, group=heap)
+        else:
+            def alloc(n):
+                return torch.empty((n,), dtype=dtype, device=device)
+        in_place = mode == "in_place"
+        lo, hi = rank * self.per, (rank + 1) * self.per
+        if op in IN_PLACE_ONLY:
+            self.inp = self.out = alloc(self.count)
+        elif op == "all_gather":
+            self.out = alloc(self.count)
+            self.inp = self.out[lo:hi] if in_place else alloc(self.per)
+        elif op == "reduce_scatter":
+            self.inp = alloc(self.count)
+            self.out = self.inp[lo:hi] if in_place else alloc(self.per)
+        else:
+            raise ValueError(op)
+        self.runner = runner
+
+    def run(self, group) -> None:
+        if self.runner is not None:
+            self.runner(self.inp)
+        elif self.op in ("all_reduce", "all_reduce_avg"):
+            reduce_op = dist.ReduceOp.AVG if self.op == "all_reduce_avg" else dist.ReduceOp.SUM
+            dist.all_reduce(self.inp, op=reduce_op, group=group)
+        elif self.op == "broadcast":
+            dist.broadcast(self.inp, src=dist.get_global_rank(group, 0), group=group)
+        elif self.op == "all_gather":
+            dist.all_gather_into_tensor(self.out, self.inp, group=group)
+        else:
+            dist.reduce_scatter_tensor(self.out, self.inp, group=group)
+
+    def fill(self) -> None:
+        """The output NaN (a result that is not written cannot pass), then the input from this
+        rank's seed (broadcast: only the root's; the others' tensor stays NaN)."""
+        self.out.fill_(float("nan"))
+        if self.op == "broadcast" and self.rank != 0:
+            return
+        for a in range(0, self.inp.numel(), CHUNK):
+            b = min(a + CHUNK, self.inp.numel())
+            self.inp[a:b].copy_(pattern(self.keys[self.rank], a, b, self.amplitude))
+
+    def expected(self, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of this rank's correct output, float64, from every rank's input."""
+        amp, keys = self.amplitude, self.keys
+        if self.op in ("all_reduce", "all_reduce_avg"):
+            ref = sum(pattern(k, a, b, amp) for k in keys).double()
+            return ref / self.world if self.op == "all_reduce_avg" else ref
+        if self.op == "broadcast":
+            return pattern(keys[0], a, b, amp).double()
+        if self.op == "reduce_scatter":
+            lo = self.rank * self.per
+            return sum(pattern(k, lo + a, lo + b, amp) for k in keys).double()
+        # all_gather: slot r of the output is rank r's input
+        parts, i = [], a
+        while i < b:
+            r, off = divmod(i, self.per)
+            j = min(b, (r + 1) * self.per)
+            parts.append(pattern(keys[r], off, off + j - i, amp))
+            i = j
+        return torch.cat(parts).double()
+
+    def wrong(self) -> int:
+        """Elements of the output that differ from the reference: exactly (sums of small
+        integers are exact in every dtype), or for AVG beyond one rounding of the dtype."""
+        bad = 0
+        eps = torch.finfo(self.dtype).eps
+        for a in range(0, self.out.numel(), CHUNK):
+            b = min(a + CHUNK, self.out.numel())
+            got = self.out[a:b].to("cpu", torch.float64)
+            exp = self.expected(a, b)
+            if self.op == "all_reduce_avg":
+                ok = (got - exp).abs() <= eps * exp.abs()
+            else:
+                ok = got == exp.to(self.dtype).double()
+            bad += int((~ok).sum())
+        return bad
+
+
+# ---------------------------------------------------------------- timing
 
 
 def _issue_async(group, control, device: torch.device, count: int) -> dict:
@@ -145,21 +263,98 @@ def _sync(device: torch.device) -> None:
         getattr(torch, device.type).synchronize(device)
 
 
-def _time(run, group, iters, device, control, nbytes, op, world, warm=True) -> dict:
-    """The slowest rank's mean time per call of `run(group)`, all ranks starting together."""
-    if warm:
-        for _ in range(max(1, iters // 10)):
-            run(group)
+def _iteration_seconds(run, iters: int, device: torch.device) -> list[float]:
+    """This rank's time of each of `iters` back-to-back calls of `run()`: host clock stamps
+    between the calls on CPU; on a device, events recorded on the current stream between the
+    calls (no synchronisation in the loop, so the calls pipeline as they would without
+    timing)."""
+    if device.type == "cpu":
+        stamps = [time.perf_counter()]
+        for _ in range(iters):
+            run()
+            stamps.append(time.perf_counter())
+        return [b - a for a, b in zip(stamps, stamps[1:])]
+    if hasattr(torch, "Event"):  # torch >= 2.4: device-generic
+        events = [torch.Event(device=device, enable_timing=True) for _ in range(iters + 1)]
+    else:
+        events = [getattr(torch, device.type).Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for e in events[1:]:
+        run()
+        e.record()
+    events[-1].synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+
+
+def _time(run, group, iters, device, control) -> tuple[list[float], int]:
+    """The time of each iteration of `run(group)` (seconds) on the slowest rank (the one whose
+    mean is the largest), and that rank; all ranks start together. One rank's iterations, not
+    the slowest of each iteration over the ranks: ranks in lock-step often alternate short and
+    long iterations out of phase (one waits while the other works), and the maximum of each
+    pair would count every iteration as a long one."""
     dist.barrier(group=control)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run(group)
-    _sync(device)
-    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
-    sec = elapsed.item()
-    algbw = nbytes / sec / 1e9
-    return {"time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](world)}
+    own = torch.tensor(_iteration_seconds(lambda: run(group), iters, device), dtype=torch.float64)
+    every = [torch.empty_like(own) for _ in range(dist.get_world_size(control))]
+    dist.all_gather(every, own, group=control)
+    slowest = max(range(len(every)), key=lambda r: every[r].mean().item())
+    return every[slowest].tolist(), slowest
+
+
+def result(secs: list[float], size: int, factor: float) -> dict:
+    """time, algbw and busbw of one result (its mean), the spread of busbw over its
+    iterations, and every iteration's time."""
+    mean = statistics.fmean(secs)
+    algbw = size / mean / 1e9
+    busbws = [size / s / 1e9 * factor for s in secs]
+    return {"time_us": mean * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * factor,
+            "busbw_GBps_min": min(busbws), "busbw_GBps_median": statistics.median(busbws),
+            "busbw_GBps_max": max(busbws), "times_us": [s * 1e6 for s in secs]}
+
+
+def _measure(case: Case, group, name: str, iters: int, device, control, args, rank: int) -> dict | None:
+    """One result: warm-up, timed iterations, then the check. None if the backend cannot
+    run the op (told on rank 0)."""
+    failed = torch.zeros(1)
+    try:
+        case.fill()
+        for _ in range(max(1, iters // 10)):
+            case.run(group)
+        _sync(device)
+    except RuntimeError as e:  # gloo lacks some ops on device tensors
+        if rank == 0:
+            mode = case.mode.replace("_", "-")
+            print(f"# {name} {case.op} {mode} on {device}: not run ({str(e).splitlines()[0][:100]})", flush=True)
+        failed.fill_(1)
+    dist.all_reduce(failed, group=control)
+    if failed.item():
+        return None
+    secs, slowest = _time(case.run, group, iters, device, control)
+    out = result(secs, case.size, BUS_FACTOR[case.op](case.world))
+    out["slowest_rank"] = slowest
+    out["wrong"] = None
+    if args.check:
+        case.fill()
+        case.run(group)
+        _sync(device)
+        if args.inject == "wrong" and rank == 0:
+            case.out.view(-1)[:1].add_(INJECTED_ERROR)
+        wrong = torch.tensor([case.wrong()], dtype=torch.float64)
+        dist.all_reduce(wrong, group=control)
+        out["wrong"] = int(wrong.item())
+    return out
+
+
+def _entry(results: dict, op: str) -> dict:
+    """A backend's results for one (op, dtype, size): time, algbw and busbw of its main mode
+    (in place for torch's in-place ops, else out of place), the wrong elements of both, and
+    each mode's result."""
+    main = results.get("in_place") if op in IN_PLACE_ONLY else (results.get("out_of_place") or results.get("in_place"))
+    wrongs = [r["wrong"] for r in results.values() if r.get("wrong") is not None]
+    entry = {k: main[k] for k in ("time_us", "algbw_GBps", "busbw_GBps")}
+    entry["wrong"] = sum(wrongs) if wrongs else None
+    for mode in MODES:
+        entry[mode] = results.get(mode)
+    return entry
 
 
 def _worker(rank, world, port, args, queue):
@@ -185,47 +380,48 @@ def _worker(rank, world, port, args, queue):
     groups = {k: v for k, v in groups.items() if k in args.backends}
     control = dist.new_group(backend="gloo")
     peer = DeepSpeedPeer(rank, world, port, control) if args.peer == "deepspeed" else None
-    rows = []
     if args.issue_async and "xccl_rs" in groups:
-        rows.append(_issue_async(groups["xccl_rs"], control, device, args.issue_async))
+        note = _issue_async(groups["xccl_rs"], control, device, args.issue_async)
         if rank == 0:
-            queue.put(("note", rows[-1]))
+            queue.put(("note", note))
     for op in args.ops:
         for dname in args.dtypes:
+            dtype = DTYPES[dname]
             for size_text in args.sizes:
                 nbytes = parse_size(size_text)
                 iters = iterations(nbytes, args.scale)
-                row = {"op": op, "dtype": dname, "bytes": nbytes, "ranks": world, "iters": iters}
+                _, count, size = shape(op, nbytes, dtype, world)
+                row = {"op": op, "dtype": dname, "bytes": nbytes, "size": size, "count": count,
+                       "redop": REDOP[op], "root": 0 if op == "broadcast" else -1, "ranks": world, "iters": iters}
                 for name, group in groups.items():
                     heap = group if name == "zero-copy" else None
-                    run = _make(op, nbytes, DTYPES[dname], rank, world, device, heap)
-                    failed = torch.zeros(1)
-                    try:
-                        for _ in range(max(1, iters // 10)):
-                            run(group)
-                        _sync(device)
-                    except RuntimeError as e:  # gloo lacks some ops on device tensors
-                        if rank == 0:
-                            print(f"  {name} {op} on {device}: {str(e).splitlines()[0][:100]}", flush=True)
-                        failed.fill_(1)
-                    dist.all_reduce(failed, group=control)
-                    if failed.item():
-                        continue
-                    row[name] = _time(run, group, iters, device, control, nbytes, op, world, warm=False)
+                    results = {}
+                    for mode in modes(op):
+                        case = Case(op, mode, nbytes, dtype, rank, world, device, heap)
+                        r = _measure(case, group, name, iters, device, control, args, rank)
+                        del case
+                        if r is not None:
+                            results[mode] = r
+                    if results:
+                        row[name] = _entry(results, op)
                 if peer is not None and peer.supports(op, dname) is None:
-                    run = peer.make(nbytes, DTYPES[dname], rank, world, control)
-                    row["deepspeed"] = _time(run, None, iters, device, control, nbytes, op, world)
+                    case = Case(op, "in_place", nbytes, dtype, rank, world, device, runner=peer.all_reduce_)
+                    r = _measure(case, None, "deepspeed", iters, device, control, args, rank)
+                    del case
+                    if r is not None:
+                        row["deepspeed"] = _entry({"in_place": r}, op)
                 if args.memory_bound:
-                    per_rank = copy_bandwidth(nbytes, iters, control, copier_threads(world // args.fake_hosts))
-                    sec = nbytes * BUS_FACTOR[op](world) / per_rank
-                    row["bound"] = {"time_us": sec * 1e6, "algbw_GBps": nbytes / sec / 1e9, "busbw_GBps": per_rank / 1e9}
+                    size = row["size"]
+                    per_rank = copy_bandwidth(size, iters, control, copier_threads(world // args.fake_hosts))
+                    sec = size * BUS_FACTOR[op](world) / per_rank
+                    bound = {"time_us": sec * 1e6, "algbw_GBps": size / sec / 1e9, "busbw_GBps": per_rank / 1e9}
+                    row["bound"] = {**bound, "wrong": None, **{m: (dict(bound) if m in modes(op) else None) for m in MODES}}
                 if "gloo" in row and "xccl_rs" in row:
                     row["speedup"] = row["gloo"]["time_us"] / row["xccl_rs"]["time_us"]
                 if "deepspeed" in row and "xccl_rs" in row:
                     row["vs_deepspeed"] = row["deepspeed"]["time_us"] / row["xccl_rs"]["time_us"]
                 if "deepspeed" in row and "zero-copy" in row:
                     row["zero_copy_vs_deepspeed"] = row["deepspeed"]["time_us"] / row["zero-copy"]["time_us"]
-                rows.append(row)
                 if rank == 0:
                     queue.put(("row", row))
     if rank == 0:
@@ -234,22 +430,151 @@ def _worker(rank, world, port, args, queue):
     dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------- the parent: the table
+
+
 def _columns(args) -> list[str]:
-    """What each row shows, left to right: the backends, then the peer, then the bound."""
+    """The lines of each size, top to bottom: the backends, then the peer, then the bound."""
     return list(args.backends) + (["deepspeed"] if args.peer else []) + (["bound"] if args.memory_bound else [])
 
 
-def _print_row(row, columns):
-    cells = [f"{row['op']:<15}", f"{row['dtype']:<9}", f"{human(row['bytes']):>9}"]
-    for b in columns:
-        r = row.get(b)
-        cells.append(f"{r['time_us']:>12.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f}" if r else f"{'-':>12} {'':>7} {'':>7}")
-    for key in ("speedup", "vs_deepspeed", "zero_copy_vs_deepspeed"):
-        if key in row:
-            cells.append(f"{row[key]:>8.2f}x")
-        elif key != "speedup" and "deepspeed" in columns and (key == "vs_deepspeed" or "zero-copy" in columns):
-            cells.append(f"{'-':>9}")
-    print(" ".join(cells), flush=True)
+LEAD = f"{'':>12} {'':>12} {'':>9} {'':>6} {'':>5} {'':>10}"
+
+
+def header_lines(args) -> list[str]:
+    """The table's header, nccl-tests' shape: the modes, the column names, their units."""
+    mode_w = 9 + 1 + 7 + 1 + 7 + 1 + 6
+    names = (f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'root':>5} {'backend':>10}"
+             + f" {'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6}" * 2)
+    units = (f"{'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'':>5} {'':>10}"
+             + f" {'(us)':>9} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}" * 2)
+    ratios = _ratio_names(args)
+    for name in ratios:
+        names += f" {name:>8}"
+        units += f" {'(x)':>8}"
+    return [f"#{LEAD[1:]} {'out-of-place':^{mode_w}} {'in-place':^{mode_w}}".rstrip(),
+            "#" + names[1:], "#" + units[1:].rstrip()]
+
+
+def _ratio_names(args) -> list[str]:
+    out = ["vs gloo"] if "gloo" in args.backends and len(args.backends) > 1 else []
+    return out + (["vs ds"] if args.peer else [])
+
+
+def _mode_cells(r: dict | None, check: bool) -> str:
+    if r is None:
+        return f" {'-':>9} {'-':>7} {'-':>7} {'-':>6}"
+    wrong = "N/A" if r.get("wrong") is None else str(r["wrong"])
+    if "times_us" not in r:  # the bound: nothing to check
+        wrong = "-"
+    elif not check:
+        wrong = "N/A"
+    return f" {r['time_us']:>9.1f} {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} {wrong:>6}"
+
+
+def row_lines(row: dict, args) -> list[str]:
+    lines = []
+    for b in _columns(args):
+        e = row.get(b)
+        if e is None:
+            continue
+        line = (f"{row['size']:>12} {row['count']:>12} {row['dtype']:>9} {row['redop']:>6} {row['root']:>5} {b:>10}"
+                + "".join(_mode_cells(e.get(m), args.check) for m in MODES))
+        for name in _ratio_names(args):
+            ref = row.get("gloo" if name == "vs gloo" else "deepspeed")
+            shown = f"{ref['time_us'] / e['time_us']:.2f}" if ref and b not in ("gloo", "deepspeed", "bound") else ""
+            line += f" {shown:>8}"
+        lines.append(line.rstrip())
+    return lines
+
+
+def _section(op: str) -> str:
+    what = {
+        "all_reduce": "all_reduce, ReduceOp.SUM: torch's all_reduce is in place (in-place columns only)",
+        "all_reduce_avg": "all_reduce, ReduceOp.AVG: torch's all_reduce is in place (in-place columns only)",
+        "broadcast": "broadcast from rank 0: torch's broadcast is in place (in-place columns only)",
+        "all_gather": "all_gather_into_tensor (size: the gathered output; in place: the input is this rank's slot of it)",
+        "reduce_scatter": "reduce_scatter_tensor, ReduceOp.SUM (size: the full input; in place: the output is this "
+                          "rank's slot of it)",
+    }[op]
+    return f"# {what}"
+
+
+def summary(rows: list[dict], backends: list[str]) -> dict:
+    """Per backend: the mean over its results (op, dtype, size, mode) of busbw and of each
+    result's per-iteration min, median and max busbw; and the wrong elements of the run."""
+    out = {"backends": {}, "wrong": 0, "wrong_results": [], "checked": False}
+    for b in backends:
+        stats = []
+        for row in rows:
+            for mode in MODES:
+                r = (row.get(b) or {}).get(mode)
+                if r is None or "times_us" not in r:
+                    continue
+                stats.append((r["busbw_GBps"], r["busbw_GBps_min"], r["busbw_GBps_median"], r["busbw_GBps_max"]))
+                if r.get("wrong") is not None:
+                    out["checked"] = True
+                    out["wrong"] += r["wrong"]
+                    if r["wrong"]:
+                        out["wrong_results"].append(
+                            f"{row['op']} {row['dtype']} {row['size']} B {b} {mode.replace('_', '-')}: {r['wrong']}")
+        if stats:
+            avg, lo, med, hi = (statistics.fmean(s[i] for s in stats) for i in range(4))
+            out["backends"][b] = {"avg_busbw_GBps": avg, "min_GBps": lo, "median_GBps": med, "max_GBps": hi,
+                                  "results": len(stats)}
+    return out
+
+
+def closing_lines(s: dict) -> list[str]:
+    if not s["checked"]:
+        lines = ["# Wrong elements       : not checked (--no-check)"]
+    elif s["wrong"]:
+        lines = [f"# Wrong elements       : {s['wrong']} FAILED in {len(s['wrong_results'])} results: "
+                 + "; ".join(s["wrong_results"][:10]) + (" ..." if len(s["wrong_results"]) > 10 else "")]
+    else:
+        lines = ["# Wrong elements       : 0 OK"]
+    width = max((len(b) for b in s["backends"]), default=0)
+    for b, v in s["backends"].items():
+        lines.append(f"# Avg bus bandwidth    : {b:<{width}} {v['avg_busbw_GBps']:.3f} GB/s  (per iteration: "
+                     f"min {v['min_GBps']:.3f}, median {v['median_GBps']:.3f}, max {v['max_GBps']:.3f}; "
+                     f"mean over {v['results']} results)")
+    return lines
+
+
+def plot(path: str, rows: list[dict], backends: list[str]) -> None:
+    """busbw against size, one panel per op, one line per backend (its colour, the same in every
+    panel), dtype (its marker) and mode (out of place solid, in place dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in rows if "size" in r))
+    cols = min(3, max(1, len(ops)))
+    nrows = max(1, math.ceil(len(ops) / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows if "size" in r))
+    for ax, op in zip(axes.flat, ops):
+        for colour, b in enumerate(backends):
+            for dname in dtypes:
+                for mode in MODES:
+                    pts = sorted((r["size"], r[b][mode]["busbw_GBps"]) for r in rows
+                                 if r.get("op") == op and r["dtype"] == dname and (r.get(b) or {}).get(mode))
+                    if pts:
+                        ax.plot(*zip(*pts), color=f"C{colour}", marker="os^vD"[dtypes.index(dname) % 5],
+                                linestyle="-" if mode == "out_of_place" else "--",
+                                label=f"{b} {dname} {mode.replace('_', '-')}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("size (B)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(ops):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -273,14 +598,26 @@ def main(argv=None) -> int:
     p.add_argument("--memory-bound", action="store_true",
                    help="also measure the copy bandwidth of as many concurrent copiers as ranks (each with the threads "
                         "an xccl_rs rank uses) and print each op's bound")
-    p.add_argument("--json", metavar="PATH", help="write the results to this file")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="do not check the results against the reference (#wrong N/A); the check makes every "
+                        "rank's input on each rank, which takes longer than the op at the largest sizes")
+    p.add_argument("--json", metavar="PATH", help="write every field to this file, each iteration's time included")
+    p.add_argument("--plot", metavar="PNG", help="draw busbw against size for every backend to this file (needs matplotlib)")
+    # Testing the benchmark itself: rank 0 corrupts one element of every result after the checked
+    # run (INJECTED_ERROR), so #wrong must be > 0 and the exit status 1 (python_tests/test_bench.py).
+    p.add_argument("--inject", choices=["wrong"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib, which is not installed here (pip install matplotlib)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "zero-copy" in args.backends and args.device != "cpu":
-        print("--backends zero-copy: not run (the heap holds CPU tensors)", flush=True)
+        print("# --backends zero-copy: not run (the heap holds CPU tensors)", flush=True)
         args.backends = [b for b in args.backends if b != "zero-copy"]
     if args.peer and args.device != "cpu":
-        print(f"--peer {args.peer}: not run (it takes CPU tensors only)", flush=True)
+        print(f"# --peer {args.peer}: not run (it takes CPU tensors only)", flush=True)
         args.peer = None
     if args.peer == "deepspeed":
         from xccl_rs.bench_peers import build_deepspeed_op, deepspeed_available
@@ -289,32 +626,26 @@ def main(argv=None) -> int:
         if why is None:
             _, why = build_deepspeed_op()  # once here, so that the ranks load the cached build
         if why is not None:
-            print(f"--peer deepspeed: not run ({why})", flush=True)
+            print(f"# --peer deepspeed: not run ({why})", flush=True)
             args.peer = None
     hosts = f" as {args.fake_hosts} hosts" if args.fake_hosts > 1 else ""
-    print(f"xccl_rs.bench: {args.ranks} ranks{hosts}, {args.device} tensors, torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
+    print(f"# xccl_rs.bench: {args.ranks} ranks{hosts}, {args.device} tensors, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs; check: {'on' if args.check else 'off'}", flush=True)
     if args.memory_bound:
         from xccl_rs.bench_peers import copier_threads
 
-        print(f"bound: {args.ranks} concurrent copiers of {copier_threads(args.ranks // args.fake_hosts)} threads each", flush=True)
-    header = [f"{'op':<15}", f"{'dtype':<9}", f"{'size':>9}"]
-    columns = _columns(args)
-    for b in columns:
-        header.append(f"{b + ' time(us)':>12} {'algbw':>7} {'busbw':>7}")
-    if "gloo" in args.backends and "xccl_rs" in args.backends:
-        header.append(f"{'vs gloo':>9}")
-    if args.peer:
-        header.append(f"{'vs ds':>9}")
-        if "zero-copy" in args.backends:
-            header.append(f"{'zc vs ds':>9}")
-    print(" ".join(header))
+        print(f"# bound: {args.ranks} concurrent copiers of {copier_threads(args.ranks // args.fake_hosts)} threads each",
+              flush=True)
+    print("#")
+    for line in header_lines(args):
+        print(line)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
     for proc in procs:
         proc.start()
-    rows = []
+    rows, notes, op_shown = [], [], None
     while True:
         if queue.empty():
             if any(proc.exitcode not in (None, 0) for proc in procs):
@@ -329,19 +660,32 @@ def main(argv=None) -> int:
             break
         if kind == "note":
             for label in ("cold", "warm"):
-                print(f"issuing {row['count']} async all_reduces of 1 MiB ({row['device']}, {label}): "
+                print(f"# issuing {row['count']} async all_reduces of 1 MiB ({row['device']}, {label}): "
                       f"{row[label + '_issue_ms']:.2f} ms to return, {row[label + '_complete_ms']:.2f} ms to complete",
                       flush=True)
-            rows.append(row)
+            notes.append(row)
             continue
         rows.append(row)
-        _print_row(row, columns)
+        if row["op"] != op_shown:
+            print(_section(row["op"]), flush=True)
+            op_shown = row["op"]
+        for line in row_lines(row, args):
+            print(line, flush=True)
     for proc in procs:
         proc.join()
+    s = summary(rows, [b for b in _columns(args) if b != "bound"])
+    for line in closing_lines(s):
+        print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": args.ranks, "device": args.device, "torch": torch.__version__, "cpus": os.cpu_count(), "rows": rows}, f, indent=1)
-    return 0 if all(proc.exitcode == 0 for proc in procs) else 1
+            json.dump({"ranks": args.ranks, "device": args.device, "torch": torch.__version__, "cpus": os.cpu_count(),
+                       "check": args.check, "rows": notes + rows, "summary": s}, f, indent=1)
+    if args.plot:
+        plot(args.plot, rows, _columns(args))
+        print(f"# plot: {args.plot}", flush=True)
+    if any(proc.exitcode != 0 for proc in procs):
+        return 1
+    return 1 if s["wrong"] else 0
 
 
 if __name__ == "__main__":

@@ -459,7 +459,7 @@ def _rank_main(rank, world, ports, args, out):
         for r in runners:
             if r.error:
                 raise RuntimeError(r.error)
-        if rank == 0 and time.time() - last_progress >= args.progress:
+        if rank == 0 and time.time() - last_progress >= args.progress_every:
             last_progress = time.time()
             out.put(("progress", rank, {"ops": done, "seconds": last_progress - t0, "rss": samples[-1]["rss"]}))
     for r in runners:
@@ -649,6 +649,45 @@ def _commit() -> str:
         return "unknown"
 
 
+class Progress:
+    """The soak's progress, as rank 0 reports it: a tqdm bar of its ops when stdout is a
+    terminal and tqdm is installed (updated at every metric sample), else a plain line every
+    ``--progress`` seconds (ops, seconds, ops/s, rank 0's RSS), which a log keeps readable."""
+
+    def __init__(self, args):
+        self.tqdm, self.bar = None, None
+        if sys.stdout.isatty():
+            try:
+                from tqdm.auto import tqdm
+
+                self.tqdm = tqdm
+            except ImportError:
+                pass
+        self.total = None if args.seconds else args.ops_per_group * len(GROUPS)  # rank 0's ops
+        # How often rank 0 reports: at every sample for a bar, every --progress seconds for lines.
+        self.every = args.interval if self.tqdm is not None else args.progress
+
+    def update(self, payload: dict) -> None:
+        if self.tqdm is None:
+            print(f"  {payload['ops']:>7} ops  {payload['seconds']:7.1f} s  "
+                  f"{payload['ops'] / max(payload['seconds'], 1e-9):7.1f} ops/s  rank 0 RSS {payload['rss'] / MiB:.0f} MiB",
+                  flush=True)
+            return
+        if self.bar is None:  # made at the first report, once the ranks run: its rate is theirs
+            self.bar = self.tqdm(total=self.total, initial=payload["ops"], desc="soak", unit=" ops", file=sys.stdout,
+                                 dynamic_ncols=True)
+        self.bar.update(payload["ops"] - self.bar.n)
+        self.bar.set_postfix_str(f"rank 0 RSS {payload['rss'] / MiB:.0f} MiB", refresh=True)
+
+    def close(self, ops: int | None = None) -> None:
+        """Ends the bar, at rank 0's final count of ops when it is known."""
+        if self.bar is not None:
+            if ops is not None:
+                self.bar.update(ops - self.bar.n)
+            self.bar.close()
+            self.bar = None
+
+
 def print_summary(report: dict) -> None:
     print(f"\n{report['ops_per_rank']} ops per rank in {report['seconds']:.1f} s; checked/wrong per group: "
           + ", ".join(f"{g} {v['checked']}/{v['wrong']}" for g, v in report["groups"].items()))
@@ -691,7 +730,8 @@ def main(argv=None) -> int:
     p.add_argument("--check-every", type=int, default=20, help="check every this many ops of a group")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between metric samples")
     p.add_argument("--warmup", type=float, default=0.2, help="fraction of the samples that is warm-up")
-    p.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
+    p.add_argument("--progress", type=float, default=5.0,
+                   help="seconds between progress lines (a tqdm bar instead on a terminal, when tqdm is installed)")
     p.add_argument("--timeout", type=float, default=300.0, help="group timeout, seconds")
     p.add_argument("--deadline", type=float, help="kill the ranks after this many seconds (default: generous)")
     p.add_argument("--rss-tol-mib", type=float, default=8.0, help="RSS growth allowed after warm-up, MiB")
@@ -705,6 +745,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.ops_per_group = math.ceil(args.ops / len(GROUPS))
     deadline = args.deadline or (args.seconds + 300 if args.seconds else 600 + args.ops * 0.5)
+    progress = Progress(args)
+    args.progress_every = progress.every  # read by rank 0
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -725,8 +767,7 @@ def main(argv=None) -> int:
         except queue_mod.Empty:
             kind = None
         if kind == "progress":
-            print(f"  {payload['ops']:>7} ops  {payload['seconds']:7.1f} s  {payload['ops'] / max(payload['seconds'], 1e-9):7.1f} ops/s"
-                  f"  rank 0 RSS {payload['rss'] / MiB:.0f} MiB", flush=True)
+            progress.update(payload)
         elif kind == "result":
             results[rank] = payload
         elif kind == "error":
@@ -741,6 +782,7 @@ def main(argv=None) -> int:
             if not failed_at:
                 errors.append(f"deadline of {deadline:.0f} s passed with {len(results)} of {args.ranks} ranks done")
             break
+    progress.close(sum(g["ops"] for g in results[0]["groups"].values()) if 0 in results else None)
     for pr in procs:
         pr.join(timeout=30 if not errors else 1)
         if pr.is_alive():
