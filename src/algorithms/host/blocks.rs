@@ -14,10 +14,10 @@ use crate::transport::{OpCtx, RawBuf};
 pub fn describe(step: &Step<'_>, op: &Op) -> Desc {
     Desc {
         seq: step.ctx.seq,
-        kind: op.kind as u64
-            | (op.dtype as u64) << 8
-            | if op.is_reduction() { (op.reduce_op as u64) << 16 } else { 0 }
-            | (step.chunk_log as u64) << 24,
+        kind: op.kind as u8,
+        dtype: op.dtype as u8,
+        reduce: if op.is_reduction() { op.reduce_op as u8 } else { 0 },
+        chunk_log: step.chunk_log as u8,
         count: step.count,
         root: step.key as u64,
     }

@@ -20,14 +20,13 @@ use std::sync::Arc;
 
 use super::futex;
 use super::heap::{Heap, PeerHeap};
-use super::layout::{ABORT_CLOSED, ABORT_FAILED, Desc, RankHeader};
+use super::layout::{ABORT_CLOSED, ABORT_FAILED, Code, Desc, RankHeader};
 use super::segment::Segment;
 use crate::error::{CommError, ErrorKind, Result};
 use crate::par::Par;
 use crate::keys::Key;
 use crate::rendezvous::{Store, rendezvous_error};
 use crate::transport::{OpCtx, RawBuf};
-use crate::types::{DType, OpKind, ReduceOp};
 
 /// Turns of the busy spin (a `pause` each, then a poll) before a waiting rank starts yielding
 /// its core between polls.
@@ -486,13 +485,13 @@ impl ShmGroup {
         for peer in (0..self.size).filter(|&p| p != self.rank) {
             let theirs = self.header(peer).line.0.desc[(g % 2) as usize].load();
             if theirs != mine {
-                let what = if theirs.seq != mine.seq || (theirs.kind & 0xff) != (mine.kind & 0xff) {
+                let what = if theirs.seq != mine.seq || theirs.kind != mine.kind {
                     "ranks must call the same collectives in the same order"
-                } else if theirs.kind != mine.kind && ((theirs.kind >> 8) & 0xff) != ((mine.kind >> 8) & 0xff) {
+                } else if theirs.dtype != mine.dtype {
                     "dtype mismatch"
-                } else if (theirs.kind >> 24) != (mine.kind >> 24) {
+                } else if theirs.chunk_log != mine.chunk_log {
                     "XCCL_RS_PIPELINE_CHUNK_BYTES differs between the ranks"
-                } else if theirs.kind != mine.kind {
+                } else if theirs.reduce != mine.reduce {
                     "reduce op mismatch"
                 } else if theirs.count != mine.count {
                     "size mismatch"
@@ -674,9 +673,18 @@ impl ShmGroup {
 
 /// "allreduce of 1000 float32 (SUM) #5 root 0" for mismatch messages.
 fn describe_desc(d: &Desc) -> String {
-    let op = OpKind::from_code((d.kind & 0xff) as u8).map_or("an unknown op", |k| k.name());
-    let dtype = DType::from_code(((d.kind >> 8) & 0xff) as u8).map_or("an unknown dtype", |t| t.name());
-    let reduce = ReduceOp::from_code(((d.kind >> 16) & 0xff) as u8).map_or("?", |r| r.name());
+    let op = match d.op() {
+        Code::Known(k) => k.name().to_string(),
+        Code::Unknown(c) => format!("an unknown op (code {c})"),
+    };
+    let dtype = match d.dtype() {
+        Code::Known(t) => t.name().to_string(),
+        Code::Unknown(c) => format!("an unknown dtype (code {c})"),
+    };
+    let reduce = match d.reduce() {
+        Code::Known(r) => r.name().to_string(),
+        Code::Unknown(c) => format!("code {c}"),
+    };
     format!("{op} #{} with {} elements of {dtype} (op {reduce}, root {})", d.seq, d.count, d.root as i64)
 }
 

@@ -18,6 +18,7 @@
 //!   and the number of ranks asleep on it (SeqCst, Dekker-style: see group.rs).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use crate::types::{DType, OpKind, ReduceOp};
 
 pub const HEADER_BYTES: usize = 4096;
 pub const ABORT_FAILED: u32 = 1;
@@ -36,31 +37,72 @@ pub struct Padded<T>(pub T);
 #[derive(Default)]
 pub struct OpDesc {
     pub seq: AtomicU64,
-    /// op kind | dtype << 8 | reduce op << 16
-    pub kind: AtomicU64,
+    /// The bytes of [`Desc::kind`], [`Desc::dtype`], [`Desc::reduce`], [`Desc::chunk_log`], in
+    /// that order, then zeros (little-endian).
+    pub codes: AtomicU64,
     pub count: AtomicU64,
     pub root: AtomicU64,
 }
 
+/// What a rank says about an op, as it lies in shared memory: the codes are the core's
+/// (types.rs); a peer's are read with [`Desc::op`] and the others, which say `Unknown` for a
+/// code this build does not know rather than trusting it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Desc {
     pub seq: u64,
-    pub kind: u64,
+    /// `OpKind`'s code.
+    pub kind: u8,
+    /// `DType`'s code.
+    pub dtype: u8,
+    /// `ReduceOp`'s code for a reduction, else 0.
+    pub reduce: u8,
+    /// log2 of the pipeline's chunk size (pipeline.rs): ranks configured differently would
+    /// exchange different ranges.
+    pub chunk_log: u8,
     pub count: u64,
     pub root: u64,
+}
+
+/// A code read from a peer: one this build knows, or the raw byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Code<T> {
+    Known(T),
+    Unknown(u8),
+}
+
+impl<T> Code<T> {
+    fn of(code: u8, decode: impl Fn(u8) -> Option<T>) -> Code<T> {
+        decode(code).map_or(Code::Unknown(code), Code::Known)
+    }
+}
+
+impl Desc {
+    pub fn op(&self) -> Code<OpKind> {
+        Code::of(self.kind, OpKind::from_code)
+    }
+    pub fn dtype(&self) -> Code<DType> {
+        Code::of(self.dtype, DType::from_code)
+    }
+    pub fn reduce(&self) -> Code<ReduceOp> {
+        Code::of(self.reduce, ReduceOp::from_code)
+    }
 }
 
 impl OpDesc {
     pub fn store(&self, d: Desc) {
         self.seq.store(d.seq, Ordering::Relaxed);
-        self.kind.store(d.kind, Ordering::Relaxed);
+        self.codes.store(u64::from_le_bytes([d.kind, d.dtype, d.reduce, d.chunk_log, 0, 0, 0, 0]), Ordering::Relaxed);
         self.count.store(d.count, Ordering::Relaxed);
         self.root.store(d.root, Ordering::Relaxed);
     }
     pub fn load(&self) -> Desc {
+        let [kind, dtype, reduce, chunk_log, ..] = self.codes.load(Ordering::Relaxed).to_le_bytes();
         Desc {
             seq: self.seq.load(Ordering::Relaxed),
-            kind: self.kind.load(Ordering::Relaxed),
+            kind,
+            dtype,
+            reduce,
+            chunk_log,
             count: self.count.load(Ordering::Relaxed),
             root: self.root.load(Ordering::Relaxed),
         }
