@@ -97,8 +97,8 @@ settings! {
     tls: bool = "XCCL_RS_TLS", default false, parse flag;
     /// `XCCL_RS_CMA` (default 0): `1` lets ranks of one host read each other's ordinary
     /// tensors with cross-memory attach (`process_vm_readv`) for all-reduces of 1 MiB or more,
-    /// where the kernel allows it (probed at set-up). Off by default: on the machines we
-    /// measured, the slots were as fast or faster (docs/perf.md).
+    /// where the kernel allows it (probed at set-up). Off by default: every rank reading every
+    /// peer at once pins pages, which can cost more than the slots' copy it saves.
     cma: bool = "XCCL_RS_CMA", default false, parse flag;
     /// `XCCL_RS_HOST_ID` (default unset: hostname and /dev/shm's device and inode): when set,
     /// replaces this rank's host identity. Ranks with equal ids count as one host: for

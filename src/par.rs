@@ -1,8 +1,7 @@
 //! Helper threads for the copies and reductions of large shared-memory blocks.
 //!
-//! One core moves memory at a fraction of what the machine can: on the 16-core host, one thread
-//! reads 64 MiB at about 19 GB/s, sixteen at about 99 GB/s (docs/perf.md). A rank with cores
-//! to spare therefore splits the copies and reductions of one block step across `threads`
+//! One core moves memory at a fraction of what the machine can (docs/perf.md has the host's
+//! figures for one thread and for all). A rank with cores to spare therefore splits the copies and reductions of one block step across `threads`
 //! threads of its own (itself and `threads - 1` helpers in a rayon pool kept for the group's
 //! lifetime).
 //!
@@ -92,8 +91,8 @@ impl Par {
     /// `copy_all` for a copy-out step: the destinations are results no rank reads again in
     /// this op, written with streaming stores (stream_copy.rs) when the op writes
     /// `op_bytes` ≥ `streaming_min` in all on this rank: then its results would not stay in
-    /// this rank's share of the cache anyway. (Decided per op, not per step: a 64 MiB op that
-    /// goes in 4 MiB blocks streams all of them; measured in docs/perf.md.)
+    /// this rank's share of the cache anyway. (Decided per op, not per step: a large op that goes
+    /// in blocks streams all of them, since its blocks leave the cache one after another.)
     pub fn copy_all_out(&self, copies: &[(RawBuf, RawBuf)], op_bytes: usize) {
         self.copy_pieces(copies, op_bytes >= self.streaming_min)
     }

@@ -20,8 +20,7 @@ pub const WINDOW_SETS: usize = COPY_AHEAD + 2;
 /// The copies to the host are queued at most this many chunks ahead of the chunk the host
 /// waits for, not all at once: on a device that several processes share, one process's queued
 /// copies run in its time slice, and copies queued far ahead delay the other ranks' first
-/// chunks, which every rank waits for. (The H200 with 4 ranks, every chunk queued at the call:
-/// chunk 0 reached the host 1-3 ms after the call, behind the other ranks' copies.)
+/// chunks, which every rank waits for.
 pub const COPY_AHEAD: usize = 1;
 
 /// Slots start at multiples of this.

@@ -16,7 +16,7 @@
 //! so every rank ends with the same bits as through the slots. Per rank this moves about 4N of memory
 //! traffic (the kernel's copy reads and writes), against 5N through the slots; but each read
 //! pins the peer's pages, and with every rank reading every peer at once that cost more than
-//! the copy it saves on the 16-core host, so it is off unless `XCCL_RS_CMA=1` (docs/perf.md).
+//! the copy it saves on the hosts we measured, so it is off unless `XCCL_RS_CMA=1`.
 
 use std::cell::RefCell;
 use std::sync::Mutex;
@@ -29,8 +29,8 @@ use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, ShmGroup, cma};
 
 /// The smallest all-reduce (bytes) that reads by cross-memory attach: below it the pre-sync
-/// and the system calls cost more than the slots' second copy saves (docs/perf.md). The same
-/// on every rank, as it decides whether the pre-sync happens.
+/// and the system calls cost more than the slots' second copy saves. The same on every rank,
+/// as it decides whether the pre-sync happens.
 pub const CMA_MIN_BYTES: usize = 1 << 20;
 
 /// Whether an all-reduce of `bytes` on `shm` goes through the pre-sync to read by cross-memory

@@ -34,9 +34,8 @@ use crate::transport::shm::{Counter, Desc, ShmGroup};
 
 /// Whether an all-reduce of `bytes` takes the one-shot path: there each rank reads every other
 /// rank's slot whole, `(size - 1) × bytes`, which must stay within `oneshot_bytes` (and the
-/// tensor within one slot). So the limit shrinks as the group grows: with the default 64 KiB,
-/// 64 KiB at 2 ranks and 9 KiB at 8, where the blocked path was 1.4-1.6 times faster from
-/// 32 KiB up on the 16-core host (docs/perf.md).
+/// tensor within one slot). So the limit shrinks as the group grows: each rank's reads grow with
+/// the group, while the blocked path's grow with the tensor alone.
 pub fn takes_one_shot(bytes: usize, size: usize, oneshot_bytes: usize, chunk: usize) -> bool {
     bytes <= chunk && bytes.saturating_mul(size.saturating_sub(1).max(1)) <= oneshot_bytes
 }

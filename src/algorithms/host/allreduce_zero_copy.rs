@@ -86,9 +86,8 @@ pub fn push(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> 
 }
 
 /// Bytes of every tensor that one block covers, whole elements: the slot size, which every
-/// rank agrees on (it is part of the op's description). At 8 ranks on the 16-core host, blocks
-/// of 1, 2 and 4 MiB were level at 64 MiB and 4 MiB the fastest at 16 MiB; blocks of 16 and
-/// 64 MiB lost 6-45% (docs/perf.md).
+/// rank agrees on (it is part of the op's description). Blocks much larger than a slot would
+/// leave the cache before their replicas are written (docs/perf.md measures the sizes).
 fn block_bytes(chunk: usize, esz: usize) -> usize {
     chunk / esz * esz
 }

@@ -7,7 +7,7 @@
 //! lie together with the op's description, and waits for every rank's. Then every rank reads
 //! every rank's answer, so all take the same path. When the answer is no, the pre-sync was one
 //! synchronization more than the slot path needs, so only ops of at least
-//! [`ZERO_COPY_MIN_BYTES`] try (the slot path's own time there is hundreds of µs).
+//! [`ZERO_COPY_MIN_BYTES`] try, where one synchronization is small beside the slot path's copies.
 //!
 //! Every zero-copy op ends by waiting until every rank has published `Consumed` for the
 //! pre-sync's block: only then has no peer any reason left to read this rank's buffers, which

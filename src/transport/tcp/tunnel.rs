@@ -23,8 +23,8 @@ use super::socket;
 use crate::error::{CommError, ErrorKind, Result};
 
 /// Plain bytes moved per read on either side, and the cap on what rustls buffers. Small enough
-/// to stay in the core's cache: 64 KiB moved 0.8-0.9 GB/s through a tunnel on the 2-core VM,
-/// 128 KiB 0.55, 1 MiB 0.3 (`tunnel_speed` below).
+/// to stay in the core's cache, where encryption runs fastest (`tunnel_speed` below measures
+/// other sizes; docs/security.md has the figures).
 const CHUNK: usize = 64 << 10;
 /// Socket-pair buffers: large enough that a burst does not stall on the local hop.
 const PAIR_BUFFER: libc::c_int = 4 << 20;
