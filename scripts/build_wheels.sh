@@ -24,6 +24,9 @@
 #                        from the working tree (uncommitted edits are not in the wheels)
 #   XCCL_RS_WHEEL_SRC    build this directory as it is, instead of a checkout of XCCL_RS_WHEEL_REF
 #   XCCL_RS_CACHE        as for scripts/setup.sh (default ~/.cache/xccl_rs)
+#   XCCL_RS_WHEEL_PLAT   the highest tag a wheel may need (default manylinux_2_28_x86_64, torch's):
+#                        a wheel whose symbols need a newer glibc or libstdc++ fails the build,
+#                        naming them (tools/manylinux_shim.cc is where such a symbol is handled)
 #   XCCL_RS_MATRIX_KEEP=1  keep the venvs this run had to create (about 5.5 GB each; by default
 #                        they are deleted after their wheel, as torch_matrix.sh does); venvs that
 #                        were there before are always kept
@@ -35,6 +38,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${XCCL_RS_CACHE:-$HOME/.cache/xccl_rs}"
 WB="$CACHE/wheel-build"
 OUT="${WHEEL_OUT:-$ROOT/dist}"
+PLAT="${XCCL_RS_WHEEL_PLAT:-manylinux_2_28_x86_64}"
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(2.8 2.9 2.10 2.11 2.12 2.13 2.14 2.15)
 mkdir -p "$WB/logs" "$OUT"
@@ -184,6 +188,22 @@ wrapped_symbols() {
   grep -oE '__wrap_[A-Za-z0-9_]+[[:space:]]*[(=]' "$SRC/tools/manylinux_shim.cc" | sed -E 's/^__wrap_([A-Za-z0-9_]+).*/\1/' | awk '!seen[$0]++'
 }
 
+# The dynamic symbols of the libraries $2... whose glibc/libstdc++ version policy $1 (a tag)
+# does not allow, from auditwheel's own policy table.
+beyond_policy() {
+  local plat=$1; shift
+  for so in "$@"; do objdump -T "$so" | sed "s|^|$(basename "$so") |"; done | "$TOOLS/bin/python" -c '
+import json, os, re, sys, auditwheel
+plat = sys.argv[1].rsplit("_", 1)[0].replace("_x86", "")
+policies = json.load(open(os.path.join(os.path.dirname(auditwheel.__file__), "policy", "manylinux-policy.json")))
+allowed = next(p for p in policies if p["name"] == plat or plat in p.get("aliases", []))["symbol_versions"]["x86_64"]
+for line in sys.stdin:
+    m = re.search(r"\(?([A-Z]+)_([0-9.]+)\)?\s+(\S+)$", line.strip())
+    if m and m.group(1) in allowed and m.group(2) not in allowed[m.group(1)]:
+        print("  ", line.split()[0], f"{m.group(1)}_{m.group(2)}", m.group(3))
+' "$plat"
+}
+
 # Unpacks the wheel that pip built, adds the C++ package, strips, drops the build machine's
 # torch path from the extension's RUNPATH, packs it again; then auditwheel. Sets FINISHED.
 finish_wheel() {
@@ -231,6 +251,12 @@ finish_wheel() {
   if [ -z "$policy" ]; then
     cat "$work/show.txt" >&2
     echo "build_wheels.sh: auditwheel found no manylinux policy that the torch $v wheel's symbols meet" >&2
+    return 1
+  fi
+  if [ "$(echo "$policy" | cut -d_ -f3)" -gt "$(echo "$PLAT" | cut -d_ -f3)" ]; then
+    echo "build_wheels.sh: the torch $v wheel needs $policy, more than $PLAT; its symbols beyond $PLAT:" >&2
+    beyond_policy "$PLAT" "$ext" "$pkg/lib/libxccl_rs.so" >&2
+    echo "(handle them in tools/manylinux_shim.cc, or set XCCL_RS_WHEEL_PLAT=$policy)" >&2
     return 1
   fi
   PATH="$TOOLS/bin:$PATH" "$TOOLS/bin/auditwheel" repair --plat "$policy" --only-plat \

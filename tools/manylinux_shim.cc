@@ -188,6 +188,24 @@ std::string* __wrap__ZNOSt7__cxx1115basic_stringbufIcSt11char_traitsIcESaIcEE3st
   self->str(empty);
   return result;
 }
+
+// std::stringbuf::str() const & (3.4.29, C++20's ref-qualified overload), and the streams' that
+// call it: the copy that the unqualified str() const (3.4.21) makes.
+std::string* __wrap__ZNKRSt7__cxx1115basic_stringbufIcSt11char_traitsIcESaIcEE3strEv(std::string* result,
+                                                                                      const std::stringbuf* self) {
+  new (result) std::string(self->str());
+  return result;
+}
+std::string* __wrap__ZNKRSt7__cxx1119basic_ostringstreamIcSt11char_traitsIcESaIcEE3strEv(
+    std::string* result, const std::ostringstream* self) {
+  new (result) std::string(self->str());
+  return result;
+}
+std::string* __wrap__ZNKRSt7__cxx1118basic_stringstreamIcSt11char_traitsIcESaIcEE3strEv(
+    std::string* result, const std::stringstream* self) {
+  new (result) std::string(self->str());
+  return result;
+}
 #endif
 
 } // extern "C"
