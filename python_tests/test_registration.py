@@ -1,6 +1,8 @@
 """Backend registration and initialisation paths: env://, explicit store, device-mapped
 backend strings, subgroups (with non-members), a torchrun launch, and autoload through the
-"torch.distributed.backends" entry point (without `import xccl_rs`)."""
+"torch.distributed.backends" entry point (without `import xccl_rs`); the device types xccl_rs
+registers (only those the host has: torch picks its device from them) and the error for a
+device-mapped string naming a device the host lacks."""
 
 from __future__ import annotations
 
@@ -64,9 +66,170 @@ def test_device_mapped_cpu_only():
     run_ranks(2, _allreduce_check, spec, None if IS_GLOO else False, backend=spec, timeout_s=90)
 
 
+def _accelerators_here() -> list[str]:
+    """The accelerator types torch sees in this process, in xccl_rs's order of preference."""
+    import torch
+
+    return [d for d in ("xpu", "cuda") if getattr(torch, d).device_count() > 0]
+
+
 def test_device_mapped_cpu_gloo_cuda_backend():
+    if IS_XCCL and "cuda" not in _accelerators_here():
+        pytest.skip("no CUDA device here: test_device_mapped_to_a_missing_device covers this string")
     spec = backend_for("cpu:gloo,cuda:xccl_rs")
     run_ranks(2, _allreduce_check, "cpu:gloo", True, backend=spec, timeout_s=90)
+
+
+# --------------------------------------------------------------------------------------
+# the device types xccl_rs registers
+# --------------------------------------------------------------------------------------
+
+
+def _fill_by_offset(st):
+    """Every local shard of ``st`` (2-D) holds the row-major indices of its elements in the
+    whole tensor, so a gathered tensor equals arange(numel)."""
+    import torch
+
+    cols = st.size(1)
+    for shard in st.local_shards():
+        r0, c0 = shard.metadata.shard_offsets
+        rows, cs = shard.metadata.shard_sizes
+        idx = (torch.arange(r0, r0 + rows)[:, None] * cols + torch.arange(c0, c0 + cs)[None, :]).float()
+        shard.tensor.copy_(idx)
+
+
+def w_devices_and_dcp_reshard(rank, w, expected):
+    """``expected``: the device types xccl_rs must be registered for here. Checks xccl_rs.DEVICES
+    and torch's BackendConfig, then the device torch's ShardedTensor picks under the default
+    group, then what used to raise "Torch not compiled with XPU enabled" on a host without XPU:
+    ShardedTensor.gather, and a distributed checkpoint saved in one sharding and loaded into
+    another (torch's DCP test_load_rowwise_to_colwise)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    import xccl_rs
+    from harness import ctx
+
+    ck = Checker()
+    with ck.case("registration/devices"):
+        ck.check(xccl_rs.DEVICES == expected, f"xccl_rs.DEVICES = {xccl_rs.DEVICES}, expected {expected}")
+        cfg = dist.BackendConfig("xccl_rs").get_device_backend_map()
+        ck.check(list(cfg) == expected, f"BackendConfig('xccl_rs') = {cfg}, expected devices {expected}")
+        ck.check(all(b == "xccl_rs" for b in cfg.values()), f"BackendConfig('xccl_rs') = {cfg}")
+    placements = [f"rank:{r}" for r in range(w)]
+    rows = sharded_tensor.zeros(ChunkShardingSpec(dim=0, placements=placements), 10, 6)
+    with ck.case("sharded_tensor/preferred_device"):
+        want = torch.device("cpu")
+        if dist.get_backend() == "xccl_rs" and len(expected) > 1:
+            want = torch.device(expected[1], getattr(torch, expected[1]).current_device())
+        got = rows._get_preferred_device()
+        ck.check(got == want, f"ShardedTensor._get_preferred_device() = {got}, expected {want}")
+    with ck.case("sharded_tensor/gather"):
+        _fill_by_offset(rows)
+        out = torch.zeros(10, 6) if rank == 0 else None
+        rows.gather(dst=0, out=out)
+        if rank == 0:
+            ck.equal(out, torch.arange(60, dtype=torch.float32).reshape(10, 6))
+    with ck.case("dcp/rowwise_to_colwise"):
+        path = os.path.join(ctx().tmpdir, "dcp")
+        dcp.save({"t": rows}, checkpoint_id=path)
+        cols = sharded_tensor.zeros(ChunkShardingSpec(dim=1, placements=placements), 10, 6)
+        state = {"t": cols}
+        dcp.load(state, checkpoint_id=path)
+        out = torch.zeros(10, 6) if rank == 0 else None
+        state["t"].gather(dst=0, out=out)
+        if rank == 0:
+            ck.equal(out, torch.arange(60, dtype=torch.float32).reshape(10, 6), "loaded column-wise, gathered")
+    return ck.summary()
+
+
+def test_registered_devices_are_the_hosts():
+    # Fails without the fix on a host without XPU: xccl_rs was registered for cpu, xpu and cuda
+    # everywhere, so torch picked xpu and called torch.xpu.current_device().
+    run_ranks(2, w_devices_and_dcp_reshard, ["cpu"] + _accelerators_here(), timeout_s=120)
+
+
+def test_registered_devices_with_an_xpu_put_xpu_first():
+    # The emulated XPU (python_tests/xpu_emu) is activated before `import xccl_rs` (run_ranks'
+    # setup), as a real XPU is there before it: xpu is registered, ahead of cuda where both are.
+    import xpu_emu
+
+    if reason := xpu_emu.unavailable_reason():
+        pytest.skip(reason)
+    xpu_emu.load()  # build once here, not in every rank at once
+    expected = ["cpu", "xpu"] + [d for d in _accelerators_here() if d == "cuda"]
+    run_ranks(2, w_devices_and_dcp_reshard, expected, setup=xpu_emu.ACTIVATE, timeout_s=180)
+
+
+def w_init_with_missing_device(rank, w, spec):
+    """init_process_group(spec) on a host that lacks one of spec's devices: the error each rank
+    got (or "no error")."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    from harness import ctx
+
+    c = ctx()
+    t0 = _time.monotonic()
+    try:
+        dist.init_process_group(spec, store=c.connect_store(), rank=rank, world_size=w, timeout=c.timeout())
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "seconds": _time.monotonic() - t0}
+    return {"error": None, "seconds": _time.monotonic() - t0}
+
+
+@pytest.mark.skipif(not IS_XCCL, reason="the error is xccl_rs's")
+@pytest.mark.parametrize("spec", ["cpu:gloo,cuda:xccl_rs", "cpu:xccl_rs,cuda:xccl_rs", "cpu:gloo,xpu:xccl_rs"])
+def test_device_mapped_to_a_missing_device(spec):
+    device = spec.split(",")[1].split(":")[0]
+    if device in _accelerators_here():
+        pytest.skip(f"this host has a {device} device")
+    # A short group timeout: a rank left waiting for a peer would show as a timeout, not hang.
+    res = run_ranks(2, w_init_with_missing_device, spec, init="none", pg_timeout_s=20, timeout_s=90)
+    for r in range(2):
+        out = res.value(r)
+        err = out["error"]
+        assert err is not None, f"rank {r}: init_process_group({spec!r}) succeeded on a host without {device}"
+        assert err.startswith("RuntimeError: xccl_rs:") and spec in err, f"rank {r}: {err}"
+        assert f"no {device} device" in err and f"'{device}:xccl_rs'" in err, f"rank {r}: {err}"
+        assert out["seconds"] < 15, f"rank {r} took {out['seconds']:.1f} s to fail: {err}"
+
+
+NEW_GROUP_ON_MISSING_DEVICE = textwrap.dedent(
+    """
+    import torch.distributed as dist, xccl_rs
+    for device in {devices!r}:
+        try:
+            xccl_rs.new_group(dist.HashStore(), 0, 1, device=device)
+        except ValueError as e:
+            print("ValueError:", e)
+        else:
+            print("no error")
+    """
+)
+
+
+def test_private_group_on_a_missing_device():
+    missing = [d for d in ("xpu", "cuda") if d not in _accelerators_here()]
+    if not missing:
+        pytest.skip("this host has both xpu and cuda devices")
+    devices = missing + ["mps"]
+    proc = subprocess.run(
+        [sys.executable, "-c", NEW_GROUP_ON_MISSING_DEVICE.format(devices=devices)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == len(devices), proc.stdout + proc.stderr
+    for device, line in zip(missing, lines):
+        assert line.startswith("ValueError: xccl_rs.new_group:") and f"no {device} device" in line, line
+    assert "not one of ['cpu', 'xpu', 'cuda']" in lines[-1], lines[-1]
 
 
 # --------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """xccl_rs: a torch.distributed backend written in Rust.
 
-``import xccl_rs`` registers the backend ``"xccl_rs"`` for CPU, XPU and CUDA tensors, so that
+``import xccl_rs`` registers the backend ``"xccl_rs"`` for CPU tensors and for the XPU and CUDA
+tensors of the devices this host has (see ``DEVICES``), so that
 
     import torch.distributed as dist
     import xccl_rs
@@ -75,7 +76,34 @@ __all__ = ["BACKEND_NAME", "destroy_group", "dump", "empty", "new_group", "regis
 __version__ = "0.1.0"
 
 BACKEND_NAME = "xccl_rs"
-DEVICES = ["cpu", "xpu", "cuda"]
+
+#: Every device type xccl_rs can serve, in the order torch should prefer them.
+_DEVICE_TYPES = ("cpu", "xpu", "cuda")
+
+
+def _device_count(device_type: str) -> int:
+    """How many devices of ``device_type`` torch sees now (the host counts as one). Asks each
+    module's ``device_count()``, which tries NVML (CUDA) or Level Zero Sysman (XPU) before the
+    runtime, so it does not poison fork where those work; never raises."""
+    if device_type == "cpu":
+        return 1
+    module = getattr(torch, device_type, None)
+    try:
+        return int(module.device_count()) if module is not None else 0
+    except Exception:  # noqa: BLE001  (no driver, no runtime: no device)
+        return 0
+
+
+def _present_devices() -> list[str]:
+    return [d for d in _DEVICE_TYPES if _device_count(d) > 0]
+
+
+#: The device types xccl_rs is registered for: ``cpu`` and each accelerator type torch sees
+#: when xccl_rs is imported (xpu before cuda). torch's own device-picking code takes the first
+#: entry that is not cpu (``ShardedTensor.gather``, hence DCP's resharding, calls
+#: ``<device>.current_device()`` on it), so a device type the host lacks must not be listed.
+#: A device that becomes visible after the import is not added: make it visible first.
+DEVICES = _present_devices()
 
 #: The torch version (major.minor) the native module was compiled against.
 torch_version_built: str = _C.torch_version_built
@@ -101,8 +129,36 @@ def _create_backend(dist_backend_opts, backend_options=None):
         bool(getattr(o, "enable_reconfigure", False)),  # torch >= 2.15: connect at reconfigure()
     )
     _C.set_global_ranks(backend, list(getattr(o, "global_ranks_in_group", None) or []))  # profiler records
+    _check_devices_present(sys._getframe(1))
     helper = _group_served_by_us_alone(sys._getframe(1))
     return backend if helper is None else _whole_group(backend, o, helper)
+
+
+def _check_devices_present(frame) -> None:
+    """Raises, on every rank alike and before connecting, when the group torch's
+    ``_new_process_group_helper`` (``frame``) is making gives xccl_rs a device type that torch
+    sees none of here (``"cpu:gloo,cuda:xccl_rs"`` on a host without CUDA), as NCCL refuses a
+    host without GPUs; otherwise such a group would be made and its first use would fail far
+    from the cause."""
+    if frame is None or frame.f_code.co_name != "_new_process_group_helper":
+        return
+    config = frame.f_locals.get("backend_config")
+    if config is None:
+        return
+    mapping = config.get_device_backend_map()
+    ours = [d for d, b in mapping.items() if b == BACKEND_NAME]
+    missing = [d for d in ours if d in _DEVICE_TYPES and _device_count(d) == 0]
+    if not missing:
+        return
+    spec = ",".join(f"{d}:{b}" for d, b in mapping.items())
+    kept = ",".join(f"{d}:{b}" for d, b in mapping.items() if d not in missing)
+    counts = ", ".join(f"torch.{d}.device_count() is 0" for d in missing)
+    raise RuntimeError(
+        f"xccl_rs: the backend string {spec!r} gives xccl_rs the {' and '.join(missing)} tensors, "
+        f"but this host has no {' or '.join(missing)} device ({counts}); xccl_rs serves "
+        f"{_present_devices()} here. Leave {' and '.join(repr(f'{d}:{BACKEND_NAME}') for d in missing)} "
+        f"out of the string" + (f" ({kept!r})" if kept else f" (e.g. 'cpu:{BACKEND_NAME}')")
+    )
 
 
 def _group_served_by_us_alone(frame):
@@ -150,8 +206,9 @@ def _whole_group(backend, opts, helper):
 
 
 def register() -> None:
-    """Registers the backend with torch.distributed (idempotent). Called on import, and by
-    torch's backend autoload (entry point) on torch >= 2.14."""
+    """Registers the backend with torch.distributed for the device types in ``DEVICES``
+    (idempotent: torch's ``register_backend`` is called once per name). Called on import, and
+    by torch's backend autoload (entry point) on torch >= 2.14."""
     if BACKEND_NAME in getattr(dist.Backend, "backend_list", []):
         return
     dist.Backend.register_backend(
@@ -183,8 +240,8 @@ def new_group(
 
     ``device`` names the device the group's tensors live on (``"cpu"``, ``"cuda"``, ``"xpu"``
     or a torch.device; ``"cuda"`` alone means the current CUDA device): an accelerator binds
-    this rank to it, so a tensor on another device raises. Accelerator tensors are staged
-    through the host. Destroy a group with
+    this rank to it, so a tensor on another device raises; a device torch does not see here
+    raises ValueError. Accelerator tensors are staged through the host. Destroy a group with
     :func:`destroy_group`; building the next one under the same name over a new store prefix
     works any number of times.
     """
@@ -201,12 +258,20 @@ def _bound_device(device) -> "torch.device | None":
     if device is None:
         return None
     device = torch.device(device)
-    if device.type not in DEVICES:
-        raise ValueError(f"xccl_rs.new_group: device {device} is not one of {DEVICES}")
+    if device.type not in _DEVICE_TYPES:
+        raise ValueError(f"xccl_rs.new_group: device {device} is not one of {list(_DEVICE_TYPES)}")
     if device.type == "cpu":
         return None
+    count = _device_count(device.type)
+    if count == 0:
+        raise ValueError(
+            f"xccl_rs.new_group: device {device}: this host has no {device.type} device "
+            f"(torch.{device.type}.device_count() is 0); the devices here are {_present_devices()}"
+        )
     if device.index is None:
         device = torch.device(device.type, getattr(torch, device.type).current_device())
+    elif device.index >= count:
+        raise ValueError(f"xccl_rs.new_group: device {device}: this host has {count} {device.type} device(s)")
     return device
 
 
