@@ -367,3 +367,189 @@ def test_verl_manager_over_ray(tmp_path, rebuild_group):
     proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], cwd=here, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+# --------------------------------------------------------------------------------------
+# senders: all -- every trainer rank sends its share
+# --------------------------------------------------------------------------------------
+
+
+def _dtensor_step(step):
+    """Whether a step sends DTensors (each trainer its shards) rather than full tensors."""
+    return step % 2 == 1
+
+
+def _sharded_tensors(step):
+    """Float tensors of the mixed set, as DTensors are made of them (contiguous; 0-d replicated)."""
+    return [(n, t.contiguous()) for n, t in make_tensors(f"verl{step}", BUCKET) if t.is_floating_point()]
+
+
+def w_verl_all_senders(rank, world_size):
+    import asyncio
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import xccl_rs.verl_engine as ve
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    store = ctx().connect_store()
+    trainers = dist.new_group([0, 1])
+    is_trainer = rank < ACTOR_WS
+    mesh = DeviceMesh.from_group(trainers, "cpu") if is_trainer else None
+    cls = CheckpointEngineRegistry.get("xccl_rs")
+    out = {"problems": [], "keys": [], "bytes": []}
+
+    def weights(step):
+        if _dtensor_step(step):  # the trainer's shards as they are (FSDP2's state dict without full_tensor())
+            for name, t in _sharded_tensors(step):
+                yield name, distribute_tensor(t, mesh, [Shard(0) if t.dim() else Replicate()], src_data_rank=None)
+            return
+        for name, t in make_tensors(f"verl{step}", BUCKET):  # full tensors on every rank, made collectively
+            x = torch.ones(1)
+            dist.all_reduce(x, group=trainers)
+            yield name, t
+
+    engine = CheckpointEngineRegistry.new(
+        "xccl_rs", bucket_size=BUCKET, is_master=(rank == 0), device="cpu", timeout_s=30,
+        group_name="all", senders="all",
+    )
+    for step in range(4):
+        metadata = _exchange(store, f"allmeta{step}", rank, world_size, engine.prepare())
+        actor_kwargs, rollout_kwargs = cls.build_topology(ACTOR_WS, ROLLOUT_WS, metadata)
+        kw, i = (actor_kwargs, rank) if is_trainer else (rollout_kwargs, rank - ACTOR_WS)
+        engine.init_process_group(**{k: v[i] for k, v in kw.items()})
+        if is_trainer:
+            metrics = asyncio.run(engine.send_weights(weights(step), global_steps=step))
+            out["bytes"].append(metrics["xccl_rs/sync_bytes"])
+        else:
+            got = asyncio.run(_receive_all(engine, step))
+            expected = _sharded_tensors(step) if _dtensor_step(step) else make_tensors(f"verl{step}", BUCKET)
+            out["problems"] += [f"step {step}: {p}" for p in compare(_by_name(got), _by_name(expected))]
+        out["keys"].append(engine.group_key and engine.group_key[1:])
+        engine.finalize()
+    engine._drop_group()
+    return out
+
+
+def _by_name(items):
+    """With several senders tensors complete in any order (each sender's buckets take turns)."""
+    return sorted(items, key=lambda item: item[0])
+
+
+async def _receive_all(engine, step):
+    return [item async for item in engine.receive_weights(global_steps=step)]
+
+
+def test_verl_engine_all_senders():
+    """senders: all over verl's registry: both trainers are group ranks (0, 1), the rollouts 2, 3;
+    full tensors from a collective generator and DTensor shards in turn, one kept group."""
+    res = run_ranks(ACTOR_WS + ROLLOUT_WS, w_verl_all_senders, timeout_s=180)
+    problems = [f"rank {r}: {p}" for r in range(ACTOR_WS + ROLLOUT_WS) for p in res.value(r)["problems"]]
+    assert not problems, "\n".join(problems)
+    for rank in range(ACTOR_WS + ROLLOUT_WS):
+        assert res.value(rank)["keys"] == [(1, 4, rank)] * 4, res.value(rank)["keys"]
+    for step in range(4):  # both trainers sent a share
+        assert all(res.value(r)["bytes"][step] > 0 for r in range(ACTOR_WS)), [res.value(r)["bytes"] for r in range(2)]
+
+
+def test_topology_all_senders():
+    """In-process: with senders: all, every trainer rank is a sender, the rollouts follow."""
+    import xccl_rs.verl_engine as ve
+
+    master = {"is_master": True, "group": None, "addr": "h", "port": 1, "nonce": "n",
+              "generation": 0, "rebuild_group": False, "senders": "all"}
+    other = {"is_master": False, "group": None}
+    a, r = ve.XcclRsCheckpointEngine.build_topology(3, 2, [master, other, other, other, other])
+    assert a["rank"] == [0, 1, 2] and r["rank"] == [3, 4]
+    assert a["world_size"] == [5] * 3 and r["world_size"] == [5] * 2
+    assert a["senders"] == [3] * 3 and r["senders"] == [3] * 2
+    held = dict(master, generation=1, group=("n", 1, 5, 0))
+    members = [held] + [{"is_master": False, "group": ("n", 1, 5, k)} for k in (1, 2, 3, 4)]
+    assert ve.XcclRsCheckpointEngine.build_topology(3, 2, members)[0]["generation"] == [1] * 3
+    members[2] = other  # a trainer without the group (a new one): rebuilt
+    assert ve.XcclRsCheckpointEngine.build_topology(3, 2, members)[0]["generation"] == [2] * 3
+    with pytest.raises(ValueError, match="senders must be 'rank0' or 'all'"):
+        ve.XcclRsCheckpointEngine(bucket_size=1 << 20, senders="some")
+
+
+# A trainer dies in round 1; round 2 has trainer 0 alone (verl's actor world 1), round 3 the same.
+DEAD_TRAINER_ROUNDS = [[0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 3], [0, 2, 3]]
+DEAD_TRAINER, DEAD_TRAINER_ROUND = 1, 1
+
+
+def w_verl_dead_trainer(rank, world_size):
+    import asyncio
+    import time
+
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    import xccl_rs.verl_engine  # noqa: F401
+
+    store = ctx().connect_store()
+    cls = CheckpointEngineRegistry.get("xccl_rs")
+    engine = CheckpointEngineRegistry.new(
+        "xccl_rs", bucket_size=BUCKET, is_master=(rank == 0), device="cpu", timeout_s=ELASTIC_TIMEOUT_S,
+        group_name="deadtrainer", senders="all",
+    )
+    out = {"problems": [], "rounds": {}}
+    for step, members in enumerate(DEAD_TRAINER_ROUNDS):
+        if rank not in members:
+            continue
+        actors = [r for r in members if r < ACTOR_WS]
+        me = members.index(rank)
+        store.set(f"dt{step}/{me}", pickle.dumps(engine.prepare()))
+        metadata = [pickle.loads(store.get(f"dt{step}/{i}")) for i in range(len(members))]
+        actor_kwargs, rollout_kwargs = cls.build_topology(len(actors), len(members) - len(actors), metadata)
+        kw, i = (actor_kwargs, me) if rank < ACTOR_WS else (rollout_kwargs, me - len(actors))
+        engine.init_process_group(**{k: v[i] for k, v in kw.items()})
+        record = {"key": engine.group_key and engine.group_key[1:]}
+        expected = _elastic_tensors(step)
+
+        def weights():
+            for j, item in enumerate(expected):
+                if step == DEAD_TRAINER_ROUND and rank == DEAD_TRAINER and j == len(expected) // 2:
+                    store.set("trainer_died_at", repr(time.time()))
+                    os._exit(0)  # a sending trainer dies with half of its share unsent
+                yield item
+
+        try:
+            if rank < ACTOR_WS:
+                asyncio.run(engine.send_weights(weights(), global_steps=step))
+            else:
+                got = asyncio.run(_receive_all(engine, step))
+                out["problems"] += [f"round {step}: {p}" for p in compare(_by_name(got), _by_name(expected))]
+        except Exception as e:  # noqa: BLE001 - the round of the death must raise everywhere
+            record["error"] = f"{type(e).__name__}: {e}"
+            record["late_s"] = time.time() - float(store.get("trainer_died_at"))
+        engine.finalize()
+        out["rounds"][step] = record
+    return out
+
+
+def test_verl_engine_dead_trainer():
+    """senders: all, and a sending trainer dies mid-round: every other rank raises within the
+    timeout, naming it; the next round (trainer 0 alone, the rollouts) builds a new generation
+    and works, and the one after keeps it."""
+    res = run_ranks(4, w_verl_dead_trainer, timeout_s=180, expect_fail_ranks=(DEAD_TRAINER,))
+    problems = []
+    for rank in (0, 2, 3):
+        o = res.value(rank)
+        assert o is not None, res.report()
+        problems += [f"rank {rank}: {p}" for p in o["problems"]]
+        for step, rec in o["rounds"].items():
+            if step == DEAD_TRAINER_ROUND:
+                if "error" not in rec:
+                    problems.append(f"rank {rank}: round {step} did not fail")
+                elif rec["late_s"] > ELASTIC_TIMEOUT_S + 2:
+                    problems.append(f"rank {rank}: round {step} failed {rec['late_s']:.1f} s after the death")
+                elif f"rank {DEAD_TRAINER}" not in rec["error"]:
+                    problems.append(f"rank {rank}: the error does not name rank {DEAD_TRAINER}: {rec['error']}")
+            elif "error" in rec:
+                problems.append(f"rank {rank}: round {step} failed: {rec['error']}")
+    assert not problems, "\n".join(problems)
+    keys = {step: rec["key"] for step, rec in res.value(0)["rounds"].items()}
+    assert keys == {0: (1, 4, 0), 1: (1, 4, 0), 2: (2, 3, 0), 3: (2, 3, 0)}, keys
+    assert [res.value(2)["rounds"][s]["key"] for s in range(4)] == [(1, 4, 2), (1, 4, 2), (2, 3, 1), (2, 3, 1)]

@@ -1,12 +1,13 @@
-"""A verl checkpoint engine, ``"xccl_rs"``: trainer rank 0 broadcasts weights to the rollout
-workers over a private xccl_rs process group, with :mod:`xccl_rs.weight_sync`.
+"""A verl checkpoint engine, ``"xccl_rs"``: the trainer ranks send weights to the rollout workers
+over a private xccl_rs process group, with :mod:`xccl_rs.weight_sync` -- trainer rank 0 alone
+(``senders: rank0``, the default), or every trainer rank its share (``senders: all``).
 
 Use it from a verl config::
 
     actor_rollout_ref.rollout.checkpoint_engine.backend: xccl_rs
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module: xccl_rs.verl_engine
     actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs:
-      xccl_rs: {rebuild_group: false, device: cuda, timeout_s: 600}
+      xccl_rs: {rebuild_group: false, device: cuda, timeout_s: 600, senders: all}
 
 verl imports ``custom_backend_module`` in every trainer and rollout worker, which registers
 the engine in ``verl.checkpoint_engine.CheckpointEngineRegistry``. Importing this module
@@ -17,16 +18,21 @@ How an update runs (verl's ``CheckpointEngineManager.update_weights``):
 1. ``prepare()`` on every worker. The master (trainer rank 0, ``is_master=True``) starts a
    TCPStore on a free port once and reports its address; every worker reports the group it
    holds (if any).
-2. ``build_topology`` (a classmethod, in the manager): trainer rank 0 is group rank 0, the
-   source; the other trainer ranks get rank -1 (not in the group); rollout worker ``i`` is
-   group rank ``1 + i``. The group is kept when every member already holds the same one
+2. ``build_topology`` (a classmethod, in the manager): the ``S`` senders are group ranks
+   ``0 .. S-1`` -- trainer rank 0 alone (``senders: rank0``; the other trainer ranks get rank
+   -1, not in the group), or every trainer rank (``senders: all``); rollout worker ``i`` is
+   group rank ``S + i``. The group is kept when every member already holds the same one
    (same master, generation, size and rank) and ``rebuild_group`` is off; otherwise a new
    generation is built on the store prefix ``<group_name>/gen<generation>/`` (so elastic
-   changes of the rollout side rebuild it).
+   changes of either side rebuild it).
 3. ``init_process_group(rank, world_size, master, generation)`` builds the group with
    ``xccl_rs.new_group``.
 4. ``send_weights`` on every trainer rank (rank -1 ranks drain the generator, since producing
    the weights is collective over the trainers) and ``receive_weights`` on the rollout side.
+   With ``senders: all`` every trainer rank is given the same weights: whole tensors (what
+   verl's generators yield, ``full_tensor()`` on every rank) are shared out bucket by bucket,
+   and DTensors (a trainer's FSDP2 state dict as it is) are sent shard by shard, each rank its
+   own, never gathered (docs/usage.md, "Several senders").
 5. ``finalize()`` frees the buckets, and the group too when ``rebuild_group``.
 """
 
@@ -123,6 +129,9 @@ class _EngineImpl:
         master_addr / master_port: address the master's TCPStore binds and advertises
             (default: Ray's node IP / the host's address, and a free port).
         progress: show a tqdm bar on long syncs.
+        senders: ``"rank0"`` (trainer rank 0 sends everything; the others only drain their
+            generator) or ``"all"`` (every trainer rank sends its share; each must be given
+            the same weights, or DTensors that are shards of them).
     """
 
     def __init__(
@@ -137,6 +146,7 @@ class _EngineImpl:
         master_addr: Optional[str] = None,
         master_port: int = 0,
         progress: bool = False,
+        senders: str = "rank0",
         **unused: Any,
     ) -> None:
         if unused:
@@ -151,6 +161,10 @@ class _EngineImpl:
         self.master_addr = master_addr
         self.master_port = int(master_port)
         self.progress = bool(progress)
+        if senders not in ("rank0", "all"):
+            raise ValueError(f"xccl_rs verl engine: senders must be 'rank0' or 'all', got {senders!r}")
+        self.senders = senders
+        self.n_senders = 1  # the group's first ranks send (from build_topology)
         self.nonce = uuid.uuid4().hex if self.is_master else None
         self.rank: Optional[int] = None
         self.world_size: Optional[int] = None
@@ -174,7 +188,7 @@ class _EngineImpl:
                 )
                 self._addr = addr
             meta.update(addr=self._addr, port=self._server.port, nonce=self.nonce,
-                        generation=self.generation, rebuild_group=self.rebuild_group)
+                        generation=self.generation, rebuild_group=self.rebuild_group, senders=self.senders)
         return meta
 
     @classmethod
@@ -185,10 +199,11 @@ class _EngineImpl:
                 "xccl_rs verl engine: metadata[0] must come from the master (trainer rank 0 with "
                 f"is_master=True), got {master!r}"
             )
-        world_size = 1 + rollout_world_size
-        actor_ranks = [0] + [-1] * (actor_world_size - 1)
-        rollout_ranks = list(range(1, world_size))
-        members = [(metadata[0], 0)] + [
+        n_send = actor_world_size if master.get("senders", "rank0") == "all" else 1
+        world_size = n_send + rollout_world_size
+        actor_ranks = list(range(n_send)) + [-1] * (actor_world_size - n_send)
+        rollout_ranks = list(range(n_send, world_size))
+        members = [(metadata[i], i) for i in range(n_send)] + [
             (metadata[actor_world_size + i], rollout_ranks[i]) for i in range(rollout_world_size)
         ]
         gen = master["generation"]
@@ -214,10 +229,14 @@ class _EngineImpl:
             "master_metadata": [where] * rollout_world_size,
             "generation": [generation] * rollout_world_size,
         }
+        if n_send > 1:
+            actor_kwargs["senders"] = [n_send] * actor_world_size
+            rollout_kwargs["senders"] = [n_send] * rollout_world_size
         return actor_kwargs, rollout_kwargs
 
-    def init_process_group(self, rank: int, world_size: int, master_metadata: dict, generation: int):
-        self.rank, self.world_size = rank, world_size
+    def init_process_group(self, rank: int, world_size: int, master_metadata: dict, generation: int, senders: int = 1):
+        """Joins (or keeps) the group of ``generation``; group ranks ``0 .. senders-1`` send."""
+        self.rank, self.world_size, self.n_senders = rank, world_size, int(senders)
         if rank < 0:
             return
         key = (master_metadata["nonce"], generation, world_size, rank)
@@ -272,15 +291,16 @@ class _EngineImpl:
             raise RuntimeError(f"xccl_rs verl engine: {what} before init_process_group")
 
     async def send_weights(self, weights, global_steps: Optional[int] = None):
-        """On every trainer rank: rank 0 broadcasts; the others only drain ``weights``."""
+        """On every trainer rank: the senders send (their shares); the others only drain ``weights``."""
         self._check_member("send_weights")
         if self.rank < 0:
             await _drain(weights)
             return {}
-        if self.rank != 0:
+        if self.rank >= self.n_senders:
             raise RuntimeError(f"xccl_rs verl engine: rank {self.rank} is a rollout rank; it cannot send")
         if self._sender is None:
-            self._sender = WeightSender(self.group, src=0, bucket_bytes=self.bucket_size, device=self.bucket_device)
+            self._sender = WeightSender(self.group, bucket_bytes=self.bucket_size, device=self.bucket_device,
+                                        senders=list(range(self.n_senders)))
         stream = self._sender.stream(progress=self.progress)
         name = "<first tensor>"
         try:
@@ -303,12 +323,12 @@ class _EngineImpl:
         """On every rollout rank: an async generator of ``(name, tensor)``. The blocking waits
         run in a worker thread, so the event loop stays free."""
         self._check_member("receive_weights")
-        if self.rank <= 0:
+        if self.rank < self.n_senders:
             raise RuntimeError(f"xccl_rs verl engine: rank {self.rank} does not receive weights")
         if self._receiver is None:
             self._receiver = WeightReceiver(
-                self.group, src=0, bucket_bytes=self.bucket_size,
-                device=self.device or _default_device(), bucket_device=self.bucket_device,
+                self.group, bucket_bytes=self.bucket_size, device=self.device or _default_device(),
+                bucket_device=self.bucket_device, senders=list(range(self.n_senders)),
             )
         it = self._receiver.receive(progress=self.progress)
         try:

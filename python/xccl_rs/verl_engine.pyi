@@ -25,6 +25,8 @@ class _Engine:
     device: str | None
     bucket_device: str
     timeout: timedelta
+    senders: str
+    n_senders: int
     def __init__(
         self,
         bucket_size: int,
@@ -38,6 +40,7 @@ class _Engine:
         master_addr: str | None = None,
         master_port: int = 0,
         progress: bool = False,
+        senders: str = "rank0",
         **unused: Any,
     ) -> None: ...
     def prepare(self) -> dict[str, Any]: ...
@@ -45,13 +48,15 @@ class _Engine:
     def build_topology(
         cls, actor_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]: ...
-    def init_process_group(self, rank: int, world_size: int, master_metadata: dict[str, Any], generation: int) -> None: ...
+    def init_process_group(
+        self, rank: int, world_size: int, master_metadata: dict[str, Any], generation: int, senders: int = 1
+    ) -> None: ...
     def finalize(self) -> None: ...
     async def send_weights(
         self,
         weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
         global_steps: int | None = None,
-    ) -> None: ...
+    ) -> dict[str, float]: ...
     def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]: ...
 
 XcclRsCheckpointEngine: type[_Engine] | None

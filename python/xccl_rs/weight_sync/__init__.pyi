@@ -1,5 +1,5 @@
 # Type stubs of the weight-sync engine's public API (python/xccl_rs/weight_sync/__init__.py).
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Union
 
 import torch
@@ -25,7 +25,7 @@ class SyncStats:
     @property
     def gbps(self) -> float: ...
 
-def plan_buckets(named_tensors: _NamedTensors, bucket_bytes: int) -> list[list[list[object]]]: ...
+def plan_buckets(named_tensors: _NamedTensors, bucket_bytes: int, senders: int = 1) -> list[list[list[object]]]: ...
 
 class SendStream:
     def add(self, name: str, t: torch.Tensor) -> None: ...
@@ -35,6 +35,8 @@ class SendStream:
 class WeightSender:
     group: dist.ProcessGroup
     src: int
+    senders: list[int]
+    receivers: list[int]
     bucket_bytes: int
     device: torch.device
     shared_memory: bool
@@ -46,6 +48,7 @@ class WeightSender:
         bucket_bytes: int = ...,
         device: _Device = None,
         shared_memory: bool | None = None,
+        senders: Sequence[int] | None = None,
     ) -> None: ...
     def release(self) -> None: ...
     def send(self, named_tensors: _NamedTensors, progress: bool = False) -> SyncStats: ...
@@ -54,6 +57,7 @@ class WeightSender:
 class WeightReceiver:
     group: dist.ProcessGroup
     src: int
+    senders: list[int]
     bucket_bytes: int | None
     bucket_device: torch.device
     device: torch.device
@@ -65,6 +69,7 @@ class WeightReceiver:
         bucket_bytes: int | None = None,
         device: _Device = None,
         bucket_device: _Device = None,
+        senders: Sequence[int] | None = None,
     ) -> None: ...
     def release(self) -> None: ...
     def receive(self, progress: bool = False, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]: ...

@@ -45,6 +45,91 @@ def broadcast(group, tensor: torch.Tensor, src: int):
     return group.broadcast([tensor], opts)
 
 
+def all_gather(group, tensor: torch.Tensor) -> list[list[int]]:
+    """Every rank's ``tensor`` (a small int64 record), as lists, in rank order (blocking)."""
+    out = [torch.empty_like(tensor) for _ in range(group.size())]
+    group.allgather([out], [tensor]).wait()
+    return [t.cpu().tolist() for t in out]
+
+
+#: The tag of the weight sync's point-to-point messages (buckets from one of several senders).
+TAG = 0
+
+
+def send_to(group, tensor: torch.Tensor, dst: int):
+    """Sends ``tensor`` to group rank ``dst`` (async: returns the Work)."""
+    return group.send([tensor], dst, TAG)
+
+
+def recv_from(group, tensor: torch.Tensor, src: int):
+    """Receives ``tensor`` from group rank ``src`` (async: returns the Work)."""
+    return group.recv([tensor], src, TAG)
+
+
+def resolve_senders(senders, src: int, size: int, who: str) -> list[int]:
+    """The senders' group ranks: ``senders`` (distinct ranks of the group, in the order that
+    numbers them), or ``[src]``."""
+    if senders is None:
+        if not 0 <= src < size:
+            raise ValueError(f"{who}: src {src} is not a rank of a group of size {size}")
+        return [src]
+    out = [int(r) for r in senders]
+    if not out:
+        raise ValueError(f"{who}: senders is empty")
+    bad = [r for r in out if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"{who}: senders {bad} are not ranks of a group of size {size}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{who}: senders {out} name a rank twice")
+    return out
+
+
+def flat_views(t: torch.Tensor, e0: int, e1: int):
+    """Views of ``t`` that together hold its elements ``[e0, e1)`` in row-major order, in that
+    order, without a copy: a partial first row, a block of whole rows, a partial last row
+    (recursively), or one flat view when ``t`` is contiguous."""
+    if e1 <= e0:
+        return
+    if t.is_contiguous():
+        yield t.reshape(-1)[e0:e1]  # reshape of a contiguous tensor is a view
+        return
+    if t.dim() == 1:
+        yield t[e0:e1]
+        return
+    inner = t[0].numel()
+    r0, o0 = divmod(e0, inner)
+    r1, o1 = divmod(e1, inner)
+    if r0 == r1:
+        yield from flat_views(t[r0], o0, o1)
+        return
+    if o0:
+        yield from flat_views(t[r0], o0, inner)
+        r0 += 1
+    if r1 > r0:
+        yield t[r0:r1]
+    if o1:
+        yield from flat_views(t[r1], 0, o1)
+
+
+def read_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int) -> None:
+    """dst (1-D, e1 - e0 elements) <- elements [e0, e1) of src in row-major order; every element
+    copied once, straight from src's strides (no .contiguous() temporary)."""
+    pos = 0
+    for v in flat_views(src, e0, e1):
+        n = v.numel()
+        dst[pos : pos + n].view(v.shape).copy_(v)
+        pos += n
+
+
+def write_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int) -> None:
+    """Elements [e0, e1) of dst, in row-major order, <- src (1-D, e1 - e0 elements)."""
+    pos = 0
+    for v in flat_views(dst, e0, e1):
+        n = v.numel()
+        v.copy_(src[pos : pos + n].view(v.shape))
+        pos += n
+
+
 def group_rank_size(group) -> tuple[int, int]:
     if group is None:
         raise ValueError("weight sync: a process group is required (e.g. xccl_rs.new_group(...))")

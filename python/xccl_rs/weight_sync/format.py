@@ -10,19 +10,32 @@ The messages (the package docstring gives their order):
   ``bucket_bytes`` is the sender's bucket size, the same in every header of a sync.
 * **metadata** (:class:`BucketMeta`) -- ``meta_nbytes`` bytes of UTF-8 JSON after the header:
   ``{"i": index, "total": payload bytes of the sync or -1, "e": [entry, ...]}``, with
-  ``"w": announcement`` in bucket 0 when the sender offers a shared window; after an abort
-  header, ``{"i": index, "abort": reason}``.
-* **entry** (:class:`Entry`) -- one tensor, or one chunk of a tensor, in a bucket:
-  ``[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes]``. ``offset`` is where its
-  bytes start in the bucket, ``chunk_offset`` where they start in the tensor's flat bytes,
-  ``total_nbytes`` the whole tensor's size; a tensor that is not split has ``chunk_offset`` 0
-  and ``nbytes == total_nbytes``.
+  ``"w": announcement`` in a sender's first bucket (index below the number of senders) when it
+  offers a shared window; after an abort header, ``{"i": index, "abort": reason}``.
+* **entry** (:class:`Entry`) -- one tensor, or one piece of a tensor, in a bucket:
+  ``[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes]`` or, for a piece of a
+  shard that is not a run of the tensor's flat bytes, the same and ``box``. ``offset`` is where
+  its bytes start in the bucket, ``total_nbytes`` the whole tensor's size. Without a box,
+  ``chunk_offset`` is where its bytes start in the tensor's flat (row-major) bytes: a tensor
+  that is not split has ``chunk_offset`` 0 and ``nbytes == total_nbytes``. With a box,
+  ``[[start, length], ...]`` (one pair per dimension: the shard is
+  ``tensor[start_0:start_0 + length_0, ...]``), ``chunk_offset`` is where its bytes start in the
+  shard's flat bytes.
 * **announcement** (:class:`Announcement`) -- a shared window:
   ``{"name": file in /dev/shm, "host": host identity, "bytes": 2 * bucket_bytes, "reused": bool}``.
   Its second offer (window.py) travels as its length (``int64[1]``, 0 for no offer), then
   its JSON.
-* The host hash (``int64[1]``) and the votes (``int32[1]``, MIN all-reduce) of window.py carry
-  no structure.
+* **hello** (:class:`Hello`) -- ``int64[4]`` from every rank (all-gather), once per sync before
+  anything else: ``[MAGIC, VERSION, senders, host]``; ``senders`` is a hash of the senders'
+  group ranks, which every rank must give alike; ``host`` a hash of the host identity, or -1
+  for a rank that will not share memory (window.py, step 1).
+* **round record** (:class:`RoundRecord`) -- ``int64[6]`` from every rank (all-gather) before
+  each round when there are several senders: ``[MAGIC, VERSION, round, status, plan, 0]``.
+  ``status`` is ``RECEIVING`` on a receiver, and on a sender ``SENDING``, ``FINAL`` (its last
+  round) or ``ABORTED`` (its producer failed: the first such sender then sends an abort
+  notice); ``plan`` is a hash of every tensor planned so far (names, dtypes, shapes,
+  placements), 0 on a receiver.
+* The votes (``int32[1]``, MIN all-reduce) of window.py carry no structure.
 
 All sizes are Python ints or int64: buckets and tensors of 2 GiB and more work. Both sides are
 always the same version of xccl_rs (``VERSION`` changes whenever any of this does).
@@ -40,7 +53,8 @@ from ._common import WeightSyncError
 
 MAGIC = 0x58434C5753594E43  # "XCLWSYNC"
 #: 2: the second window offer is not voted on when the sender offered nothing.
-VERSION = 2
+#: 3: several senders (the hello, round records, boxes, a window in each sender's first bucket).
+VERSION = 3
 HEADER_LEN = 8
 ABORTED = -1  # a header's `last` field on an abort notice
 MIN_BUCKET_BYTES = 256
@@ -201,7 +215,7 @@ class Header:
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor, or one chunk of a tensor, in a bucket (module docstring)."""
+    """One tensor, or one piece of a tensor, in a bucket (module docstring)."""
 
     name: str
     dtype: torch.dtype
@@ -210,6 +224,9 @@ class Entry:
     nbytes: int
     chunk_offset: int
     total: int
+    #: The shard this piece belongs to, ``((start, length), ...)`` per dimension, when it is not
+    #: a run of the tensor's flat bytes (``chunk_offset`` then counts in the shard's bytes).
+    box: Optional[tuple[tuple[int, int], ...]] = None
 
     @property
     def end(self) -> int:
@@ -218,18 +235,21 @@ class Entry:
 
     @property
     def whole(self) -> bool:
-        """The whole tensor (not a chunk of one)."""
-        return self.chunk_offset == 0 and self.nbytes == self.total
+        """The whole tensor (not a piece of one)."""
+        return self.chunk_offset == 0 and self.nbytes == self.total and self.box is None
 
     def encode(self) -> list:
-        return [self.name, dtype_name(self.dtype), list(self.shape), self.offset, self.nbytes, self.chunk_offset, self.total]
+        out = [self.name, dtype_name(self.dtype), list(self.shape), self.offset, self.nbytes, self.chunk_offset, self.total]
+        if self.box is not None:
+            out.append([list(b) for b in self.box])
+        return out
 
     @classmethod
     def decode(cls, raw: Any, where: str, used_bytes: int) -> "Entry":
         """An entry of a bucket whose first ``used_bytes`` bytes are sent."""
-        if not isinstance(raw, list) or len(raw) != 7:
-            raise _bad(where, "entry", raw, "[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes]")
-        name, dname, shape, offset, nbytes, chunk_offset, total = raw
+        if not isinstance(raw, list) or len(raw) not in (7, 8):
+            raise _bad(where, "entry", raw, "[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes(, box)]")
+        name, dname, shape, offset, nbytes, chunk_offset, total = raw[:7]
         where = f"{where} ({_str(where, 'name', name, MAX_NAME_CHARS)[:100]!r})"
         dtype = dtype_of(dname, where)
         if not isinstance(shape, list) or len(shape) > MAX_DIMS:
@@ -244,15 +264,36 @@ class Entry:
             raise _bad(where, "shape", shape, "sizes whose product (zeros as ones) fits in int64")
         _int(where, "total_nbytes", total, numel * elsize, numel * elsize, f"{numel * elsize} ({shape} of {dname})")
         _int(where, "total_nbytes", total, 0, MAX_TENSOR_BYTES)
+        box = None
+        span_bytes = total  # the bytes chunk_offset counts in: the tensor's, or its shard's
+        if len(raw) == 8:
+            box, span_bytes = _decode_box(raw[7], where, shape, elsize)
         _int(where, "offset", offset, 0, used_bytes, f"in [0, {used_bytes}] (the bucket's used bytes)")
-        _int(where, "chunk_offset", chunk_offset, 0, total)
-        _int(where, "nbytes", nbytes, 1 if total else 0, min(total - chunk_offset, used_bytes - offset),
-             f"in [{1 if total else 0}, {min(total - chunk_offset, used_bytes - offset)}] (within the tensor "
-             f"from chunk_offset {chunk_offset}, and within the bucket's {used_bytes} used bytes from offset {offset})")
+        _int(where, "chunk_offset", chunk_offset, 0, span_bytes)
+        _int(where, "nbytes", nbytes, 1 if span_bytes else 0, min(span_bytes - chunk_offset, used_bytes - offset),
+             f"in [{1 if span_bytes else 0}, {min(span_bytes - chunk_offset, used_bytes - offset)}] (within the "
+             f"{'shard' if box else 'tensor'} from chunk_offset {chunk_offset}, and within the bucket's {used_bytes} "
+             f"used bytes from offset {offset})")
         for what, v in (("offset", offset), ("nbytes", nbytes), ("chunk_offset", chunk_offset)):
             if v % elsize:
                 raise _bad(where, what, v, f"a multiple of {dname}'s {elsize} bytes")
-        return cls(name, dtype, tuple(shape), offset, nbytes, chunk_offset, total)
+        return cls(name, dtype, tuple(shape), offset, nbytes, chunk_offset, total, box)
+
+
+def _decode_box(raw: Any, where: str, shape: list, elsize: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """A shard's box within ``shape`` (one ``[start, length]`` per dimension, not empty), and its bytes."""
+    if not isinstance(raw, list) or len(raw) != len(shape) or not shape:
+        raise _bad(where, "box", raw, f"a list of {len(shape)} [start, length] pairs (one per dimension)")
+    box, nbytes = [], elsize
+    for d, (pair, size) in enumerate(zip(raw, shape)):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise _bad(where, "box", raw, f"[start, length] for dimension {d}")
+        start = _int(where, "box", pair[0], 0, size, f"a start in [0, {size}] for dimension {d}")
+        length = _int(where, "box", pair[1], 1, size - start,
+                      f"a length in [1, {size - start}] for dimension {d} (from start {start})")
+        box.append((start, length))
+        nbytes *= length
+    return tuple(box), nbytes
 
 
 @dataclass(frozen=True)
@@ -307,8 +348,8 @@ class BucketMeta:
         return raw
 
     @classmethod
-    def decode(cls, raw: bytes, header: Header, where: str) -> "BucketMeta":
-        """The metadata that followed ``header``."""
+    def decode(cls, raw: bytes, header: Header, where: str, senders: int = 1) -> "BucketMeta":
+        """The metadata that followed ``header``, in a sync of ``senders`` senders."""
         obj = _json(raw, where, "metadata")
         # Both sides run the same version: a key it does not know is not from a sender.
         keys = {"i", "abort"} if header.aborted else {"i", "total", "e", "w"}
@@ -344,8 +385,9 @@ class BucketMeta:
             raise _bad(where, "used_bytes", header.used_bytes, f"{used} (where the entries end)")
         window = None
         if "w" in obj:
-            if header.index != 0:
-                raise _bad(where, "w", obj["w"], "only in bucket 0")
+            if header.index >= senders:
+                first = "only in bucket 0" if senders == 1 else f"only in a sender's first bucket (index below {senders})"
+                raise _bad(where, "w", obj["w"], first)
             window = Announcement.decode(obj["w"], where, 2 * header.bucket_bytes)
         return cls(header.index, entries, total, window)
 
@@ -359,3 +401,57 @@ def decode_offer(raw: bytes, where: str, nbytes: int) -> Optional[Announcement]:
     if not raw:
         return None
     return Announcement.decode(_json(raw, where, "offer"), where, nbytes, prefix="offer")
+
+
+def _record(values: Any, where: str, length: int, what: str) -> list:
+    if not isinstance(values, (list, tuple)) or len(values) != length:
+        raise _bad(where, what, values, f"{length} integers")
+    magic, version = values[0], values[1]
+    if magic != MAGIC or type(magic) is not int:
+        raise _bad(where, "magic", magic, f"{MAGIC:#x} (every rank of the group must call send/receive in the same order)")
+    _int(where, "version", version, VERSION, VERSION, f"{VERSION} (every rank must run the same xccl_rs)")
+    return list(values[2:])
+
+
+@dataclass(frozen=True)
+class Hello:
+    """One rank's ``int64[4]`` at the start of a sync (module docstring)."""
+
+    senders: int
+    host: int
+
+    def encode(self) -> list[int]:
+        return [MAGIC, VERSION, self.senders, self.host]
+
+    @classmethod
+    def decode(cls, values: Any, where: str) -> "Hello":
+        senders, host = _record(values, where, 4, "hello")
+        _int(where, "senders", senders, 0, _MAX_INT64)
+        _int(where, "host", host, -1, _MAX_INT64)
+        return cls(senders, host)
+
+
+#: A round record's ``status`` (module docstring).
+RECEIVING, SENDING, FINAL, ABORTED_ROUND = 0, 1, 2, 3
+STATUS_NAMES = {RECEIVING: "receiving", SENDING: "sending", FINAL: "sending its last round", ABORTED_ROUND: "aborted"}
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One rank's ``int64[6]`` before a round of a sync with several senders (module docstring)."""
+
+    round: int
+    status: int
+    plan: int = 0
+
+    def encode(self) -> list[int]:
+        return [MAGIC, VERSION, self.round, self.status, self.plan, 0]
+
+    @classmethod
+    def decode(cls, values: Any, where: str, round: int) -> "RoundRecord":
+        got_round, status, plan, reserved = _record(values, where, 6, "round record")
+        _int(where, "round", got_round, round, round, f"{round} (the next round)")
+        _int(where, "status", status, RECEIVING, ABORTED_ROUND)
+        _int(where, "plan", plan, 0, _MAX_INT64)
+        _int(where, "reserved", reserved, 0, 0)
+        return cls(got_round, status, plan)

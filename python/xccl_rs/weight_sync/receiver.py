@@ -1,8 +1,9 @@
-"""The other ranks' role: receives the buckets a WeightSender sends and hands out the tensors (the
-package docstring gives the protocol)."""
+"""The receivers' role: receive the buckets the senders send and hand out the tensors (the package
+docstring gives the protocol)."""
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Iterator, Optional
 
@@ -16,16 +17,29 @@ from ._common import (
     describe,
     group_rank_size,
     progress_bar,
+    recv_from,
     resolve_device,
+    resolve_senders,
     tensor_bytes,
+    write_flat_range,
 )
-from .format import HEADER_LEN, Announcement, BucketMeta, Entry, Header
+from .agreement import RECEIVING, agree_round, hello, window_hosts
+from .format import HEADER_LEN, Announcement, BucketMeta, Entry, Header, RoundRecord
+
+
+def _overlaps(a: tuple, b: tuple) -> bool:
+    """Whether two boxes (``((start, length), ...)``) share an element."""
+    return all(s1 < s2 + l2 and s2 < s1 + l1 for (s1, l1), (s2, l2) in zip(a, b))
 
 
 class _Pending:
-    """A tensor split across buckets, being reassembled."""
+    """A tensor whose pieces arrive in several entries -- the chunks of a tensor larger than a
+    bucket, or the shards of a DTensor from several senders -- being assembled in its own memory.
 
-    __slots__ = ("name", "dtype", "shape", "tensor", "bytes", "done", "total")
+    ``runs``: the byte ranges received, merged and sorted (of the tensor's flat bytes, or per box
+    of its shard's), so that a piece received twice, or overlapping another, is refused."""
+
+    __slots__ = ("name", "dtype", "shape", "tensor", "bytes", "done", "total", "runs", "boxes")
 
     def __init__(self, entry: Entry, device: torch.device):
         self.name = entry.name
@@ -35,28 +49,84 @@ class _Pending:
         self.bytes = self.tensor.view(-1).view(torch.uint8)
         self.done = 0
         self.total = entry.total
+        self.runs: list[list[int]] = []  # flat pieces
+        self.boxes: dict[tuple, list[list[int]]] = {}  # shard pieces, by box
+
+    def matches(self, e: Entry) -> bool:
+        return e.total == self.total and e.dtype == self.dtype and e.shape == self.shape
+
+    @staticmethod
+    def _take(runs: list[list[int]], start: int, end: int) -> bool:
+        """Adds [start, end) to the sorted, merged ``runs``; False if it overlaps one of them."""
+        i = bisect.bisect_right(runs, [start, float("inf")])
+        if i > 0 and runs[i - 1][1] > start:
+            return False
+        if i < len(runs) and runs[i][0] < end:
+            return False
+        if i > 0 and runs[i - 1][1] == start:
+            runs[i - 1][1] = end
+            if i < len(runs) and runs[i][0] == end:
+                runs[i - 1][1] = runs.pop(i)[1]
+        elif i < len(runs) and runs[i][0] == end:
+            runs[i][0] = start
+        else:
+            runs.insert(i, [start, end])
+        return True
+
+    def add(self, e: Entry, src: torch.Tensor, where: str) -> None:
+        """Writes piece ``e`` (``src``: its bytes) where it belongs; refuses overlaps."""
+        if e.box is None:
+            if self.boxes or not self._take(self.runs, e.chunk_offset, e.chunk_offset + e.nbytes):
+                raise WeightSyncError(
+                    f"weight sync: {where}: bytes [{e.chunk_offset}, {e.chunk_offset + e.nbytes}) of {e.name!r} "
+                    "overlap bytes already received"
+                )
+            self.bytes[e.chunk_offset : e.chunk_offset + e.nbytes].copy_(src)
+        else:
+            runs = self.boxes.get(e.box)
+            if runs is None:
+                other = next((b for b in self.boxes if _overlaps(b, e.box)), None)
+                if other is not None or self.runs:
+                    raise WeightSyncError(
+                        f"weight sync: {where}: the shard {list(map(list, e.box))} of {e.name!r} overlaps "
+                        f"{'the shard ' + str(list(map(list, other))) if other else 'bytes'} already received"
+                    )
+                runs = self.boxes[e.box] = []
+            if not self._take(runs, e.chunk_offset, e.chunk_offset + e.nbytes):
+                raise WeightSyncError(
+                    f"weight sync: {where}: bytes [{e.chunk_offset}, {e.chunk_offset + e.nbytes}) of the shard "
+                    f"{list(map(list, e.box))} of {e.name!r} overlap bytes already received"
+                )
+            view = self.tensor[tuple(slice(s, s + n) for s, n in e.box)]
+            size = self.dtype.itemsize
+            write_flat_range(view, src.view(self.dtype), e.chunk_offset // size, (e.chunk_offset + e.nbytes) // size)
+        self.done += e.nbytes
 
 
 class WeightReceiver:
-    """Receives what a :class:`WeightSender` on rank ``src`` of ``group`` sends.
+    """Receives what the :class:`WeightSender` (or senders) of ``group`` send.
 
-    ``device`` is where received tensors are placed (default: ``bucket_device``);
-    ``bucket_device`` is where the two receive buckets live (default: CPU; ``"cuda"`` for an
-    NCCL group). ``bucket_bytes`` is only a hint: buffer sizes come from the sender's
-    headers, so a receiver given a different value still works. Nothing is allocated before
-    the first ``receive``; buffers are kept for the next one until :meth:`release`.
+    ``src`` is the sender's group rank; with several senders, ``senders`` lists their group
+    ranks, as every rank of the group passes them (``src`` is then ignored). ``device`` is where
+    received tensors are placed (default: ``bucket_device``); ``bucket_device`` is where the
+    two receive buckets live (default: CPU; ``"cuda"`` for an NCCL group). ``bucket_bytes`` is
+    only a hint: buffer sizes come from the senders' headers, so a receiver given a different
+    value still works. Nothing is allocated before the first ``receive``; buffers are kept for
+    the next one until :meth:`release`.
     """
 
     def __init__(
-        self, group, src: int = 0, bucket_bytes: Optional[int] = None, device=None, bucket_device=None
+        self, group, src: int = 0, bucket_bytes: Optional[int] = None, device=None, bucket_device=None, senders=None
     ):
         rank, size = group_rank_size(group)
-        if not 0 <= src < size:
-            raise ValueError(f"WeightReceiver: src {src} is not a rank of a group of size {size}")
-        if rank == src:
-            raise ValueError(f"WeightReceiver: this is the source rank {src}; use WeightSender")
+        senders = resolve_senders(senders, src, size, "WeightReceiver")
+        if rank in senders:
+            if len(senders) == 1:
+                raise ValueError(f"WeightReceiver: this is the source rank {rank}; use WeightSender")
+            raise ValueError(f"WeightReceiver: this is rank {rank}, one of the senders {senders}; use WeightSender")
         self.group = group
-        self.src = src
+        self.src = senders[0]
+        self.senders = senders
         self.bucket_bytes = bucket_bytes
         self.bucket_device = resolve_device(bucket_device)
         self.device = resolve_device(device) if device is not None else self.bucket_device
@@ -79,96 +149,128 @@ class WeightReceiver:
             buf = self._bufs[i] = torch.empty(n, dtype=torch.uint8, device=self.bucket_device)
         return buf
 
-    def _recv(self, t: torch.Tensor, what: str) -> None:
+    def _recv(self, t: torch.Tensor, what: str, owner: int) -> None:
         try:
-            broadcast(self.group, t, self.src).wait()
+            broadcast(self.group, t, owner).wait()
         except Exception as e:
-            raise WeightSyncError(f"weight sync: receiving {what} from rank {self.src} failed: {e}") from e
+            raise WeightSyncError(f"weight sync: receiving {what} from rank {owner} failed: {e}") from e
 
-    def _recv_announcement(self, index: int, bucket_bytes: Optional[int]) -> tuple[Header, BucketMeta]:
-        """Bucket ``index``'s header and metadata, decoded; raises the sender's abort notice."""
-        where = f"bucket {index} from rank {self.src}"
+    def _recv_announcement(self, index: int, bucket_bytes: Optional[int], owner: int) -> tuple[Header, BucketMeta]:
+        """Bucket ``index``'s header and metadata, decoded; raises its sender's abort notice."""
+        where = f"bucket {index} from rank {owner}"
         header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.bucket_device)
-        self._recv(header_t, f"the header of bucket {index}")
+        self._recv(header_t, f"the header of bucket {index}", owner)
         h = Header.decode(header_t.cpu().tolist(), where, index, bucket_bytes)
         meta_t = torch.empty(h.meta_nbytes, dtype=torch.uint8, device=self.bucket_device)
-        self._recv(meta_t, f"the metadata of bucket {index} ({h.meta_nbytes} bytes)")
-        meta = BucketMeta.decode(tensor_bytes(meta_t), h, where)
+        self._recv(meta_t, f"the metadata of bucket {index} ({h.meta_nbytes} bytes)", owner)
+        meta = BucketMeta.decode(tensor_bytes(meta_t), h, where, len(self.senders))
         if meta.abort is not None:
-            raise WeightSyncError(f"weight sync: the sender (rank {self.src}) aborted at bucket {index}: {meta.abort}")
+            raise WeightSyncError(f"weight sync: the sender (rank {owner}) aborted at bucket {index}: {meta.abort}")
         return h, meta
+
+    def _recv_payload(self, buf: torch.Tensor, owner: int, what: str):
+        """Posts the receive of a bucket's bytes from its sender (async: the Work)."""
+        try:
+            if len(self.senders) == 1:
+                return broadcast(self.group, buf, owner)
+            return recv_from(self.group, buf, owner)
+        except Exception as e:
+            raise WeightSyncError(f"weight sync: receiving {what} from rank {owner} failed: {e}") from e
 
     @torch.no_grad()
     def receive(self, progress: bool = False, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields ``(name, tensor)`` in the order sent, each a new contiguous tensor on
-        ``self.device``. Must be drained (the sender waits for every receiver);
-        ``self.last_stats`` is set when it is.
+        """Yields ``(name, tensor)`` as each tensor completes (in the order sent, with one
+        sender), each a new contiguous tensor on ``self.device``. Must be drained (the senders
+        wait for every receiver); ``self.last_stats`` is set when it is.
 
         ``copy=False`` saves a copy for consumers that load each tensor somewhere at once (a
         rollout engine's ``param.copy_(tensor)``): a tensor that arrived whole in one bucket
         is then a view into the receive bucket, valid only until the next item is requested
-        (clone it to keep it). Tensors split across buckets, and tensors for another
-        ``device``, are new tensors either way."""
+        (clone it to keep it). Tensors assembled from pieces (split across buckets, or shards
+        from several senders), and tensors for another ``device``, are new tensors either way."""
         t0 = time.perf_counter()
         stats = SyncStats()
         bar = None
-        pending: Optional[_Pending] = None
-        prev = None  # (buffer, entries, index) of the bucket to unpack
+        n = len(self.senders)
+        pending: dict[str, _Pending] = {}
+        prev = None  # (buffer, entries, index) of a received bucket to unpack
         index = 0
         cur = 0
-        bucket_bytes = None  # the sender's, from bucket 0's header
+        bucket_bytes = None  # the senders', from bucket 0's header
+        final = False  # the round being received is the last (several senders)
         self._names: set[str] = set()  # the tensors of this sync so far
+        self._windows: list[Optional[torch.Tensor]] = [None] * n  # the senders' windows read in place
         try:
             try:
-                window.co_located(self.group, self.src, False, self.bucket_device.type == "cpu")
+                cpu = self.bucket_device.type == "cpu"
+                hello(self.group, self.senders, window.host_hash() if cpu else -1, self.bucket_device)
+            except WeightSyncError:
+                raise
             except Exception as e:
-                raise WeightSyncError(f"weight sync: the first step with rank {self.src} failed: {e}") from e
+                raise WeightSyncError(f"weight sync: the first step with the senders {self.senders} failed: {e}") from e
             while True:
-                h, meta = self._recv_announcement(index, bucket_bytes)
+                i = index % n
+                owner = self.senders[i]
+                if n > 1 and i == 0:
+                    final = self._agree(index // n, bucket_bytes)
+                h, meta = self._recv_announcement(index, bucket_bytes, owner)
                 bucket_bytes = h.bucket_bytes
+                if n > 1 and h.last != (final and i == n - 1):
+                    raise WeightSyncError(
+                        f"weight sync: bucket {index} from rank {owner} is {'' if h.last else 'not '}the last "
+                        f"of the sync, but its round's agreement says {'it is' if final and i == n - 1 else 'not'}"
+                    )
                 if index == 0 and progress:
                     bar = progress_bar(True, meta.total if meta.total >= 0 else None, "weight sync (receive)")
                 if meta.window is not None:
                     try:
-                        shared = self._join_window(meta.window)
+                        self._windows[i] = self._join_window(meta.window, owner)
                     except WeightSyncError:
                         raise
                     except Exception as e:
                         raise WeightSyncError(
-                            f"weight sync: agreeing on the shared window with rank {self.src} failed: {e}"
+                            f"weight sync: agreeing on the shared window with rank {owner} failed: {e}"
                         ) from e
-                    if shared is not None:
-                        pending = yield from self._receive_in_place(shared, h, meta, stats, bar, copy)
-                        break
+                if index > 0:
+                    self._done_reading(index - 1)
                 what = f"{describe(index, [e.name for e in meta.entries])} of {h.used_bytes} bytes"
-                work = buf = None
-                if h.used_bytes:
-                    buf = self._buffer(cur, h)
-                    try:
-                        work = broadcast(self.group, buf[: h.used_bytes], self.src)
-                    except Exception as e:
-                        raise WeightSyncError(f"weight sync: receiving {what} from rank {self.src} failed: {e}") from e
-                # Unpack the previous bucket while this one is in flight.
-                if prev is not None:
-                    pending = yield from self._unpack(copy, prev, pending, stats, bar)
-                    prev = None
-                if work is not None:
-                    try:
-                        work.wait()
-                    except Exception as e:
-                        raise WeightSyncError(f"weight sync: receiving {what} from rank {self.src} failed: {e}") from e
+                memory = self._windows[i]
+                if memory is not None:  # read in place, where its sender packed it
+                    if prev is not None:
+                        pending = yield from self._unpack(copy, prev, pending, stats, bar)
+                        prev = None
+                    start = ((index // n) % 2) * h.bucket_bytes
+                    stats.shared_window = True
+                    pending = yield from self._unpack(copy, (memory[start : start + h.used_bytes], meta.entries, index),
+                                                      pending, stats, bar)
+                else:
+                    work = buf = None
+                    if h.used_bytes:
+                        buf = self._buffer(cur, h)
+                        work = self._recv_payload(buf[: h.used_bytes], owner, what)
+                    # Unpack the previous bucket while this one is in flight.
+                    if prev is not None:
+                        pending = yield from self._unpack(copy, prev, pending, stats, bar)
+                        prev = None
+                    if work is not None:
+                        try:
+                            work.wait()
+                        except Exception as e:
+                            raise WeightSyncError(f"weight sync: receiving {what} from rank {owner} failed: {e}") from e
+                    prev = (buf, meta.entries, index)
+                    cur ^= 1
                 stats.buckets += 1
-                prev = (buf, meta.entries, index)
-                index += 1
-                cur ^= 1
                 if h.last:
                     break
+                index += 1
+            self._done_reading(index)
             if prev is not None:
                 pending = yield from self._unpack(copy, prev, pending, stats, bar)
-            if pending is not None:
+            if pending:
+                p = next(iter(pending.values()))
                 raise WeightSyncError(
-                    f"weight sync: the sender finished with {pending.name!r} incomplete "
-                    f"({pending.done} of {pending.total} bytes)"
+                    f"weight sync: the sync ended with {len(pending)} tensor(s) incomplete: {p.name!r} "
+                    f"({p.done} of {p.total} bytes)"
                 )
         finally:
             if bar is not None:
@@ -176,94 +278,105 @@ class WeightReceiver:
         stats.seconds = time.perf_counter() - t0
         self.last_stats = stats
 
-    def _receive_in_place(self, shared: torch.Tensor, h: Header, meta: BucketMeta, stats: SyncStats, bar, copy: bool):
-        """The rest of a sync over the shared window, from bucket 0 (whose header and metadata
-        ``h``/``meta`` are read): bucket k is unpacked where the sender packed it, slot k % 2,
-        and C_k tells the sender it is free (the package docstring gives the order)."""
-        bucket = h.bucket_bytes  # the decoder checked the window holds two of them
-        index, pending = 0, None
-        stats.shared_window = True
-        while True:
-            if index > 0:
-                self._consumed(index - 1)
-            start = (index % 2) * bucket
-            pending = yield from self._unpack(copy, (shared[start : start + h.used_bytes], meta.entries, index),
-                                              pending, stats, bar)
-            stats.buckets += 1
-            if h.last:
-                self._consumed(index)
-                return pending
-            index += 1
-            h, meta = self._recv_announcement(index, bucket)
+    def _agree(self, round: int, bucket_bytes: Optional[int]) -> bool:
+        """This receiver's part in the agreement before a round (several senders): whether it is
+        the last round; raises the abort notice of a sender whose producer failed."""
+        try:
+            out = agree_round(self.group, self.senders, round, RoundRecord(round, RECEIVING), self.bucket_device)
+        except WeightSyncError:
+            raise
+        except Exception as e:
+            raise WeightSyncError(f"weight sync: the agreement before round {round} failed: {e}") from e
+        if out.aborted_by is not None:
+            self._recv_announcement(round * len(self.senders), bucket_bytes, out.aborted_by)  # raises it
+            raise WeightSyncError(f"weight sync: the sender (rank {out.aborted_by}) aborted at round {round}")
+        return out.final
 
-    def _join_window(self, announced: Announcement) -> Optional[torch.Tensor]:
-        """This rank's part of the group's agreement on the shared window (window.agree): the
-        window every rank maps, or None."""
+    def _join_window(self, announced: Announcement, owner: int) -> Optional[torch.Tensor]:
+        """This rank's part of the group's agreement on sender ``owner``'s shared window
+        (window.agree): the window every rank maps, or None."""
         cpu = self.bucket_device.type == "cpu"
         mapped: dict[str, torch.Tensor] = {}
+        keep = max(2, 2 * len(self.senders))
 
         def join(a: Announcement) -> bool:
-            memory = window.open_window(a) if cpu else None
+            memory = window.open_window(a, keep) if cpu else None
             if memory is not None:
                 mapped[a.name] = memory
             return memory is not None
 
-        agreed = window.agree(self.group, self.src, announced, join)
+        agreed = window.agree(self.group, owner, announced, join)
         return mapped[agreed.name] if agreed is not None else None
 
-    def _consumed(self, index: int) -> None:
-        """C_index: this receiver is done with bucket ``index`` of the shared window."""
+    def _done_reading(self, index: int) -> None:
+        """C_index, when bucket ``index`` was read in place: this receiver is done with it."""
+        i = index % len(self.senders)
+        if self._windows[i] is None:
+            return
         try:
             window.bucket_done(self.group).wait()
         except Exception as e:
             raise WeightSyncError(
-                f"weight sync: telling rank {self.src} that bucket {index} was read failed: {e}"
+                f"weight sync: telling rank {self.senders[i]} that bucket {index} was read failed: {e}"
             ) from e
 
-    def _unpack(self, copy: bool, prev, pending: Optional[_Pending], stats: SyncStats, bar):
-        """Yields the tensors of one received bucket (``prev``: its bytes, entries and index; the
-        decoder checked every entry lies in them); returns the split tensor still incomplete."""
+    def _unpack(self, copy: bool, prev, pending, stats: SyncStats, bar):
+        """Yields the tensors one received bucket completes (``prev``: its bytes, entries and
+        index; the decoder checked every entry lies in them); returns the tensors still being
+        assembled. With one sender, pieces must come in order; with several, the shards of a
+        tensor come from each, in any order, and only overlaps are refused."""
         buf, entries, index = prev
+        if pending is None:
+            pending = {}
+        ordered = len(self.senders) == 1
         for e in entries:
-            if e.chunk_offset == 0:  # a tensor's first (or only) piece
+            p = pending.get(e.name)
+            if p is None:
                 if e.name in self._names:  # the decoder checks one bucket; this, the whole sync
                     raise WeightSyncError(f"weight sync: bucket {index}: {e.name!r} was already received in this sync")
                 self._names.add(e.name)
-            if e.total == 0:
-                out = torch.empty(e.shape, dtype=e.dtype, device=self.device)
-            elif e.whole:
-                src = buf[e.offset : e.end].view(e.dtype).view(e.shape)
-                if self.device != self.bucket_device:
-                    out = src.to(self.device)
-                else:
-                    out = src.clone() if copy else src
-            else:
-                if e.chunk_offset == 0:
-                    if pending is not None:
-                        raise WeightSyncError(
-                            f"weight sync: bucket {index}: {e.name!r} starts before {pending.name!r} is complete"
-                        )
-                    pending = _Pending(e, self.device)
-                if (pending is None or pending.name != e.name or pending.done != e.chunk_offset
-                        or pending.total != e.total or pending.dtype != e.dtype or pending.shape != e.shape):
-                    raise WeightSyncError(
-                        f"weight sync: bucket {index}: unexpected chunk of {e.name!r} at byte "
-                        f"{e.chunk_offset} (reassembling {pending and pending.name!r})"
-                    )
-                pending.bytes[e.chunk_offset : e.chunk_offset + e.nbytes].copy_(buf[e.offset : e.end])
-                pending.done += e.nbytes
-                if bar is not None:
-                    bar.update(e.nbytes)
-                if pending.done < e.total:
+                if e.whole:
+                    if e.total == 0:
+                        out = torch.empty(e.shape, dtype=e.dtype, device=self.device)
+                    else:
+                        src = buf[e.offset : e.end].view(e.dtype).view(e.shape)
+                        if self.device != self.bucket_device:
+                            out = src.to(self.device)
+                        else:
+                            out = src.clone() if copy else src
+                    if bar is not None:
+                        bar.update(e.nbytes)
+                    stats.tensors += 1
+                    stats.bytes += e.total
+                    yield e.name, out
+                    out = src = None  # the consumer's now: hold no reference to it
                     continue
-                out, pending = pending.tensor, None
-                stats.tensors += 1
-                stats.bytes += e.total
-                yield e.name, out
-                continue
+                if ordered:
+                    if pending:
+                        other = next(iter(pending))
+                        raise WeightSyncError(
+                            f"weight sync: bucket {index}: {e.name!r} starts before {other!r} is complete"
+                        )
+                    if e.chunk_offset != 0 or e.box is not None:
+                        raise WeightSyncError(
+                            f"weight sync: bucket {index}: unexpected chunk of {e.name!r} at byte {e.chunk_offset} "
+                            "(its first piece; one sender sends a tensor's pieces in order)"
+                        )
+                p = pending[e.name] = _Pending(e, self.device)
+            elif not p.matches(e) or (ordered and (p.done != e.chunk_offset or e.box is not None)):
+                raise WeightSyncError(
+                    f"weight sync: bucket {index}: unexpected chunk of {e.name!r} at byte "
+                    f"{e.chunk_offset} (assembling {p.name!r}: {p.dtype} {list(p.shape)}, {p.done} of {p.total} bytes)"
+                )
+            p.add(e, buf[e.offset : e.end], f"bucket {index}")
             if bar is not None:
                 bar.update(e.nbytes)
+            if p.done < p.total:
+                continue
+            del pending[e.name]
             stats.tensors += 1
             stats.bytes += e.total
+            out, p = p.tensor, None
             yield e.name, out
+            out = None
         return pending

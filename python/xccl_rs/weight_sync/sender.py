@@ -1,11 +1,13 @@
-"""The source rank's role: packs tensors into two buckets in turn and sends them (the package
-docstring gives the protocol)."""
+"""The senders' role: each packs its buckets of every round into two buffers in turn and sends
+them (the package docstring gives the protocol; plan.py who sends what)."""
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -18,60 +20,124 @@ from ._common import (
     describe,
     group_rank_size,
     progress_bar,
+    read_flat_range,
     resolve_device,
+    resolve_senders,
+    send_to,
     synchronize,
+    tensor_bytes,
 )
+from .agreement import ABORTED_ROUND, FINAL, SENDING, PlanHash, agree_round, hello, window_hosts
 from .format import (
-    DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, MAX_NAME_CHARS, MAX_TENSOR_BYTES, MIN_BUCKET_BYTES, Announcement,
-    BucketMeta, Entry, Header, check_dtype,
+    DEFAULT_BUCKET_BYTES, HEADER_LEN, MAX_BUCKET_BYTES, MAX_NAME_CHARS, MAX_TENSOR_BYTES, MIN_BUCKET_BYTES,
+    Announcement, BucketMeta, Entry, Header, RoundRecord, check_dtype,
 )
-from .plan import Packer
+from .plan import EVERY, NEXT_ROUND, RoundPlanner, shard_boxes
 
 
 def _copy_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int) -> None:
-    """dst (1-D, e1 - e0 elements) <- elements [e0, e1) of src in row-major order.
+    """dst (1-D, e1 - e0 elements) <- elements [e0, e1) of src in row-major order."""
+    read_flat_range(dst, src, e0, e1)
 
-    Every element is copied once, straight from src's strides (no .contiguous() temporary):
-    the range is cut into a partial first row, whole rows, and a partial last row.
-    """
-    if e1 <= e0:
-        return
-    if src.is_contiguous():
-        dst.copy_(src.reshape(-1)[e0:e1])  # reshape of a contiguous tensor is a view
-        return
-    if src.dim() == 1:
-        dst.copy_(src[e0:e1])
-        return
-    inner = src[0].numel()
-    r0, o0 = divmod(e0, inner)
-    r1, o1 = divmod(e1, inner)
-    if r0 == r1:
-        _copy_flat_range(dst, src[r0], o0, o1)
-        return
-    pos = 0
-    if o0:
-        _copy_flat_range(dst[: inner - o0], src[r0], o0, inner)
-        pos = inner - o0
-        r0 += 1
-    if r1 > r0:
-        n = (r1 - r0) * inner
-        dst[pos : pos + n].view(r1 - r0, *src.shape[1:]).copy_(src[r0:r1])
-        pos += n
-    if o1:
-        _copy_flat_range(dst[pos:], src[r1], 0, o1)
+
+# --------------------------------------------------------------------------------------
+# what one sender sends of a tensor
+# --------------------------------------------------------------------------------------
+
+
+def _dtensor_class():
+    """torch's DTensor class, if torch.distributed.tensor is imported (else no DTensor exists)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None)
+
+
+@dataclass
+class _Piece:
+    """What this sender sends of one tensor: ``src`` (the tensor itself, or its shard), whose
+    bytes go to the places the plan gives; ``base``: where a shard's bytes start in the tensor's
+    flat bytes (a row block), or ``box`` for any other shard."""
+
+    src: torch.Tensor
+    nbytes: int  # this sender's bytes (0: it sends nothing of the tensor)
+    shape: tuple[int, ...]  # the whole tensor's
+    total: int  # the whole tensor's bytes
+    token: str  # what the plan hash records
+    footprint: Optional[int] = None  # a sharded tensor's largest shard (bytes); None: a whole tensor
+    base: int = 0
+    box: Optional[tuple[tuple[int, int], ...]] = None
+
+
+def _piece(name: str, t: torch.Tensor, senders: int) -> _Piece:
+    """This sender's part of ``t``: a plain tensor is whole (one sender sends it); a DTensor's
+    shard is sent as it is (each sender its own), from ``to_local()``, never gathered."""
+    elsize = t.element_size()
+    dtensor = _dtensor_class()
+    if dtensor is None or not isinstance(t, dtensor):
+        shape = tuple(t.shape)
+        return _Piece(t, t.numel() * elsize, shape, t.numel() * elsize, f"W|{name}|{t.dtype}|{shape}")
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    shape = tuple(t.shape)
+    total = t.numel() * elsize
+    for md, p in enumerate(placements):
+        if not (type(p) is Shard or isinstance(p, Replicate)):
+            raise TypeError(
+                f"{name!r} is a DTensor with placement {p!r} on mesh dimension {md}; weight sync sends "
+                "Shard and Replicate shards as they are: redistribute it to those, or send full_tensor()"
+            )
+    placements = tuple(Shard(p.dim % len(shape)) if type(p) is Shard else p for p in placements)
+    if mesh.size() == 1 or total == 0:
+        local = t.to_local() if mesh.size() == 1 else torch.empty(shape, dtype=t.dtype, device=t.to_local().device)
+        return _Piece(local, total, shape, total, f"W|{name}|{t.dtype}|{shape}")
+    if mesh.size() != senders:
+        raise ValueError(
+            f"{name!r} is a DTensor on a mesh of {mesh.size()} ranks {tuple(mesh.shape)}, but this sync has "
+            f"{senders} sender(s): every rank of the mesh must send it (WeightSender(senders=...)), or send its "
+            "full_tensor()"
+        )
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"{name!r} is a DTensor on a mesh this rank is not part of")
+    sizes, offsets = shard_boxes(shape, mesh.shape, coord, placements)
+    local = t.to_local()
+    if tuple(local.shape) != sizes:
+        raise ValueError(
+            f"{name!r}: this rank's shard has shape {tuple(local.shape)}, but {placements} of {shape} over the mesh "
+            f"{tuple(mesh.shape)} gives coordinate {tuple(coord)} the shape {sizes}"
+        )
+    largest, _ = shard_boxes(shape, mesh.shape, [0] * mesh.ndim, placements)
+    footprint = elsize
+    for s in largest:
+        footprint *= s
+    # A replicated mesh dimension: its coordinate 0 sends, the copies elsewhere stay home.
+    sends = all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
+    token = f"S|{name}|{t.dtype}|{shape}|{tuple(mesh.shape)}|{placements}"
+    piece = _Piece(local, local.numel() * elsize if sends else 0, shape, total, token, footprint)
+    dims = {p.dim for p in placements if type(p) is Shard}
+    if dims == {0}:
+        row = total // shape[0]  # shape[0] > 0: total > 0
+        piece.base = offsets[0] * row  # a block of rows: a run of the tensor's flat bytes
+    elif dims:
+        piece.box = tuple(zip(offsets, sizes))
+    return piece
+
+
+# --------------------------------------------------------------------------------------
+# the sender
+# --------------------------------------------------------------------------------------
 
 
 class _Slot:
-    """One of the two send buffers and the broadcasts that still read it."""
+    """One of the two send buffers and the transfers that still read it."""
 
-    __slots__ = ("buf", "works", "keep", "label", "consume")
+    __slots__ = ("buf", "works", "keep", "label")
 
     def __init__(self):
         self.buf: Optional[torch.Tensor] = None
         self.works: list = []
         self.keep: list = []
         self.label = ""
-        self.consume = False  # shared window: receivers read this bucket in place (C_k pending)
 
     def wait(self) -> None:
         works, self.works = self.works, []
@@ -79,41 +145,50 @@ class _Slot:
             for w in works:
                 w.wait()
         except Exception as e:
-            raise WeightSyncError(f"weight sync: broadcast of {self.label} failed: {e}") from e
+            raise WeightSyncError(f"weight sync: sending {self.label} failed: {e}") from e
         finally:
             self.keep = []
 
 
 class WeightSender:
-    """Broadcasts named tensors from rank ``src`` of ``group`` to every other rank of it.
+    """Sends named tensors from this rank of ``group`` to every rank of it that does not send.
 
     ``group`` is any ProcessGroup object (from ``xccl_rs.new_group``, ``dist.new_group``, or
-    ``dist.group.WORLD``); ``src`` is a rank *within* the group. ``device`` is where the two
-    buckets live (default: CPU; pass ``"cuda"`` for an NCCL group). Tensors on any device are
-    copied into them. Nothing is allocated before the first ``send``; the buckets are kept
-    for the next ``send`` until :meth:`release`. ``shared_memory`` (default: when ``group`` is
-    an xccl_rs group) puts CPU buckets in a shared window that receivers on this host read in
-    place (the package docstring); ``False`` always broadcasts them.
+    ``dist.group.WORLD``). One sender: ``src`` is its rank *within* the group (this rank), and
+    every other rank receives. Several: ``senders`` lists their group ranks (this rank among
+    them; every rank passes the same list, in the same order, and ``src`` is ignored); every
+    other rank receives, and the buckets are shared out among the senders (plan.py): each sender
+    is given the same tensors and sends its share of whole tensors, and its own shard of each
+    DTensor. ``device`` is where the two buckets live (default: CPU; pass ``"cuda"`` for an
+    NCCL group). Tensors on any device are copied into them. Nothing is allocated before the
+    first ``send``, and a sender allocates its buckets only when it has bytes to pack; they are
+    kept for the next ``send`` until :meth:`release`. ``shared_memory`` (default: when ``group``
+    is an xccl_rs group) puts CPU buckets in a shared window that receivers on this host read in
+    place (the package docstring); ``False`` always sends them.
     """
 
     def __init__(
-        self, group, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device=None, shared_memory=None
+        self, group, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device=None, shared_memory=None,
+        senders=None,
     ):
         rank, size = group_rank_size(group)
-        if not 0 <= src < size:
-            raise ValueError(f"WeightSender: src {src} is not a rank of a group of size {size}")
-        if rank != src:
-            raise ValueError(
-                f"WeightSender: this is rank {rank} of the group, but src is {src}; "
-                "only the source rank sends (the others use WeightReceiver)"
-            )
+        senders = resolve_senders(senders, src, size, "WeightSender")
+        if rank not in senders:
+            if len(senders) == 1:
+                raise ValueError(
+                    f"WeightSender: this is rank {rank} of the group, but src is {senders[0]}; "
+                    "only the source rank sends (the others use WeightReceiver)"
+                )
+            raise ValueError(f"WeightSender: this is rank {rank} of the group, not one of the senders {senders}")
         bucket_bytes = int(bucket_bytes)
         if not MIN_BUCKET_BYTES <= bucket_bytes <= MAX_BUCKET_BYTES:
             raise ValueError(
                 f"WeightSender: bucket_bytes must be in [{MIN_BUCKET_BYTES}, {MAX_BUCKET_BYTES}], got {bucket_bytes}"
             )
         self.group = group
-        self.src = src
+        self.src = rank
+        self.senders = senders
+        self.receivers = [r for r in range(size) if r not in senders]
         self.bucket_bytes = bucket_bytes
         self.device = resolve_device(device)
         self._slots = [_Slot(), _Slot()]
@@ -121,10 +196,10 @@ class WeightSender:
         if shared_memory is None:
             shared_memory = window.uses_shared_memory(group)
         # The shared window: CPU buckets only, and only with receivers.
-        self.shared_memory = bool(shared_memory) and self.device.type == "cpu" and size > 1
+        self.shared_memory = bool(shared_memory) and self.device.type == "cpu" and bool(self.receivers)
 
     def release(self) -> None:
-        """Frees the buckets (after waiting for any broadcast still reading them), and the
+        """Frees the buckets (after waiting for any transfer still reading them), and the
         shared window kept for this bucket size."""
         for s in self._slots:
             s.wait()
@@ -133,9 +208,9 @@ class WeightSender:
 
     def send(self, named_tensors: Iterable, progress: bool = False) -> SyncStats:
         """Sends every ``(name, tensor)`` of ``named_tensors`` (consumed lazily, one at a time,
-        so a generator that gathers each weight on demand works). Returns when every
-        broadcast has completed. Every other rank of the group must run
-        :meth:`WeightReceiver.receive` to the end at the same time."""
+        so a generator that gathers each weight on demand works). Returns when every transfer
+        has completed. Every receiver must run :meth:`WeightReceiver.receive` to the end at the
+        same time, and every other sender ``send`` with the same tensors."""
         total = None
         if isinstance(named_tensors, Mapping):
             named_tensors = list(named_tensors.items())
@@ -158,146 +233,50 @@ class WeightSender:
 
 
 class SendStream:
-    """One sync in progress on the source rank (see :meth:`WeightSender.stream`)."""
+    """One sync in progress on a sender (see :meth:`WeightSender.stream`)."""
 
     def __init__(self, sender: WeightSender, progress: bool, total_bytes: Optional[int]):
-        self.s = sender
+        s = self.s = sender
         self.t0 = time.perf_counter()
         self.stats = SyncStats()
         self.total = total_bytes
         self.bar = progress_bar(progress, total_bytes, "weight sync (send)")
-        self.packer = Packer(sender.bucket_bytes)
-        self.cur = 0  # index of the slot being packed
-        self.entries: list[Entry] = []
+        self.n = len(s.senders)
+        self.me = s.senders.index(s.src)
+        self.planner = RoundPlanner(s.bucket_bytes, self.n)
+        self.plan = PlanHash(s.bucket_bytes, self.n)
+        self.entries: list[Entry] = []  # this sender's bucket of the current round
         self.names: set[str] = set()  # receivers refuse a name sent twice
-        self.index = 0
         self.done = False
-        self.broken = False  # a broadcast failed: the group cannot carry an abort notice
-        # The shared window: created with the first bucket if every rank can share the
-        # sender's memory; `shared` once every rank has mapped it.
+        self.broken = False  # a transfer failed: the group cannot carry an abort notice
+        # The shared windows: this sender's, created with its first bucket if every receiver
+        # can share its memory; shared[i]: sender i's buckets are read in place.
         self.window: Optional[window.Window] = None
-        self.shared = False
+        self.shared = [False] * self.n
+        self.later: list = []  # barriers of other senders' buckets, waited for at the end
+        self.round = 0  # the round being packed (the planner may be further on)
         try:
-            self.co_located = window.co_located(sender.group, sender.src, sender.shared_memory, True)
-        except Exception as e:
-            raise WeightSyncError(f"weight sync: the first step with the receivers failed: {e}") from e
-
-    def _post(self, slot: _Slot, header: torch.Tensor, meta_t: torch.Tensor, used: int,
-              announced: Optional[Announcement] = None) -> None:
-        s = self.s
-        try:
-            slot.works.append(broadcast(s.group, header, s.src))
-            slot.works.append(broadcast(s.group, meta_t, s.src))
-            if announced is not None:
-                self.shared = self._settle_window(announced, used)
-                self.window.unlink()  # every rank has mapped it or given up
-            if self.shared:
-                slot.consume = True  # receivers read it in place; C_k frees it
-            elif used:
-                slot.works.append(broadcast(s.group, slot.buf[:used], s.src))
-        except Exception as e:
-            self.broken = True
-            raise WeightSyncError(f"weight sync: broadcast of {slot.label} failed: {e}") from e
-        slot.keep = [header, meta_t]
-
-    def _settle_window(self, announced: Announcement, used: int) -> bool:
-        """The sender's part of the agreement on the window announced in bucket 0 (window.agree):
-        whether every rank maps it. The fresh window it may offer already holds bucket 0, so
-        that a newcomer costs one bucket copy, not the window."""
-        s = self.s
-        fresh: list[window.Window] = []
-
-        def offer() -> Optional[Announcement]:
-            try:
-                w = window.Window(s.bucket_bytes)
-            except OSError:
-                return None  # offer nothing: every rank then knows the buckets are broadcast
-            w.slot(0)[:used].copy_(self.window.slot(0)[:used])
-            fresh.append(w)
-            return w.announcement()
-
-        agreed = window.agree(s.group, s.src, announced, lambda a: True, offer)
-        if agreed is None or agreed.name == self.window.name:
-            for w in fresh:
-                w.unlink()
-            return agreed is not None
-        self.window.unlink()
-        self.window = fresh[0]
-        for i, slot in enumerate(s._slots):
-            slot.buf = self.window.slot(i)
-        return True
-
-    def _consumed(self, slot: _Slot) -> None:
-        """Joins C_k for the bucket in ``slot`` (shared window): it can be packed again once
-        every receiver is done with it (the caller waits for the slot)."""
-        if slot.consume:
-            slot.consume = False
-            try:
-                slot.works.append(window.bucket_done(self.s.group))
-            except Exception as e:
-                self.broken = True
-                raise WeightSyncError(f"weight sync: waiting for the receivers of {slot.label} failed: {e}") from e
-
-    def _drop_window(self) -> None:
-        """The sync is over: its window is kept for the next sync if every receiver mapped it,
-        else unlinked and dropped (the buffers return to private ones either way)."""
-        if self.window is not None:
-            if self.shared and self.done and not self.broken:
-                window.keep_window(self.window)
-            else:
-                self.window.unlink()
-            self.window = None
-            for slot in self.s._slots:
-                slot.buf = None
-
-    def _wait(self, slot: _Slot) -> None:
-        try:
-            slot.wait()
+            records = hello(s.group, s.senders, window.host_hash() if s.shared_memory else -1, s.device)
+            self.co_located = window_hosts(records, s.senders)[self.me]
         except WeightSyncError:
             self.broken = True
             raise
+        except Exception as e:
+            self.broken = True
+            raise WeightSyncError(f"weight sync: the first step with the receivers failed: {e}") from e
 
-    def _encode(self, meta: BucketMeta, used: int, last: bool = False, aborted: bool = False):
-        """The header and metadata tensors of bucket ``self.index``."""
-        s = self.s
-        raw = meta.encode()
-        header = Header(self.index, len(raw), used, s.bucket_bytes, last=last, aborted=aborted)
-        header_t = torch.tensor(header.encode(), dtype=torch.int64).to(s.device)
-        meta_t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(s.device)
-        return header_t, meta_t
-
-    def _flush(self, is_last: bool) -> None:
-        s = self.s
-        slot = s._slots[self.cur]
-        entries = self.entries
-        used = max((e.end for e in entries), default=0)
-        announced = self.window.announcement() if self.index == 0 and self.window is not None else None
-        meta = BucketMeta(self.index, entries, self.total if self.total is not None else -1, announced)
-        header, meta_t = self._encode(meta, used, last=is_last)
-        slot.label = describe(self.index, [e.name for e in entries]) + f" of {used} bytes from rank {s.src}"
-        self._post(slot, header, meta_t, used, announced)
-        self.stats.buckets += 1
-        if self.bar is not None:
-            self.bar.update(sum(e.nbytes for e in entries))
-        self.entries = []
-        self.index += 1
-        self.cur ^= 1
-        # The next bucket reuses the other buffer: its previous broadcast (or, with the shared
-        # window, every receiver's reading of it) must be done.
-        other = s._slots[self.cur]
-        self._consumed(other)
-        self._wait(other)
+    # ---- packing ---------------------------------------------------------------------
 
     def _buffer(self) -> torch.Tensor:
         s = self.s
-        if s.shared_memory and self.co_located and self.window is None and self.index == 0:
+        if s.shared_memory and self.co_located and self.window is None and self.round == 0:
             # A window per sync: receivers map it by name, and it is unlinked right after.
             try:
                 self.window = window.take_window(s.bucket_bytes)
             except OSError as e:
                 warnings.warn(
                     f"weight sync: no shared window of {2 * s.bucket_bytes} bytes in /dev/shm ({e}); "
-                    "broadcasting the buckets instead",
+                    "sending the buckets instead",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -305,16 +284,17 @@ class SendStream:
             else:
                 for i, slot in enumerate(s._slots):
                     slot.buf = self.window.slot(i)
-        slot = s._slots[self.cur]
+        slot = s._slots[self.round % 2]
         if slot.buf is None:  # a sender's device never changes: allocate once, then reuse
             slot.buf = torch.empty(s.bucket_bytes, dtype=torch.uint8, device=s.device)
         return slot.buf
 
     @torch.no_grad()
     def add(self, name: str, t: torch.Tensor) -> None:
-        """Packs one tensor (broadcasting the buckets it fills)."""
+        """Plans one tensor and packs this sender's part of it (sending the rounds it completes)."""
         if self.done:
             raise WeightSyncError("weight sync: add() after finish()")
+        sent, contributed = 0, False
         try:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
@@ -331,40 +311,234 @@ class SendStream:
             elsize = t.element_size()
             if t.numel() * elsize > MAX_TENSOR_BYTES:
                 raise ValueError(f"{name!r} has {t.numel() * elsize} bytes, above the limit of {MAX_TENSOR_BYTES}")
+            piece = _piece(name, t, self.n)
             self.names.add(name)
-            for entry in self.packer.add(name, t.dtype, tuple(t.shape), elsize):
-                if entry is None:
-                    self._flush(False)
+            self.plan.add(piece.token)
+            if piece.footprint is None:
+                steps = self.planner.add_whole(name, t.dtype, piece.total, elsize)
+            else:
+                steps = self.planner.add_sharded(name, t.dtype, piece.footprint, elsize)
+            for place in steps:
+                if place is NEXT_ROUND:
+                    self._flush_round(final=False)
+                    continue
+                if place.sender == self.me:  # this sender's share of a whole tensor
+                    entry = Entry(name, t.dtype, piece.shape, place.offset, place.nbytes, place.start, piece.total)
+                    start = place.start
+                elif place.sender == EVERY:  # this sender's shard, what it has of the range
+                    start = place.start
+                    nbytes = min(place.nbytes, piece.nbytes - start)
+                    if nbytes <= 0:
+                        continue
+                    offset = place.start if piece.box is not None else piece.base + place.start
+                    entry = Entry(name, t.dtype, piece.shape, place.offset, nbytes, offset, piece.total, piece.box)
+                else:
                     continue
                 self.entries.append(entry)
+                contributed = True
                 if entry.nbytes == 0:
                     continue
                 dst = self._buffer()[entry.offset : entry.end].view(t.dtype)
-                if entry.whole:
-                    dst.view(t.shape).copy_(t)  # one strided copy, contiguous or not
+                if entry.whole and piece.src.shape == piece.shape:
+                    dst.view(piece.shape).copy_(piece.src)  # one strided copy, contiguous or not
                 else:
-                    e0 = entry.chunk_offset // elsize
-                    _copy_flat_range(dst, t, e0, e0 + entry.nbytes // elsize)
+                    e0 = start // elsize
+                    _copy_flat_range(dst, piece.src, e0, e0 + entry.nbytes // elsize)
+                sent += entry.nbytes
         except WeightSyncError:
             raise
         except Exception as e:
             raise WeightSyncError(
-                f"weight sync: send failed at bucket {self.index} while packing {name!r}: "
+                f"weight sync: send failed in round {self.round} while packing {name!r}: "
                 f"{type(e).__name__}: {e}"
             ) from e
-        self.stats.tensors += 1
-        self.stats.bytes += t.numel() * elsize
+        if contributed:
+            self.stats.tensors += 1
+        self.stats.bytes += sent
+        if self.bar is not None:
+            self.bar.update(sent)
+
+    # ---- sending a round -------------------------------------------------------------
+
+    def _encode(self, meta: BucketMeta, index: int, used: int, last: bool = False, aborted: bool = False):
+        """The header and metadata tensors of bucket ``index``."""
+        s = self.s
+        raw = meta.encode()
+        header = Header(index, len(raw), used, s.bucket_bytes, last=last, aborted=aborted)
+        header_t = torch.tensor(header.encode(), dtype=torch.int64).to(s.device)
+        meta_t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(s.device)
+        return header_t, meta_t
+
+    def _flush_round(self, final: bool) -> None:
+        """Every bucket of the current round, in sender order: this sender's own, and its part
+        in the others' (their headers, their windows' votes, the barriers); then the next round."""
+        s = self.s
+        try:
+            if self.n > 1:
+                out = agree_round(s.group, s.senders, self.round, RoundRecord(self.round, FINAL if final else SENDING,
+                                                                              self.plan.value), s.device)
+                if out.aborted_by is not None:
+                    self._other_abort(out.aborted_by)
+            for i in range(self.n):
+                k = self.round * self.n + i
+                last = final and i == self.n - 1
+                if i == self.me:
+                    self._post_own(k, last)
+                else:
+                    self._follow(k, s.senders[i], last)
+                if k > 0:
+                    self._done_reading(k - 1)
+            if final:
+                self._done_reading(self.round * self.n + self.n - 1)
+        except WeightSyncError:
+            self.broken = True
+            raise
+        except Exception as e:
+            self.broken = True
+            raise WeightSyncError(f"weight sync: round {self.round} failed: {type(e).__name__}: {e}") from e
+        self.entries = []
+        self.round += 1
+        if not final:
+            # The next round reuses the other buffer: its last transfer (or, with the shared
+            # window, every receiver's reading of it) must be done.
+            self._wait(s._slots[self.round % 2])
+
+    def _post_own(self, k: int, last: bool) -> None:
+        s = self.s
+        slot = s._slots[self.round % 2]
+        entries = self.entries
+        used = max((e.end for e in entries), default=0)
+        announced = self.window.announcement() if self.round == 0 and self.window is not None else None
+        meta = BucketMeta(k, entries, self.total if self.total is not None else -1, announced)
+        header, meta_t = self._encode(meta, k, used, last=last)
+        slot.label = describe(k, [e.name for e in entries]) + f" of {used} bytes from rank {s.src}"
+        try:
+            slot.works.append(broadcast(s.group, header, s.src))
+            slot.works.append(broadcast(s.group, meta_t, s.src))
+            if announced is not None:
+                self.shared[self.me] = self._settle_window(announced, used)
+                self.window.unlink()  # every rank has mapped it or given up
+            if not self.shared[self.me] and used:
+                payload = slot.buf[:used]
+                if self.n == 1:
+                    slot.works.append(broadcast(s.group, payload, s.src))
+                else:  # the other senders do not take it: point to point, to each receiver
+                    slot.works.extend(send_to(s.group, payload, r) for r in s.receivers)
+        except Exception as e:
+            raise WeightSyncError(f"weight sync: sending {slot.label} failed: {e}") from e
+        slot.keep = [header, meta_t]
+        self.stats.buckets += 1
+
+    def _receive_control(self, k: int, owner: int) -> tuple[Header, BucketMeta]:
+        """Bucket ``k``'s header and metadata from sender ``owner`` (this sender takes part in the
+        broadcasts; it reads nothing else of the bucket)."""
+        s = self.s
+        where = f"bucket {k} from rank {owner}"
+        try:
+            header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=s.device)
+            broadcast(s.group, header_t, owner).wait()
+            h = Header.decode(header_t.cpu().tolist(), where, k, s.bucket_bytes)
+            meta_t = torch.empty(h.meta_nbytes, dtype=torch.uint8, device=s.device)
+            broadcast(s.group, meta_t, owner).wait()
+        except WeightSyncError:
+            raise
+        except Exception as e:
+            raise WeightSyncError(f"weight sync: receiving the header of bucket {k} from rank {owner} failed: {e}") from e
+        return h, BucketMeta.decode(tensor_bytes(meta_t), h, where, self.n)
+
+    def _follow(self, k: int, owner: int, last: bool) -> None:
+        """This sender's part in another sender's bucket ``k``."""
+        h, meta = self._receive_control(k, owner)
+        if meta.abort is not None:
+            raise WeightSyncError(f"weight sync: the sender (rank {owner}) aborted at bucket {k}: {meta.abort}")
+        if h.last != last:
+            raise WeightSyncError(
+                f"weight sync: bucket {k} from rank {owner} is {'' if h.last else 'not '}the last, "
+                f"but this sender's plan says it is {'' if last else 'not '}(the senders' plans differ)"
+            )
+        if meta.window is not None:
+            agreed = window.agree(self.s.group, owner, meta.window, lambda a: True)
+            self.shared[k % self.n] = agreed is not None
+
+    def _done_reading(self, k: int) -> None:
+        """Joins C_k when bucket ``k`` was read in place: its sender may pack it again once every
+        receiver is done with it."""
+        i = k % self.n
+        if not self.shared[i]:
+            return
+        work = window.bucket_done(self.s.group)
+        if i == self.me:
+            self.s._slots[(k // self.n) % 2].works.append(work)
+        else:
+            self.later.append(work)
+
+    def _settle_window(self, announced: Announcement, used: int) -> bool:
+        """The sender's part of the agreement on the window announced in its first bucket
+        (window.agree): whether every rank maps it. The fresh window it may offer already holds
+        that bucket, so that a newcomer costs one bucket copy, not the window."""
+        s = self.s
+        fresh: list[window.Window] = []
+
+        def offer() -> Optional[Announcement]:
+            try:
+                w = window.Window(s.bucket_bytes)
+            except OSError:
+                return None  # offer nothing: every rank then knows the buckets are sent
+            w.slot(0)[:used].copy_(self.window.slot(0)[:used])
+            fresh.append(w)
+            return w.announcement()
+
+        agreed = window.agree(s.group, s.src, announced, lambda a: True, offer)
+        if agreed is None or agreed.name == self.window.name:
+            for w in fresh:
+                w.unlink()
+            return agreed is not None
+        self.window.unlink()
+        self.window = fresh[0]
+        for i, slot in enumerate(s._slots):
+            slot.buf = self.window.slot(i)
+        return True
+
+    def _drop_window(self) -> None:
+        """The sync is over: its window is kept for the next sync if every receiver mapped it,
+        else unlinked and dropped (the buffers return to private ones either way)."""
+        if self.window is not None:
+            if self.shared[self.me] and self.done and not self.broken:
+                window.keep_window(self.window)
+            else:
+                self.window.unlink()
+            self.window = None
+            for slot in self.s._slots:
+                slot.buf = None
+
+    def _wait(self, slot: _Slot) -> None:
+        try:
+            slot.wait()
+        except WeightSyncError:
+            self.broken = True
+            raise
+
+    def _wait_later(self) -> None:
+        works, self.later = self.later, []
+        try:
+            for w in works:
+                w.wait()
+        except Exception as e:
+            self.broken = True
+            raise WeightSyncError(f"weight sync: waiting for the receivers of the other senders' buckets failed: {e}") from e
+
+    # ---- the end ---------------------------------------------------------------------
 
     def finish(self) -> SyncStats:
-        """Sends the last bucket and waits for every broadcast."""
+        """Sends the last round and waits for every transfer."""
         if self.done:
             raise WeightSyncError("weight sync: finish() called twice")
         self.done = True
         try:
-            self._flush(True)
+            self._flush_round(final=True)
             for slot in self.s._slots:
-                self._consumed(slot)  # C_L: the receivers are done with the last bucket
                 self._wait(slot)
+            self._wait_later()
             if self.s.device.type != "cpu":
                 # An accelerator backend's wait() only orders streams: finish the transfers.
                 synchronize(self.s.device)
@@ -372,31 +546,57 @@ class SendStream:
             self._drop_window()
             if self.bar is not None:
                 self.bar.close()
-        self.stats.shared_window = self.shared
+        self.stats.shared_window = self.shared[self.me]
         self.stats.seconds = time.perf_counter() - self.t0
         self.s.last_stats = self.stats
         return self.stats
 
+    def _notice(self, index: int, reason: str) -> None:
+        """Posts this sender's abort notice as bucket ``index``'s header and metadata."""
+        slot = self.s._slots[self.round % 2]
+        slot.label = f"the abort notice at bucket {index}"
+        header, meta_t = self._encode(BucketMeta(index, abort=str(reason)), index, 0, aborted=True)
+        slot.works.append(broadcast(self.s.group, header, self.s.src))
+        slot.works.append(broadcast(self.s.group, meta_t, self.s.src))
+        slot.keep = [header, meta_t]
+
+    def _other_abort(self, by: int) -> None:
+        """Another sender aborted this round: take its notice (as every rank does) and raise it."""
+        k = self.round * self.n
+        _, meta = self._receive_control(k, by)
+        raise WeightSyncError(f"weight sync: the sender (rank {by}) aborted at bucket {k}: {meta.abort}")
+
     def abort(self, reason: str = "the sender gave up") -> None:
-        """Gives up (the producer of the weights failed): the receivers get an abort notice in
-        place of the next bucket header and raise ``WeightSyncError`` with ``reason``, rather
-        than wait for the group timeout or take a truncated model for a complete one. When a
-        broadcast already failed, only waits for what is still in flight."""
+        """Gives up (the producer of the weights failed): every other rank raises
+        ``WeightSyncError`` with ``reason`` at the same place, rather than wait for the group
+        timeout or take a truncated model for a complete one. One sender sends an abort notice in
+        place of its next header; several say so in the next round's agreement, and the first of
+        them sends its notice. When a transfer already failed, only waits for what is still in
+        flight."""
         if self.done:
             return
         self.done = True
         try:
             if not self.broken:
-                slot = self.s._slots[self.cur]
-                slot.label = f"the abort notice at bucket {self.index}"
-                header, meta_t = self._encode(BucketMeta(self.index, abort=str(reason)), 0, aborted=True)
-                self._post(slot, header, meta_t, 0)
+                s = self.s
+                if self.n == 1:
+                    self._notice(self.round, reason)
+                else:
+                    out = agree_round(s.group, s.senders, self.round, RoundRecord(self.round, ABORTED_ROUND, 0), s.device)
+                    if out.aborted_by == s.src:
+                        self._notice(self.round * self.n, reason)
+                    else:  # another aborted first: every rank takes its notice
+                        self._receive_control(self.round * self.n, out.aborted_by)
             for slot in self.s._slots:
                 try:
                     slot.wait()
                 except WeightSyncError:
                     pass
-        except WeightSyncError:
+            try:
+                self._wait_later()
+            except WeightSyncError:
+                pass
+        except Exception:  # noqa: BLE001 - the original error is the one the caller raises
             pass
         finally:
             self._drop_window()

@@ -1,6 +1,7 @@
-"""The shared window: the sender's two buckets in one file of /dev/shm that every receiver on the
-host maps, so that a bucket's bytes are packed once and read in place instead of being broadcast;
-and the protocol by which a group agrees to use one (both roles call the same functions).
+"""The shared window: a sender's two buckets in one file of /dev/shm that every receiver on the
+host maps, so that a bucket's bytes are packed once and read in place instead of being sent;
+and the protocol by which a group agrees to use one (every role calls the same functions). With
+several senders each has its own window, agreed on separately.
 
 The file is created with ``O_EXCL`` and mode 0600 under an unguessable name, and unlinked as soon
 as every rank of the group has mapped it (or failed to): from then on nothing of it is visible in
@@ -13,16 +14,17 @@ buckets stay allocated, shared by every process that maps them, until the roles'
 
 The protocol, on every rank of the group, in this order:
 
-1. :func:`co_located`, once per sync, before anything else: the sender broadcasts a hash of its
-   host identity (-1 when it will not share), every rank votes whether it can share the
-   sender's memory. The sender makes a window only when the vote passes, so a group that spans
-   hosts never pays for one.
-2. :func:`agree`, right after bucket 0's metadata announced a window: every rank votes whether
-   it mapped it. When the vote fails on a *reused* window (kept from an earlier sync, whose file
-   is gone, so a rank new to it cannot map it), the sender offers a fresh window that already
-   holds bucket 0 and a second vote decides; when it could make none it offers nothing, and
-   every rank knows the buckets are broadcast.
-3. :func:`bucket_done` (``C_k``), once per bucket read in place: a barrier that tells the sender
+1. The hello (agreement.py), once per sync, before anything else: every rank gives a hash of its
+   host identity, or -1 (a sender that will not share, a receiver whose buckets are not on the
+   CPU). A sender makes a window only when every receiver gave its host
+   (:func:`agreement.window_hosts`), so a group that spans hosts never pays for one.
+2. :func:`agree`, right after a sender's first bucket's metadata announced its window: every
+   rank votes whether it mapped it (a rank that does not receive says yes). When the vote fails
+   on a *reused* window (kept from an earlier sync, whose file is gone, so a rank new to it
+   cannot map it), the sender offers a fresh window that already holds that bucket and a second
+   vote decides; when it could make none it offers nothing, and every rank knows that sender's
+   buckets are sent.
+3. :func:`bucket_done` (``C_k``), once per bucket read in place: a barrier that tells its sender
    every receiver is done with bucket ``k``, so its buffer can be packed again.
 
 Every vote is :func:`vote`: a MIN all-reduce of 0/1, true only when every rank says yes.
@@ -91,17 +93,6 @@ def vote(group, yes: bool) -> bool:
     return bool(flag.item())
 
 
-def co_located(group, src: int, offer: bool, can_map: bool) -> bool:
-    """Step 1: whether every rank can share the sender's memory. ``offer``: the sender will make a
-    window (ignored elsewhere); ``can_map``: a receiver would map one (its buckets are on the CPU)."""
-    rank = group.rank()
-    mine = host_hash()
-    ident = torch.tensor([mine if rank == src and offer else -1], dtype=torch.int64)
-    broadcast(group, ident, src).wait()
-    theirs = int(ident.item())
-    return vote(group, theirs >= 0 and (rank == src or (can_map and theirs == mine)))
-
-
 def agree(
     group,
     src: int,
@@ -109,11 +100,11 @@ def agree(
     join: Callable[[Announcement], bool],
     offer: Optional[Callable[[], Optional[Announcement]]] = None,
 ) -> Optional[Announcement]:
-    """Step 2: the window every rank mapped, or None (the buckets are broadcast).
+    """Step 2: the window of sender ``src`` that every rank mapped, or None (its buckets are sent).
 
     ``join(a)`` maps window ``a`` on this rank and says whether it could (the sender's is
-    mapped already). ``offer()``, called on the sender only, makes the fresh window offered
-    when the vote fails on a reused one (None when it cannot).
+    mapped already; another sender says yes). ``offer()``, called on ``src`` only, makes the
+    fresh window offered when the vote fails on a reused one (None when it cannot).
     """
     if vote(group, join(announced)):
         return announced
@@ -232,9 +223,10 @@ def drop_mapped() -> None:
     _mapped.clear()
 
 
-def open_window(announced: Announcement) -> Optional[torch.Tensor]:
+def open_window(announced: Announcement, keep: int = _MAPPED_KEPT) -> Optional[torch.Tensor]:
     """The receiver's side: the announced window, mapped (or kept from an earlier sync), or None
-    when this rank cannot map it (another host, or a kept window this rank never mapped)."""
+    when this rank cannot map it (another host, or a kept window this rank never mapped).
+    ``keep``: how many mappings stay kept (a receiver of ``N`` senders keeps ``2 * N``)."""
     name = announced.name
     if announced.host != host_identity() or not is_window_name(name):
         return None
@@ -243,7 +235,7 @@ def open_window(announced: Announcement) -> Optional[torch.Tensor]:
         return kept if kept.numel() == announced.nbytes else None
     memory = _open(name, announced.nbytes)
     if memory is not None:
-        while len(_mapped) >= _MAPPED_KEPT:
+        while len(_mapped) >= max(keep, 1):
             _mapped.pop(next(iter(_mapped)))
         _mapped[name] = memory
     return memory
