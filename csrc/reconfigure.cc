@@ -21,7 +21,7 @@
 
 namespace xccl_rs {
 
-#ifdef C10D_BACKEND_HAS_HOOKS
+#if XCCL_RS_HAS_ABORT_HOOKS
 void XcclRsBackend::registerAbortHook(int64_t hook_id, c10d::AbortHook hook) {
   abort_hooks_->add(hook_id, std::move(hook));
 }
@@ -29,6 +29,9 @@ void XcclRsBackend::registerAbortHook(int64_t hook_id, c10d::AbortHook hook) {
 void XcclRsBackend::unregisterAbortHook(int64_t hook_id) {
   abort_hooks_->remove(hook_id);
 }
+#endif
+
+#if XCCL_RS_HAS_COMPLETION_HOOKS
 
 void XcclRsBackend::registerCompletionHook(int64_t hook_id, c10d::CompletionHook hook) {
   completion_hooks_->add(hook_id, [hook = std::move(hook)](uint64_t key, std::optional<float> duration_ms) {

@@ -135,7 +135,7 @@ bool XcclRsWork::isCompleted() {
   return state_->future->completed();
 }
 
-#ifdef C10D_BACKEND_HAS_HOOKS
+#if XCCL_RS_HAS_COMPLETION_HOOKS
 float XcclRsWork::getDuration() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   TORCH_CHECK(state_->done, "xccl_rs: getDuration() of a job that has not finished");

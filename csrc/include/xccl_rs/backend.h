@@ -102,12 +102,14 @@ class XcclRsBackend : public c10d::Backend {
       int shrink_flags,
       const c10::intrusive_ptr<Options>& opts_override) override;
 #endif
-#ifdef C10D_BACKEND_HAS_HOOKS
+#if XCCL_RS_HAS_ABORT_HOOKS
+  void registerAbortHook(int64_t hook_id, c10d::AbortHook hook) override;
+  void unregisterAbortHook(int64_t hook_id) override;
+#endif
+#if XCCL_RS_HAS_COMPLETION_HOOKS
   bool supportsAbortHooks() const override {
     return true;
   }
-  void registerAbortHook(int64_t hook_id, c10d::AbortHook hook) override;
-  void unregisterAbortHook(int64_t hook_id) override;
   bool supportsCompletionHooks() const override {
     return true;
   }

@@ -12,14 +12,15 @@
 #include <vector>
 
 #include <ATen/core/ivalue.h>
-// Backend.hpp for its feature macros (C10D_BACKEND_HAS_HOOKS): every file that sees XcclRsWork
-// must see the same class, whichever header it includes first.
+// Backend.hpp for its feature macros, version.h for the torch version: every file that sees
+// XcclRsWork must see the same class, whichever header it includes first.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "rust/cxx.h"
 #include "xccl_rs/device.h"
 #include "xccl_rs/hooks.h"
+#include "xccl_rs/version.h"
 
 namespace xccl_rs {
 
@@ -90,7 +91,7 @@ class XcclRsWork : public c10d::Work {
   // algorithm; accelerators cannot wait on host work through c10's generic interfaces).
   void synchronize() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
-#ifdef C10D_BACKEND_HAS_HOOKS
+#if XCCL_RS_HAS_COMPLETION_HOOKS
   // Never reused (a job can complete after its Work is gone): what completion hooks report.
   uint64_t getCompletionKey() const override {
     return state_->completion_key;
