@@ -1,20 +1,12 @@
 #!/usr/bin/env bash
 # The test command (README, CI): sets everything up, then runs the Rust core tests and the
-# Python suite. Extra arguments go to pytest (e.g. -k allreduce).
+# Python suite. Extra arguments go to pytest (e.g. -k allreduce). The slower suites (the oldest
+# torch through its wheel, vLLM's engine) are scripts/test_extra.sh, which CI runs after this.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${XCCL_RS_CACHE:-$HOME/.cache/xccl_rs}"
-OLDEST="${XCCL_RS_TEST_OLDEST:-1}"
 LOGS="$CACHE/test-logs"
 mkdir -p "$LOGS"
-
-# Downloads overlap with compiling: torch 2.8 (for the last phase) goes into its matrix venv
-# in the background while this torch and xccl_rs are set up and built.
-prefetch_pid=
-if [ "$OLDEST" != 0 ]; then
-  "$ROOT/scripts/torch_matrix.sh" --prefetch 2.8 >"$LOGS/prefetch-torch-2.8.log" 2>&1 &
-  prefetch_pid=$!
-fi
 
 . "$ROOT/scripts/setup.sh"
 cd "$ROOT"
@@ -47,13 +39,5 @@ set -e
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: that is a failure, not a pass" >&2
   exit 1
-fi
-
-# The oldest torch we support, besides the newest above: the smoke suite against torch 2.8
-# (its own venv in the cache, kept for the next run). XCCL_RS_TEST_OLDEST=0 skips it.
-if [ "$OLDEST" != 0 ]; then
-  echo "== torch 2.8: build and smoke suite (scripts/torch_matrix.sh 2.8)"
-  wait "$prefetch_pid" || echo "(prefetching torch 2.8 failed, see $LOGS/prefetch-torch-2.8.log; the matrix installs it)"
-  XCCL_RS_MATRIX_KEEP=1 "$ROOT/scripts/torch_matrix.sh" 2.8 || rc=1
 fi
 exit "$rc"
