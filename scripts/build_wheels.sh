@@ -96,14 +96,18 @@ else
   commit="$(git -C "$ROOT" rev-parse --verify "${XCCL_RS_WHEEL_REF:-HEAD}^{commit}")"
   export GIT_INDEX_FILE="$WB/src.index"
   old="$(cat "$WB/src.commit" 2>/dev/null || true)"
+  # (update-index --refresh: the index's file times must match the checkout's, or read-tree
+  # takes every file for modified and refuses.)
   if [ -n "$old" ] && [ -d "$SRC" ] && [ -f "$GIT_INDEX_FILE" ] \
+     && { git -C "$ROOT" --work-tree="$SRC" update-index -q --refresh >/dev/null 2>&1 || true; } \
      && git -C "$ROOT" --work-tree="$SRC" read-tree -m -u "$old" "$commit" 2>"$WB/logs/checkout.log"; then
     :
   else
+    [ ! -s "$WB/logs/checkout.log" ] || echo "   (a fresh checkout: $(head -1 "$WB/logs/checkout.log"))"
     rm -rf "$SRC" "$GIT_INDEX_FILE"
     mkdir -p "$SRC"
     git -C "$ROOT" --work-tree="$SRC" read-tree "$commit"
-    git -C "$ROOT" --work-tree="$SRC" checkout-index -a -f
+    git -C "$ROOT" --work-tree="$SRC" checkout-index -a -f -u
   fi
   echo "$commit" >"$WB/src.commit"
   unset GIT_INDEX_FILE
