@@ -5,8 +5,8 @@
 # pip allowed binary wheels only. Then, still without them:
 #   1. the smoke suite (pytest python_tests -m smoke) and the demo's short form, on the wheel;
 #   2. the wheel refused by another torch at import, naming both versions (the wheel's own
-#      package files on the path of the torch matrix's venv of another torch, where the
-#      matrix and the test command's smoke run keep it);
+#      package files on the path of another torch's Python: the main venv's, $XCCL_RS_CACHE/venv,
+#      if it has that torch, else the torch matrix's venv of it);
 #   3. the C++ package in the wheel (docs/cpp.md): examples/cpp built through find_package(xccl_rs)
 #      with CMake and g++ (a C++ user's tools) but no Rust, run at 2 ranks; and find_package
 #      refusing a Python whose torch is another minor version.
@@ -16,7 +16,7 @@
 #   XCCL_RS_WHEEL=path/to.whl      test that wheel instead of building one
 #   XCCL_RS_WHEEL_TORCH            the torch minor to build the wheel for (default: the main venv's,
 #                                  $XCCL_RS_CACHE/venv, else 2.15)
-#   XCCL_RS_WHEEL_OTHER_TORCH      the other torch of step 2 (default 2.8)
+#   XCCL_RS_WHEEL_OTHER_TORCH      the other torch of steps 2 and 3 (default 2.8)
 #   XCCL_RS_WHEEL_REF / _SRC       passed to build_wheels.sh (default: the wheel of HEAD)
 #
 # Costs (2-core VM, busy): warm (wheel built, venvs there) about 6 minutes: the fresh venv's
@@ -110,12 +110,17 @@ step "demo, short form (python -m xccl_rs.demo --rounds 2 --layers 1)"
 tail -n 4 "$WT/demo.log" | sed 's/^/   /'
 
 # --- 2. Another torch refuses the wheel, before loading its extension, naming both versions.
+# The other torch's Python, used read only: the main venv's if it has that torch (the test
+# command's, torch 2.15 in CI), else the matrix's venv, made if missing.
 OTHER_PY="$CACHE/matrix/torch-$OTHER/venv/bin/python"
+if [ "$(PYTHONWARNINGS=ignore "$CACHE/venv/bin/python" -c 'import torch; print(".".join(torch.__version__.split(".")[:2]))' 2>/dev/null)" = "$OTHER" ]; then
+  OTHER_PY="$CACHE/venv/bin/python"
+fi
 if [ ! -x "$OTHER_PY" ]; then
   step "the torch $OTHER venv of the matrix (scripts/torch_matrix.sh --prefetch $OTHER; about 90 s)"
   logged prefetch "$ROOT/scripts/torch_matrix.sh" --prefetch "$OTHER"
 fi
-step "the wheel's package on the path of torch $OTHER (its matrix venv): the import must refuse it"
+step "the wheel's package on the path of torch $OTHER ($OTHER_PY): the import must refuse it"
 rm -rf "$WT/other"
 mkdir -p "$WT/other"
 bare python -m zipfile -e "$WHEEL" "$WT/other"
