@@ -16,39 +16,13 @@ LOGS="$VCACHE/logs"
 mkdir -p "$LOGS"
 t0=$SECONDS
 
-COMPAT="$VCACHE/torch214-compat.h"
-
 setup() {
   (cd "$ROOT" && XCCL_RS_CACHE="$VCACHE" XCCL_RS_TORCH="$TORCH_REQ" bash -c '. scripts/setup.sh')
 }
 
-echo "== xccl_rs against $TORCH_REQ in $VCACHE/venv"
-if [ -f "$COMPAT" ]; then  # an earlier run needed it: the same flags again (no rebuild)
-  export CXXFLAGS="${CXXFLAGS:-} -include $COMPAT"
-fi
-if ! setup >"$LOGS/setup.log" 2>&1; then
-  # torch 2.14's c10d defines C10D_BACKEND_HAS_HOOKS for its abort hooks only, and the bridge reads
-  # the macro as torch 2.15's (completion hooks too); until csrc guards those by version, build
-  # with the macro hidden (abort and completion hooks then report unsupported on 2.14).
-  if [ ! -f "$COMPAT" ] && grep -q "CompletionHook\|supportsAbortHooks" "$LOGS/setup.log"; then
-    echo "   the bridge does not build against torch 2.14's hook API; building with C10D_BACKEND_HAS_HOOKS hidden"
-    cat >"$COMPAT" <<'EOF'
-// scripts/test_vllm.sh: torch 2.14's C10D_BACKEND_HAS_HOOKS is not torch 2.15's; hide it.
-#pragma once
-#if __has_include(<torch/csrc/distributed/c10d/Backend.hpp>)
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
-#undef C10D_BACKEND_HAS_HOOKS
-#endif
-EOF
-    CXXFLAGS="${CXXFLAGS:-} -include $COMPAT" setup >"$LOGS/setup.log" 2>&1 \
-      || { tail -60 "$LOGS/setup.log" >&2; echo "building xccl_rs against $TORCH_REQ failed (log: $LOGS/setup.log)" >&2; exit 1; }
-  else
-    tail -60 "$LOGS/setup.log" >&2
-    echo "setting up $VCACHE failed (log: $LOGS/setup.log)" >&2
-    exit 1
-  fi
-fi
+echo "== xccl_rs against $TORCH_REQ in $VCACHE/venv (log: $LOGS/setup.log)"
+setup >"$LOGS/setup.log" 2>&1 \
+  || { tail -60 "$LOGS/setup.log" >&2; echo "building xccl_rs against $TORCH_REQ failed (log: $LOGS/setup.log)" >&2; exit 1; }
 echo "   $((SECONDS - t0)) s"
 
 if [ "$("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>/dev/null)" != "$VLLM_VERSION" ]; then
