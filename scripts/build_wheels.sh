@@ -149,7 +149,8 @@ venv_python() {
   # As torch_matrix.sh --prefetch: scripts/setup.sh with torch only.
   (export XCCL_RS_CACHE="$dir" XCCL_RS_TORCH="torch==$v.*" XCCL_RS_SETUP_TORCH_ONLY=1
    . "$ROOT/scripts/setup.sh") >&2
-  "$dir/venv/bin/python" -m pip install -q --progress-bar off "setuptools>=68" "setuptools-rust>=1.9" wheel >&2
+  "$dir/venv/bin/python" -c 'import setuptools_rust, wheel' 2>/dev/null \
+    || "$dir/venv/bin/python" -m pip install -q --progress-bar off "setuptools>=68" "setuptools-rust>=1.9" wheel >&2
   echo "$dir/venv/bin/python"
 }
 

@@ -19,10 +19,11 @@
 #   XCCL_RS_WHEEL_OTHER_TORCH      the other torch of steps 2 and 3 (default 2.8)
 #   XCCL_RS_WHEEL_REF / _SRC       passed to build_wheels.sh (default: the wheel of HEAD)
 #
-# Costs (2-core VM, busy): warm (wheel built, venvs there) about 6 minutes: the fresh venv's
-# torch from PyPI 2.5 min (3 GB; 5.5 GB on disk), the smoke suite 1.7 min, the demo 50 s, the
-# C++ example 1 min; cold, add the wheel's build (about 5 minutes) and, if missing, the other
-# torch's venv (about 90 s). The fresh venv is deleted at the end (in the background).
+# Costs (2-core VM, shared): warm (the wheel built, the wheelhouse filled) 5.3 minutes at load 9 for the torch 2.8 wheel (wheel 35 s,
+# fresh venv and install 2.4 min, smoke suite 1 min, demo 1 min, C++ package 25 s); the
+# first run adds torch's download (2 to 3.5 minutes here, 3 GB), the wheel's build (2 minutes
+# after a change to the sources, 4 to 7 cold) and, if missing, the other torch's venv (about 90 s).
+# The fresh venv (5.5 GB) is deleted at the end, in the background.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${XCCL_RS_CACHE:-$HOME/.cache/xccl_rs}"
@@ -88,8 +89,18 @@ assert not any(found.values()), f"a toolchain is on PATH: {found}"
 print("no toolchain on PATH:", ", ".join(found))
 ' || fail "the PATH of the test has a toolchain"
 
-step "pip install $NAME (torch $V from PyPI: about 90 s, 3 GB) with pytest, numpy, hypothesis; binary wheels only"
-logged install bare python -m pip install --progress-bar off --only-binary :all: "$WHEEL" pytest numpy hypothesis
+# torch and the test tools come from PyPI through a wheelhouse of this script's: pip's own HTTP
+# cache keeps nothing here, and a second run then installs from files (about a minute, not 2 to
+# 3). pip download fetches only what the wheelhouse lacks; the wheelhouse holds about 3 GB per
+# torch (delete $WT/wheelhouse to reclaim it).
+WH="$WT/wheelhouse"
+mkdir -p "$WH"
+step "pip download into $WH what it lacks of $NAME's requirements (torch $V from PyPI: 3 GB the first time) and the test tools"
+logged download bare python -m pip download --progress-bar off --only-binary :all: -d "$WH" "$WHEEL" pytest numpy hypothesis
+rm -f "$WH"/xccl_rs-*.whl
+step "pip install $NAME with torch $V, pytest, numpy, hypothesis (binary wheels only, from the wheelhouse)"
+logged install bare python -m pip install --progress-bar off --only-binary :all: --no-index --find-links "$WH" \
+  "$WHEEL" pytest numpy hypothesis
 grep -E "^Successfully installed" "$WT/install.log" | tr ' ' '\n' | grep -E "^(torch|xccl[-_]rs|tqdm)-" | sed 's/^/   /'
 bare python - "$V" <<'EOF' || fail "the installed package"
 import importlib.metadata as md, os, sys, torch, xccl_rs
