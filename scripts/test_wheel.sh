@@ -19,10 +19,11 @@
 #   XCCL_RS_WHEEL_OTHER_TORCH      the other torch of steps 2 and 3 (default 2.8)
 #   XCCL_RS_WHEEL_REF / _SRC       passed to build_wheels.sh (default: the wheel of HEAD)
 #
-# Costs (2-core VM, shared): warm (the wheel built, the wheelhouse filled) 5.3 minutes at load 9 for the torch 2.8 wheel (wheel 35 s,
-# fresh venv and install 2.4 min, smoke suite 1 min, demo 1 min, C++ package 25 s); the
-# first run adds torch's download (2 to 3.5 minutes here, 3 GB), the wheel's build (2 minutes
-# after a change to the sources, 4 to 7 cold) and, if missing, the other torch's venv (about 90 s).
+# Costs (2-core VM, shared, load 9): warm (the wheel built, the wheelhouse filled) 5.3 minutes
+# for the torch 2.8 wheel: the wheel 35 s, the fresh venv and its install 2.4 min, the smoke
+# suite 1 min, the demo 1 min, the C++ package 25 s. The first run adds torch's download (1 to
+# 3.5 minutes here, 3 GB), the wheel's build (2 minutes after a change to the sources, 4 to 7
+# cold) and, if missing, the other torch's venv (about 90 s).
 # The fresh venv (5.5 GB) is deleted at the end, in the background.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
