@@ -125,6 +125,7 @@ def test_import_refuses_another_torch(fresh_venv):
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode != 0 and last.startswith("ImportError: xccl_rs was compiled against torch 2.7"), p.stderr[-3000:]
         assert "is being loaded into torch 2." in last and "pip install --force-reinstall --no-deps ." in last, last
+        assert 'pip install "xccl_rs==2.' in last, last  # the wheel for the running torch
     finally:
         info.write_text(original)
     ext = next(pkg.glob("_C*.so"))

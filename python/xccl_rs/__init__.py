@@ -37,7 +37,8 @@ def _mismatch(built: tuple[str, bool | None]) -> ImportError:
     running = _running_torch()
     return ImportError(
         f"xccl_rs was compiled against {name(*built)} but is being loaded into {name(*running)}, "
-        f"and a c10d backend only works in the torch it was compiled against: rebuild it in the xccl_rs "
+        f"and a c10d backend only works in the torch it was compiled against: install the xccl_rs wheel "
+        f"for torch {running[0]} (`pip install \"xccl_rs=={running[0]}.*\"`), or rebuild it in the xccl_rs "
         f"source directory with `{REBUILD}`"
     )
 
