@@ -10,6 +10,7 @@ cd "$ROOT"
 XCCL_RS_PYTHON="$PY" cargo build --release --features bridge
 PKG="$("$PY" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("xccl_rs").origin))')"
 SUFFIX="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
-cp "$CARGO_TARGET_DIR/release/libxccl_rs.so" "$PKG/_C$SUFFIX"
+# A new file renamed over the old one: processes that have the old one loaded keep its pages.
+cp "$CARGO_TARGET_DIR/release/libxccl_rs.so" "$PKG/_C$SUFFIX.new" && mv -f "$PKG/_C$SUFFIX.new" "$PKG/_C$SUFFIX"
 cp python/xccl_rs/*.py "$PKG/"
 echo "installed into $PKG"
