@@ -49,8 +49,8 @@ if [ "${XCCL_RS_SETUP_TORCH_ONLY:-0}" = 1 ]; then
 fi
 # Build tools (setuptools-rust for the extension; cmake and ninja for the C++ package's test and
 # the emulated XPU device of the tests), the package's one dependency besides torch (tqdm), and
-# the test tools (pytest, hypothesis, numpy: the tests use numpy; xccl_rs does not).
-"$PY" -m pip install -q "setuptools>=68" "setuptools-rust>=1.9" wheel tqdm pytest hypothesis numpy cmake ninja
+# the test tools (pytest, hypothesis, numpy: the tests use numpy, xccl_rs does not; expecttest: torch's test harness).
+"$PY" -m pip install -q "setuptools>=68" "setuptools-rust>=1.9" wheel tqdm pytest hypothesis numpy cmake ninja expecttest
 
 echo "== building xccl_rs against torch $("$PY" -c 'import torch; print(torch.__version__)') (about 3 minutes on 2 cores from scratch; seconds when nothing changed)"
 # --no-build-isolation: the extension must be compiled against the torch installed here.
