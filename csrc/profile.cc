@@ -5,6 +5,8 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
+#include <c10/util/ApproximateClock.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
 
 #include "xccl_rs/src/ffi.rs.h"
@@ -21,16 +23,27 @@ int64_t elements(const std::vector<at::Tensor>& tensors) {
 }
 
 // The range from the call to the completion: asynchronous, since the progress thread ends it
-// (torch's own Work does the same for its profiling title).
-std::function<void()> start_range(std::string title, const std::vector<at::Tensor>& inputs) {
+// (torch's own Work does the same for its profiling title). Its end also records the range of
+// the job's execution, whose start only the thread that ran it knows: an event reported with its
+// times, as torch's delegated backends report theirs, on the thread that ends the range. Both
+// run with the caller's profiler state (wrapPropagateTLSState), which that thread lacks.
+std::function<void(int64_t)> start_range(const std::string& title, const std::vector<at::Tensor>& inputs) {
   auto range = std::make_shared<at::RecordFunction>(at::RecordScope::USER_SCOPE);
   if (!range->isActive()) {
     return {};
   }
   range->_setAsync();
   std::vector<c10::IValue> shapes(inputs.begin(), inputs.end());
-  range->before(std::move(title), c10::ArrayRef<const c10::IValue>(shapes.data(), shapes.size()));
-  return at::wrapPropagateTLSState([range] { range->end(); });
+  range->before(title, c10::ArrayRef<const c10::IValue>(shapes.data(), shapes.size()));
+  return at::wrapPropagateTLSState([range, run = title + ":run"](int64_t started_unix_us) {
+    range->end();
+    try {
+      torch::autograd::profiler::reportBackendEventToActiveKinetoProfiler(
+          started_unix_us, c10::getTime() / 1000, -1, at::RecordScope::USER_SCOPE, run, "xccl_rs");
+    } catch (const std::exception&) {
+      // On-demand (global) profiling takes no reported events; the call's range stands alone.
+    }
+  });
 }
 
 } // namespace
@@ -38,7 +51,8 @@ std::function<void()> start_range(std::string title, const std::vector<at::Tenso
 OpProfile::OpProfile() : on_(at::hasCallbacks()) {}
 
 void profiled_call(const OpProfile& profile, const OpIssuer& issuer, const char* what, OpKind kind, int64_t seq,
-                   bool is_p2p, std::function<void()>& range_end, const std::function<void()>& submit) {
+                   bool is_p2p, std::function<void(int64_t started_unix_us)>& range_end,
+                   const std::function<void()>& submit) {
   // An op in place (all_reduce, broadcast, a receive) reads what it writes: recorded as both,
   // as ProcessGroupNCCL records it.
   const auto& out = profile.outputs();

@@ -65,7 +65,8 @@ void complete_future(WorkState& state, const std::exception_ptr& failure) {
 
 } // namespace
 
-void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank) {
+void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank,
+               int64_t started_unix_us) {
   auto state = done->state;
   std::exception_ptr failure;
   if (kind != ErrorKind::Success) {
@@ -106,7 +107,7 @@ void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, 
   }
   if (state->profile_end) {
     try {
-      state->profile_end();
+      state->profile_end(started_unix_us);
     } catch (const std::exception& e) {
       LOG(WARNING) << "xccl_rs: ending the profiler's range of " << state->what << " failed: " << e.what();
     }

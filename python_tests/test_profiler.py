@@ -1,7 +1,8 @@
 """torch.profiler sees xccl_rs's ops as it sees gloo's and NCCL's (docs/debugging.md): a
 `record_param_comms` event per call with the collective's name, element counts, dtype, the
-group's name, ranks and size and the sequence number, and an `xccl_rs:<op>` range from the call
-to the completion with the op's tensor shapes. Checked the way users look: a DDP step and a
+group's name, ranks and size and the sequence number, an `xccl_rs:<op>` range from the call
+to the completion with the op's tensor shapes, and an `xccl_rs:<op>:run` range for the time the
+op ran, on the thread that ran it (the progress thread for an async op). Checked the way users look: a DDP step and a
 subgroup's collectives profiled, the Chrome trace exported and read back."""
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ def test_a_ddp_step_and_a_subgroup_appear_in_the_exported_trace(tmp_path):
         ranges = comms(events, "xccl_rs:all_reduce")
         assert len(ranges) == 1 and ranges[0]["args"]["Input Dims"] == [[77]], ranges
         assert ranges[0]["dur"] > 0
+        # DDP's all-reduce is async: it ran on the progress thread, within the call's range
+        # (the run's times are whole microseconds, and it ends just after the call's range).
+        runs = comms(events, "xccl_rs:all_reduce:run")
+        assert len(runs) == 1, runs
+        run, call = runs[0], ranges[0]
+        assert run["tid"] != call["tid"], (run, call)
+        assert call["ts"] - 1 <= run["ts"] and run["ts"] + run["dur"] <= call["ts"] + call["dur"] + 5000, (run, call)
         if rank == 1:
             assert len(params) == 1, "rank 1 is not in the subgroup"
             continue
@@ -64,3 +72,4 @@ def test_a_ddp_step_and_a_subgroup_appear_in_the_exported_trace(tmp_path):
         assert len(bcasts) == 1 and bcasts[0]["In msg nelems"] == 5 and bcasts[0]["dtype"] == "Long", params
         assert bcasts[0]["Seq"] == a["Seq"] + 1, (a, bcasts)
         assert len(comms(events, "xccl_rs:all_gather")) == 1 and len(comms(events, "xccl_rs:broadcast")) == 1
+        assert len(comms(events, "xccl_rs:all_gather:run")) == 1 and len(comms(events, "xccl_rs:broadcast:run")) == 1

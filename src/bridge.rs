@@ -232,9 +232,12 @@ impl RustComm {
             self.0.submit_with(
                 ops,
                 staged,
-                Box::new(move |result| match result {
-                    Ok(c) => ffi::work_done(done, ffi::ErrorKind::Success, "", c.source_rank),
-                    Err(e) => ffi::work_done(done, shared_error_kind(&e.kind), &e.message, -1),
+                Box::new(move |result, started| {
+                    let started = unix_micros(started);
+                    match result {
+                        Ok(c) => ffi::work_done(done, ffi::ErrorKind::Success, "", c.source_rank, started),
+                        Err(e) => ffi::work_done(done, shared_error_kind(&e.kind), &e.message, -1, started),
+                    }
                 }),
                 caller_waits,
             )
@@ -322,4 +325,9 @@ pub extern "C" fn PyInit__C() -> *mut std::ffi::c_void {
     // SAFETY: called by the Python interpreter with the GIL held, exactly like a module init;
     // the C++ function is a pybind11 module init that catches its own exceptions.
     unsafe { PyInit_xccl_rs_cxx() }
+}
+
+/// Microseconds since the Unix epoch: torch.profiler's clock for events reported with their times.
+fn unix_micros(t: std::time::SystemTime) -> i64 {
+    t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
 }

@@ -42,6 +42,10 @@ use crate::types::OpKind;
 /// Called once when a job finishes, on the progress thread.
 pub type OnDone = Box<dyn FnOnce(Result<Completion>) + Send>;
 
+/// Called once when a job finishes, on the thread that ran it, with the time it started
+/// running there (torch.profiler's range of its execution: csrc/profile.cc).
+pub type OnRan = Box<dyn FnOnce(Result<Completion>, SystemTime) + Send>;
+
 /// A job's accelerator tensors and the device that copies them (src/staging/).
 pub struct Staged {
     pub tensors: Vec<StagedTensor>,
@@ -49,7 +53,7 @@ pub struct Staged {
 }
 
 enum Job {
-    Run { ops: Vec<Op<Buf>>, staging: Option<StagedJob>, done: OnDone },
+    Run { ops: Vec<Op<Buf>>, staging: Option<StagedJob>, done: OnRan },
     /// This rank rejected its part of `op` locally: tell the peers and fail the communicator.
     Abort { op: OpKind, message: String },
 }
@@ -194,7 +198,7 @@ impl Communicator {
     /// Queues a job on host memory; `done` runs on the progress thread when it finishes.
     /// Layout errors are returned here, before anything is queued.
     pub fn submit(&self, ops: Vec<Op>, done: OnDone) -> Result<()> {
-        self.submit_with(ops.iter().map(Op::<Buf>::from).collect(), None, done, false)
+        self.submit_with(ops.iter().map(Op::<Buf>::from).collect(), None, Box::new(move |r, _| done(r)), false)
     }
 
     /// As [`submit`](Self::submit), for ops whose buffers may be ranges of `staged`'s tensors;
@@ -202,7 +206,7 @@ impl Communicator {
     /// this returns). The staging's copies run on the thread that runs the job.
     /// A group that failed refuses new jobs here, quoting its first error (also async ones: the
     /// caller learns at the call, as with NCCL's revoked communicators).
-    pub fn submit_with(&self, ops: Vec<Op<Buf>>, staged: Option<Staged>, done: OnDone, caller_waits: bool) -> Result<()> {
+    pub fn submit_with(&self, ops: Vec<Op<Buf>>, staged: Option<Staged>, done: OnRan, caller_waits: bool) -> Result<()> {
         if let Some(first) = self.failure.first() {
             let what = ops.first().map_or("job", |o| o.kind.name());
             return Err(CommError::new(first.kind, format!("xccl_rs: rank {}: {what}: {}", self.rank, failed_earlier(&first))));
@@ -232,9 +236,10 @@ impl Communicator {
             if let Some(mut worker) = self.shared.worker.try_lock() {
                 // Later submitters queue behind us: the progress thread needs this lock.
                 drop(queue);
+                let started = SystemTime::now();
                 let result = worker.run_job_guarded(&ops, staging);
                 drop(worker);
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result)));
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result, started)));
                 return Ok(());
             }
         }
@@ -318,9 +323,12 @@ impl Shared {
         while let Ok(job) = rx.recv() {
             match job {
                 Job::Run { ops, staging, done } => {
-                    let result = self.worker.lock().run_job_guarded(&ops, staging);
+                    let mut worker = self.worker.lock();
+                    let started = SystemTime::now();
+                    let result = worker.run_job_guarded(&ops, staging);
+                    drop(worker);
                     self.pending.fetch_sub(1, Ordering::AcqRel);
-                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result)));
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result, started)));
                 }
                 Job::Abort { op, message } => {
                     let mut worker = self.worker.lock();

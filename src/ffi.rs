@@ -237,7 +237,8 @@ pub mod ffi {
         /// The group failed with `message`: runs the listener's hooks on a C++ thread and
         /// returns when they have. Never throws.
         fn group_failed(listener: &FailureListener, kind: ErrorKind, message: &str);
-        /// Marks the work finished: `kind` Success (and `error` empty) on success.
-        fn work_done(done: UniquePtr<WorkDone>, kind: ErrorKind, error: &str, source_rank: i64);
+        /// Marks the work finished: `kind` Success (and `error` empty) on success;
+        /// `started_unix_us` is when the job started running (its profiler range).
+        fn work_done(done: UniquePtr<WorkDone>, kind: ErrorKind, error: &str, source_rank: i64, started_unix_us: i64);
     }
 }

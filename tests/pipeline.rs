@@ -246,7 +246,7 @@ fn job_op(kind: OpKind, dtype: DType, inputs: Vec<Buf>, outputs: Vec<Buf>) -> Op
 fn run_staged(comm: &xccl_rs::Communicator, ops: Vec<Op<Buf>>, fake: FakeDevice) -> Result<xccl_rs::Completion, CommError> {
     let tensors = fake.tensors.iter().map(FakeTensor::described).collect();
     let (tx, rx) = std::sync::mpsc::channel();
-    comm.submit_with(ops, Some(Staged { tensors, device: Box::new(fake) }), Box::new(move |r| drop(tx.send(r))), false)?;
+    comm.submit_with(ops, Some(Staged { tensors, device: Box::new(fake) }), Box::new(move |r, _| drop(tx.send(r))), false)?;
     rx.recv().unwrap()
 }
 

@@ -74,11 +74,15 @@ struct OpIssuer {
   int global_rank_stride;
 };
 
-// Starts the op's `xccl_rs:<op>` range, sets `range_end` to the callback that ends it (run when
-// the op completes, on any thread; set before the op is submitted, so a completion cannot miss
-// it), then runs `submit` inside the `record_param_comms` event of the call `what` (our name of
-// the call: "allreduce", "all_gather_into_tensor", ...).
+// Starts the op's `xccl_rs:<op>` range (from the call to the completion), sets `range_end` to
+// the callback that ends it and records the `xccl_rs:<op>:run` range (from when the job started
+// running, given to it, to the completion, on the thread that ran the job: the progress thread,
+// or the caller's when it ran the job itself); then runs `submit` inside the `record_param_comms`
+// event of the call `what` (our name of the call: "allreduce", "all_gather_into_tensor", ...).
+// `range_end` runs when the op completes, on any thread; it is set before the op is submitted,
+// so a completion cannot miss it.
 void profiled_call(const OpProfile& profile, const OpIssuer& issuer, const char* what, OpKind kind, int64_t seq,
-                   bool is_p2p, std::function<void()>& range_end, const std::function<void()>& submit);
+                   bool is_p2p, std::function<void(int64_t started_unix_us)>& range_end,
+                   const std::function<void()>& submit);
 
 } // namespace xccl_rs

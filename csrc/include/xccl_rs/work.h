@@ -46,8 +46,9 @@ struct WorkState {
   uint64_t completion_key = 0;
   std::chrono::steady_clock::time_point issued = std::chrono::steady_clock::now();
   float duration_ms = 0; // from the call to the completion, once done
-  // Ends the op's torch.profiler range (profile.h); empty while no profiler is on.
-  std::function<void()> profile_end;
+  // Ends the op's torch.profiler ranges (profile.h), given when the job started running;
+  // empty while no profiler is on.
+  std::function<void(int64_t started_unix_us)> profile_end;
 };
 
 struct WorkDone {
@@ -75,7 +76,8 @@ void staging_finish(StagingHandle& handle);
 
 // Called on the progress thread: copies non-contiguous host outputs back, then completes the
 // work and its future (with the exception of `kind`, errors.h, unless it is Success). Never throws.
-void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank);
+void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank,
+               int64_t started_unix_us);
 
 class XcclRsWork : public c10d::Work {
  public:
