@@ -39,7 +39,8 @@ const FACTOR: f64 = 0.3;
 
 fn reducible() -> impl Iterator<Item = DType> {
     DType::ALL
-        .into_iter()
+        .iter()
+        .copied()
         .filter(|d| !FLOAT8.contains(d) && *d != DType::Bytes)
 }
 
