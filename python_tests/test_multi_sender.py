@@ -2,7 +2,8 @@
 
 Trainers are group ranks ``0 .. N-1`` of the sync group, rollouts the rest. Scenarios, one spawn each:
 
-* layouts 2->2, 4->2, 3->1, 1->3, through the shared window and point to point: whole tensors
+* layouts 2->2, 4->2, 3->1, 1->3, through the shared windows, point to point, and both in one
+  sync (one sender's window, the others' bytes sent): whole tensors
   (the same full tensors on every trainer, shared out by bucket), DTensor shards as they are
   (``distribute_tensor`` of seeded tensors: Shard(0) with first dimensions the trainer count
   does not divide, rows fewer than trainers, Shard(1), Replicate, a 2-D mesh at 4 trainers),
@@ -178,9 +179,13 @@ def w_layout(rank, world_size, n):
     mesh = make_mesh(n)
     ref_path = os.path.join(ctx().tmpdir, "ref.pt")
     out = {}
-    for shared in (True, False):
-        for mode in ("whole", "shard", "mixed"):
-            case = f"{mode}/{'window' if shared else 'p2p'}"
+    # through the windows, point to point, and both in one sync (sender 0's window, the others' bytes sent)
+    for transport in ("window", "p2p", "both"):
+        for mode in ("whole", "shard", "mixed") if transport != "both" else ("mixed",):
+            if transport == "both" and n == 1:
+                continue
+            case = f"{mode}/{transport}"
+            shared = transport == "window" or (transport == "both" and rank == 0)
             full = make_full(case)
             if rank < n:
                 items = as_sent(full, mode, mesh)
@@ -239,7 +244,7 @@ def test_layouts(n, m):
             if case == "mismatch":
                 continue
             problems += [f"rollout {r} {case}: {p}" for p in o["problems"]]
-            if case != "tiny" and o["shared"] != case.endswith("window"):
+            if case not in ("tiny", "mismatch") and o["shared"] != (not case.endswith("p2p")):
                 problems.append(f"rollout {r} {case}: shared_window is {o['shared']}")
     assert not problems, "\n".join(problems)
     trainers = [res.value(r) for r in range(n)]
@@ -268,6 +273,40 @@ def test_layouts(n, m):
     tiny = [o["tiny"] for o in trainers]
     assert [t["bytes"] > 0 for t in tiny] == [True] + [False] * (n - 1), tiny
     assert all(not any(t["allocated"]) for t in tiny[1:]), tiny
+
+
+BIG_BUCKET = 24 << 20
+
+
+def w_big_both(rank, world_size):
+    """Sender 0's buckets through its window, sender 1's sent point to point, in one sync, with
+    buckets larger than what the sockets hold: a bucket's send then waits for its receiver, so
+    the ranks' operations must come in an order every rank's progress thread can follow (a
+    receiver that joined the window's barrier before posting that receive hung here)."""
+    import torch
+    import torch.distributed as dist
+
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender
+
+    pg = dist.group.WORLD
+    senders = [0, 1]
+    full = [(f"t{i}", (torch.arange(BIG_BUCKET // 4 - 64 * i, dtype=torch.int32) * (2 * i + 1)).view(torch.float32))
+            for i in range(8)]
+    out = []
+    for _ in range(2):
+        if rank in senders:
+            stats = WeightSender(pg, senders=senders, bucket_bytes=BIG_BUCKET, shared_memory=(rank == 0)).send(full)
+            out.append(stats.shared_window)
+        else:
+            got = dict(WeightReceiver(pg, senders=senders).receive())
+            out.append(compare(got, full, "both transports"))
+    return out
+
+
+def test_window_and_sends_in_one_sync():
+    res = run_ranks(4, w_big_both, timeout_s=180, pg_timeout_s=30)
+    assert res.value(0) == [True, True] and res.value(1) == [False, False], (res.value(0), res.value(1))
+    assert res.value(2) == [[], []] and res.value(3) == [[], []], (res.value(2), res.value(3))
 
 
 # --------------------------------------------------------------------------------------

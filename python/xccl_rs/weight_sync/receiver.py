@@ -231,10 +231,16 @@ class WeightReceiver:
                         raise WeightSyncError(
                             f"weight sync: agreeing on the shared window with rank {owner} failed: {e}"
                         ) from e
-                if index > 0:
-                    self._done_reading(index - 1)
                 what = f"{describe(index, [e.name for e in meta.entries])} of {h.used_bytes} bytes"
                 memory = self._windows[i]
+                work = buf = None
+                if memory is None and h.used_bytes:
+                    buf = self._buffer(cur, h)
+                    work = self._recv_payload(buf[: h.used_bytes], owner, what)
+                # C_(k-1) after this bucket's receive is posted, as its sender posts its sends
+                # before it (progress threads run each rank's ops in order)
+                if index > 0:
+                    self._done_reading(index - 1)
                 if memory is not None:  # read in place, where its sender packed it
                     if prev is not None:
                         pending = yield from self._unpack(copy, prev, pending, stats, bar)
@@ -244,10 +250,6 @@ class WeightReceiver:
                     pending = yield from self._unpack(copy, (memory[start : start + h.used_bytes], meta.entries, index),
                                                       pending, stats, bar)
                 else:
-                    work = buf = None
-                    if h.used_bytes:
-                        buf = self._buffer(cur, h)
-                        work = self._recv_payload(buf[: h.used_bytes], owner, what)
                     # Unpack the previous bucket while this one is in flight.
                     if prev is not None:
                         pending = yield from self._unpack(copy, prev, pending, stats, bar)
