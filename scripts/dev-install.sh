@@ -12,5 +12,7 @@ PKG="$("$PY" -c 'import importlib.util, os; print(os.path.dirname(importlib.util
 SUFFIX="$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 # A new file renamed over the old one: processes that have the old one loaded keep its pages.
 cp "$CARGO_TARGET_DIR/release/libxccl_rs.so" "$PKG/_C$SUFFIX.new" && mv -f "$PKG/_C$SUFFIX.new" "$PKG/_C$SUFFIX"
-cp python/xccl_rs/*.py "$PKG/"
+# The Python sources, subpackages too; not the source tree's _build_info.py, which describes
+# the last build made there (perhaps against another torch), nor any extension left there.
+(cd python && tar cf - --exclude=_build_info.py --exclude='*.so' --exclude=__pycache__ xccl_rs) | tar xf - -C "$PKG/.."
 echo "installed into $PKG"

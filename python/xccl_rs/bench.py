@@ -544,10 +544,13 @@ def closing_lines(s: dict) -> list[str]:
 def plot(path: str, rows: list[dict], backends: list[str]) -> None:
     """busbw against size, one panel per op, one line per backend (its colour, the same in every
     panel), dtype (its marker) and mode (out of place solid, in place dashed)."""
-    import matplotlib
+    try:  # main() refuses --plot up front where matplotlib is missing
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--plot needs matplotlib (pip install matplotlib): {e}") from e
 
     ops = list(dict.fromkeys(r["op"] for r in rows if "size" in r))
     cols = min(3, max(1, len(ops)))
