@@ -1,5 +1,6 @@
-"""A vLLM weight-transfer engine, ``"xccl_rs"``: a trainer broadcasts weights to vLLM's workers
-over a private xccl_rs process group, with :mod:`xccl_rs.weight_sync`.
+"""A vLLM weight-transfer engine, ``"xccl_rs"``: the trainer sends weights to vLLM's workers over a
+private xccl_rs process group, with :mod:`xccl_rs.weight_sync` -- trainer rank 0 alone
+(``senders="rank0"``, the default), or every trainer rank its share (``senders="all"``).
 
 vLLM (0.28 and later) syncs an RL trainer's weights into its workers through engines picked by
 name from ``vllm.distributed.weight_transfer``'s two factories: a worker side
@@ -19,32 +20,55 @@ point (``vllm.general_plugins``, which vLLM calls in every process), so nothing 
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
     engine.send_weights()            # every step, on every trainer rank; rank 0 sends
 
+    # every trainer rank sends its share (the trainers in an initialised default process group):
+    info = XcclRsTrainerInitInfo(..., senders="all", num_trainer_ranks=n_trainers,
+                                 world_size=n_trainers + n_workers, sharded=True)
+
 How it runs. Terms: a *worker* is one vLLM worker process (a replica with tensor parallelism
 ``tp`` has ``tp`` of them, and every one receives the full tensors: each model's
 ``load_weights`` keeps its shard); a *member* is a worker known to the trainer's store; a
-*round* is one ``send_weights``; a *generation* is one process group (trainer rank 0 plus
-the round's members, in a fixed order).
+*sender* is a trainer rank that sends (rank 0, or every trainer rank with ``senders="all"``); a
+*round* is one ``send_weights``; a *generation* is one process group (the senders, as group
+ranks ``0 .. S-1``, then the round's members, in a fixed order).
 
-1. ``trainer_init`` (trainer rank 0): serves a TCPStore (``master_port`` 0 picks a free port)
-   and calls ``client.init_weight_transfer_engine`` with the worker init info: the store's
-   address and port, ``rank_offset`` and ``world_size`` as vLLM's NCCL engine has them, the
-   store prefix of this trainer's session, the timeout. No secret travels in it: every group's
-   secret goes through the store, as for every xccl_rs group. Each worker connects to the store
-   and registers as a member (who it is: data-parallel index, rank, host, pid). The trainer then
-   checks that ``world_size - 1`` workers registered.
-2. ``send_weights``: the trainer announces round ``k`` in the store and calls
+1. ``trainer_init`` (every trainer rank; rank 0 does the work): serves a TCPStore
+   (``master_port`` 0 picks a free port) and calls ``client.init_weight_transfer_engine`` with
+   the worker init info: the store's address and port, ``rank_offset`` (the number of senders)
+   and ``world_size`` as vLLM's NCCL engines have them, the store prefix of this trainer's
+   session, the timeout. No secret travels in it: every group's secret goes through the store,
+   as for every xccl_rs group. Each worker connects to the store and registers as a member (who
+   it is: data-parallel index, rank, host, pid). Rank 0 then checks that ``world_size -
+   num_trainer_ranks`` workers registered. With ``senders="all"`` the trainer ranks first agree,
+   through their own process group (one all-gather), that every one can send (else every one
+   raises, naming the rank and the reason), and rank 0 then gives them the store's address and
+   the session prefix through it (a broadcast).
+2. ``send_weights``: rank 0 announces round ``k`` in the store and calls
    ``client.start_weight_update``, in which every worker checks in for round ``k`` (and starts
    vLLM's layerwise reload, as vLLM's NCCL engine does). The members that checked in are the
    round's members, ordered as vLLM's NCCL engine orders its ranks (``rank_offset + dp index *
    workers per replica + rank``), then by registration. When they differ from the last round's,
    or the last round failed, a new generation is built (``xccl_rs.new_group`` over the store
-   prefix ``gen/<g>/``); otherwise the group, its buckets and its shared window are reused.
-3. ``client.update_weights({"round", "generation", "members"})`` runs in a thread while the
-   trainer sends: every worker receives the tensors (:class:`~xccl_rs.weight_sync.WeightReceiver`,
-   each tensor in its own memory, on the worker's device) and loads each with the model's
+   prefix ``gen/<g>/``); otherwise the group, its buckets and its shared window are reused. With
+   ``senders="all"`` rank 0 tells the other trainer ranks the round, its members and its
+   generation through their process group (one all-gather, which also tells it whether each
+   still holds the last generation's group).
+3. ``client.update_weights({"round", "generation", "members", "senders"})`` runs in a thread
+   while the senders send: every worker joins the group as rank ``senders`` + its place among
+   the members, receives the tensors (:class:`~xccl_rs.weight_sync.WeightReceiver`, each
+   tensor in its own memory, on the worker's device) and loads each with the model's
    ``load_weights([(name, tensor)])`` as it arrives. Then every rank of the group votes on the
    outcome: a worker that refused a tensor has put its reason in the store, and every rank
-   raises it. ``client.finish_weight_update`` finishes vLLM's layerwise reload.
+   raises it. ``client.finish_weight_update`` finishes vLLM's layerwise reload; with
+   ``senders="all"`` rank 0 then puts how the round ended in the store, and the other trainer
+   ranks raise its error, if any.
+
+What the senders send (``senders="all"``, with :mod:`xccl_rs.weight_sync`'s several senders):
+the full tensors of the source's ``iter_full()`` are shared out (each tensor is sent by one
+trainer rank, each rank about ``1/S`` of the bytes); with ``sharded=True``, each rank's pieces
+from ``iter_local()`` are sent as they are, placed by the metadata's owners, mesh shape and
+placements (each ``Shard`` piece by its owner, a ``Replicate`` one by the mesh's coordinate 0;
+nothing is gathered); ``send_weights(weights)`` sends what each rank is given, full tensors
+shared out and DTensors shard by shard. Every parameter must be owned by every trainer rank.
 
 Mismatches. The trainer checks that its source yields exactly what its metadata declares
 (name, dtype, shape, in order), as vLLM's NCCL engine does; a difference aborts the round on every
@@ -56,18 +80,21 @@ naming the tensor and the worker.
 
 Failures. A worker that dies or stalls fails the round on the trainer within the timeout, with an
 error naming its group rank and who that is (replica, rank, host, pid); the other workers fail
-too. Every rank of a failed round gives its group up, and a worker's layers go back to what they
+too. With ``senders="all"`` so does every trainer rank, and a trainer rank that dies fails the
+round on the others and on the workers, naming it (``trainer rank 1``). Every rank of a failed round gives its group up, and a worker's layers go back to what they
 held (layers received whole keep the new weights, the others the old ones: never a layer half
 loaded). The next ``send_weights`` builds a new generation over the workers that check in: the
 replicas left, once the client no longer calls the dead one, and any replica added since (its
 workers get ``engine.worker_init_info`` through ``engine.init_workers(client)`` or the
 client's ``init_weight_transfer_engine``; they get the full weights from their first round).
 
-Memory: trainer rank 0 holds two buckets (``bucket_bytes`` each, kept between rounds); other
-trainer ranks allocate nothing (they only run ``source.iter_full()`` for its collectives). A
-worker holds two receive buckets and the tensor being loaded (vLLM's layerwise reload keeps a
-layer's tensors until the layer is complete, as with vLLM's own engines). On one host the
-buckets are a shared-memory window that the workers read in place.
+Memory: a sender holds two buckets (``bucket_bytes`` each, kept between rounds), allocated once
+it has bytes to pack; the other trainer ranks, and senders with no share, allocate nothing (the
+former only run ``source.iter_full()`` for its collectives). A worker holds two receive buckets
+and the tensor being loaded (vLLM's layerwise reload keeps a layer's tensors until the layer is
+complete, as with vLLM's own engines), and with several senders the tensors being assembled
+from their pieces. On one host the buckets are a shared-memory window (one per sender) that the
+workers read in place.
 
 Also here: :class:`TRLWeightTransfer`, TRL's ``WeightTransferProtocol`` on this engine (for TRL's
 experimental async trainers), and ``group_backend="gloo"`` in the init info, the same rounds over
@@ -204,6 +231,10 @@ class _Keys:
         return f"round/{round_}/refused/{rank}"
 
     @staticmethod
+    def outcome(round_: int) -> str:
+        return f"round/{round_}/outcome"
+
+    @staticmethod
     def generation(generation: int) -> str:
         return f"gen/{generation}/"
 
@@ -216,6 +247,8 @@ def _describe(info: dict) -> str:
 #: The process groups a session can run on: xccl_rs's (the default), or gloo's, for comparisons
 #: (``python -m xccl_rs.bench_vllm``) and as a fallback.
 GROUP_BACKENDS = ("xccl_rs", "gloo")
+#: Who sends (``XcclRsTrainerInitInfo.senders``): trainer rank 0 alone, or every trainer rank its share.
+SENDERS = ("rank0", "all")
 
 
 def _make_group(store, rank: int, world_size: int, timeout: timedelta, device, backend: str = "xccl_rs"):
@@ -392,8 +425,9 @@ def _make_classes() -> None:
     class XcclRsWeightTransferInitInfo(WeightTransferInitInfo):
         """What every vLLM worker gets from the trainer at ``init_weight_transfer_engine`` (a
         plain dict on the wire: JSON and pickle both carry it). Like vLLM's NCCL init info:
-        the trainer's store (``master_address``/``master_port``), ``rank_offset`` (1: the
-        trainer is rank 0) and ``world_size`` (the trainer plus every worker at init); plus the
+        the trainer's store (``master_address``/``master_port``), ``rank_offset`` (the sending
+        trainer ranks, which come first: 1, or every trainer rank with ``senders="all"``) and
+        ``world_size`` (those plus every worker at init); plus the
         store prefix of the trainer's session, the timeout, where receive buckets live, and the
         process groups' backend."""
 
@@ -423,25 +457,37 @@ def _make_classes() -> None:
     @dataclass
     class XcclRsWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         """One round, as the trainer tells every worker: the round number (which check-in it
-        answers), the generation of the group and its members in group-rank order (rank 1
-        first)."""
+        answers), the generation of the group, its members in group-rank order, and how many
+        trainer ranks send (group ranks ``0 .. senders-1``; the members are the ranks after
+        them)."""
 
         round: int = 0
         generation: int = 0
         members: list = field(default_factory=list)
+        senders: int = 1
 
     @dataclass(kw_only=True)
     class XcclRsTrainerInitInfo(TrainerInitInfo):
-        """The trainer side's init info (``rank`` is this trainer process's rank; rank 0 sends).
+        """The trainer side's init info (``rank`` is this trainer process's rank; rank 0 drives
+        the rounds).
 
         ``master_address``: the address workers reach the trainer's store at (default: this
-        host's); ``master_port``: the store's port, 0 for a free one; ``world_size``: 1 plus
-        the number of vLLM workers (every worker of every replica). ``bucket_bytes``: the
-        size of each of the trainer's two buckets (a tensor larger than one is split);
-        ``timeout_s``: the group's and the store's timeout; ``device``: where the trainer's
-        buckets live; ``worker_bucket_device``: where the workers' receive buckets live;
-        ``group_backend``: ``"xccl_rs"``, or ``"gloo"`` (the same rounds over a gloo group, for
-        comparisons: no shared window)."""
+        host's); ``master_port``: the store's port, 0 for a free one; ``world_size``: the
+        trainer ranks (``num_trainer_ranks``) plus the vLLM workers (every worker of every
+        replica), as vLLM's ``nccl_m2n`` engine counts it. ``bucket_bytes``: the size of each of
+        a sending trainer's two buckets (a tensor larger than one is split); ``timeout_s``: the
+        group's and the store's timeout; ``device``: where the trainer's buckets live;
+        ``worker_bucket_device``: where the workers' receive buckets live; ``group_backend``:
+        ``"xccl_rs"``, or ``"gloo"`` (the same rounds over a gloo group, for comparisons: no
+        shared window).
+
+        ``senders``: ``"rank0"`` (the default: trainer rank 0 sends everything, the other ranks
+        only iterate the source) or ``"all"`` (every trainer rank sends its share). With
+        ``"all"``: ``num_trainer_ranks`` is the number of trainer ranks, and the trainers must
+        be the ranks of ``trainer_group`` (default: the initialised default process group),
+        each ``rank`` its rank there; ``sharded=True`` sends each rank's pieces from the
+        source's ``iter_local()`` as they are (FSDP shards: nothing gathered), otherwise the full
+        tensors of ``iter_full()`` are shared out."""
 
         backend: ClassVar[str] = BACKEND
 
@@ -453,6 +499,10 @@ def _make_classes() -> None:
         device: str = "cpu"
         worker_bucket_device: str = "cpu"
         group_backend: str = "xccl_rs"
+        senders: str = "rank0"
+        num_trainer_ranks: int = 1
+        sharded: bool = False
+        trainer_group: Any = field(default=None, repr=False, compare=False)
 
     class XcclRsWeightTransferEngine(
         WeightTransferEngine[XcclRsWeightTransferInitInfo, XcclRsWeightTransferUpdateInfo]
@@ -531,8 +581,9 @@ def _make_classes() -> None:
             if torch.accelerator.is_available():  # the base class's sync, where there is a device
                 torch.accelerator.synchronize()
 
-        def _join(self, generation: int, members: list) -> None:
-            """The group of ``generation`` (kept while the trainer keeps it)."""
+        def _join(self, generation: int, members: list, senders: int) -> None:
+            """The group of ``generation`` (kept while the trainer keeps it): trainer ranks
+            ``0 .. senders-1`` send, this worker is rank ``senders`` + its place in ``members``."""
             if self._group is not None and self._generation == generation:
                 return
             self._drop_group()
@@ -541,13 +592,17 @@ def _make_classes() -> None:
                     f"xccl_rs weight transfer: this worker (member {self._member}) is not among generation "
                     f"{generation}'s members {members}: it did not check in at start_weight_update"
                 )
+            if senders < 1:
+                raise WeightTransferError(f"xccl_rs weight transfer: the update info names {senders} senders")
             info = self._info
-            rank = 1 + members.index(self._member)
+            rank = senders + members.index(self._member)
             store = dist.PrefixStore(_Keys.generation(generation), self._root())
             timeout = timedelta(seconds=float(info.timeout_s))
-            self._group = _make_group(store, rank, 1 + len(members), timeout, info.bucket_device, info.group_backend)
+            self._group = _make_group(store, rank, senders + len(members), timeout, info.bucket_device,
+                                      info.group_backend)
             self._generation = generation
-            self._receiver = WeightReceiver(self._group, src=0, device=self.device, bucket_device=info.bucket_device)
+            self._receiver = WeightReceiver(self._group, senders=list(range(senders)), device=self.device,
+                                            bucket_device=info.bucket_device)
 
         def _drop_group(self) -> None:
             if self._receiver is not None:
@@ -580,7 +635,8 @@ def _make_classes() -> None:
                     f"round {self._round} (start_weight_update comes first)"
                 )
             try:
-                self._join(int(update_info.generation), [int(m) for m in update_info.members])
+                self._join(int(update_info.generation), [int(m) for m in update_info.members],
+                           int(update_info.senders))
             except BaseException as e:
                 self._failed()
                 if isinstance(e, WeightTransferError):
@@ -632,8 +688,10 @@ def _make_classes() -> None:
 
     class XcclRsTrainerWeightTransferEngine(TrainerWeightTransferEngine[XcclRsTrainerInitInfo]):
         """The trainer side (the module docstring says how a round runs). Every trainer rank
-        calls ``trainer_init`` and ``send_weights``; rank 0 sends, the others only run the
-        source's iteration (for its collectives) and allocate nothing."""
+        calls ``trainer_init`` and ``send_weights``. Rank 0 drives the rounds (the store, the
+        client's calls); with ``senders="rank0"`` it alone sends and the others only run the
+        source's iteration (for its collectives) and allocate nothing; with ``senders="all"``
+        every rank sends its share."""
 
         init_info_cls = XcclRsTrainerInitInfo
 
@@ -643,21 +701,39 @@ def _make_classes() -> None:
             self.info = info
             self.timeout = timedelta(seconds=float(info.timeout_s if info is not None else 600.0))
             self._server = None  # the TCPStore (rank 0)
-            self._root = None  # its session prefix
+            self._client_store = None  # a client of it (the other ranks, senders="all")
+            self._root = None  # the session prefix over either
             self.session = ""
             self.address = ""
             self.port = 0
+            self._trainers = None  # the trainers' process group (senders="all")
+            self.n_senders = 1  # group ranks 0 .. n_senders-1 send
             self._round = 0
             self._generation = 0
             self._group = None
             self._members: list[int] = []
             self._sender: Optional[WeightSender] = None
             self._who: dict[int, dict] = {}  # member id -> its registration
+            self._meshes: dict = {}  # (device type, owners, mesh shape) -> DeviceMesh (sharded sources)
             self.last_stats = None
+
+        # ---- set-up ------------------------------------------------------------------
 
         @classmethod
         def trainer_init(cls, init_info: XcclRsTrainerInitInfo, *, client, source: Optional[WeightSource] = None):
             # Without a source, every send_weights() gets its tensors as an argument.
+            if init_info.senders not in SENDERS:
+                raise ValueError(f"XcclRsTrainerInitInfo: senders {init_info.senders!r} is not one of {SENDERS}")
+            if init_info.group_backend not in GROUP_BACKENDS:
+                raise ValueError(f"XcclRsTrainerInitInfo: group_backend {init_info.group_backend!r} is not one of "
+                                 f"{GROUP_BACKENDS}")
+            if init_info.senders == "all":
+                return cls._init_all(init_info, client, source)
+            if init_info.sharded:
+                raise ValueError(
+                    "XcclRsTrainerInitInfo: sharded=True sends every trainer rank's own pieces, so every rank "
+                    "must send: it needs senders='all'"
+                )
             if source is not None and not source.implements_iter_full():
                 raise TypeError(
                     f"xccl_rs broadcast sends full tensors, but {type(source).__name__} does not implement iter_full()"
@@ -666,32 +742,108 @@ def _make_classes() -> None:
                 if m.owners is not None and m.owners[0] != 0:
                     raise ValueError(
                         f"parameter {m.name!r} is sent by its first owner, rank {m.owners[0]}, but the xccl_rs "
-                        "engine has a single sender, rank 0: every parameter's owners must start at rank 0"
+                        "engine with senders='rank0' has a single sender, rank 0: every parameter's owners must "
+                        "start at rank 0"
                     )
-            if init_info.group_backend not in GROUP_BACKENDS:
-                raise ValueError(f"XcclRsTrainerInitInfo: group_backend {init_info.group_backend!r} is not one of "
-                                 f"{GROUP_BACKENDS}")
-            if int(init_info.world_size) < 2:
-                raise ValueError(f"XcclRsTrainerInitInfo: world_size {init_info.world_size} leaves no vLLM worker")
+            cls._check_counts(init_info)
             engine = cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank,
                          info=init_info)
             if not engine.is_sender:
                 return engine
             engine._serve()
             try:
-                engine.init_workers(client)
-                registered = int(engine._root.add(_Keys.MEMBERS, 0))
-                if registered != init_info.world_size - 1:
-                    raise ValueError(
-                        f"xccl_rs weight transfer: world_size {init_info.world_size} means "
-                        f"{init_info.world_size - 1} vLLM workers, but {registered} registered"
-                    )
+                engine._start_session()
             except BaseException:
                 engine.shutdown()
                 raise
             return engine
 
-        # ---- set-up ------------------------------------------------------------------
+        @staticmethod
+        def _check_counts(info: XcclRsTrainerInitInfo) -> None:
+            if int(info.num_trainer_ranks) < 1:
+                raise ValueError(f"XcclRsTrainerInitInfo: num_trainer_ranks {info.num_trainer_ranks} is not a count "
+                                 "of trainer ranks")
+            if int(info.world_size) - int(info.num_trainer_ranks) < 1:
+                raise ValueError(
+                    f"XcclRsTrainerInitInfo: world_size {info.world_size} leaves no vLLM worker beside "
+                    f"{info.num_trainer_ranks} trainer rank(s) (world_size counts the trainer ranks and the workers)"
+                )
+
+        @classmethod
+        def _init_all(cls, info: XcclRsTrainerInitInfo, client, source: Optional[WeightSource]):
+            """``senders="all"``: every trainer rank checks what it can, the ranks agree (one
+            all-gather over the trainers' group: all raise, or none), then rank 0 opens the
+            session and shares its store's address and prefix with the others."""
+            n = int(info.num_trainer_ranks)
+            group = info.trainer_group
+            if group is None and dist.is_available() and dist.is_initialized():
+                group = dist.group.WORLD
+            if group is None:
+                raise ValueError(
+                    "xccl_rs trainer engine: senders='all' makes every trainer rank a sender, and the trainer ranks "
+                    "share the session through a torch.distributed process group, but there is none: call "
+                    "torch.distributed.init_process_group on every trainer rank (or pass trainer_group), or use "
+                    "senders='rank0'"
+                )
+            if group.size() != n:
+                raise ValueError(
+                    f"xccl_rs trainer engine: senders='all' with num_trainer_ranks {n}, but the trainer process group "
+                    f"has {group.size()} ranks: every trainer rank is a sender, so they must be the same (set "
+                    "num_trainer_ranks to the trainers' group size, or pass the trainers' group as trainer_group)"
+                )
+            mine = None
+            try:
+                cls._check_counts(info)
+                if info.rank != group.rank():
+                    raise ValueError(f"its rank is {info.rank}, but it is rank {group.rank()} of the trainer group")
+                cls._check_source_all(source, n, bool(info.sharded))
+            except Exception as e:  # noqa: BLE001 - every rank raises, below
+                mine = f"{type(e).__name__}: {e}"
+            everyone = [None] * n
+            dist.all_gather_object(everyone, mine, group=group)
+            bad = [f"trainer rank {r}: {e}" for r, e in enumerate(everyone) if e is not None]
+            if bad:
+                raise ValueError("xccl_rs trainer engine (senders='all') refused: " + "; ".join(bad))
+            engine = cls(client=client, source=source, is_sender=info.is_sender, rank=info.rank, info=info)
+            engine._trainers, engine.n_senders = group, n
+            where, error = [None], None
+            if engine.is_sender:
+                try:
+                    engine._serve()
+                    engine._start_session()
+                    where[0] = {"address": engine.address, "port": engine.port, "session": engine.session}
+                except BaseException as e:
+                    error = e
+                    where[0] = {"error": f"{type(e).__name__}: {e}"}
+                    engine.shutdown()
+            dist.broadcast_object_list(where, group_src=0, group=group)
+            if error is not None:
+                raise error
+            if "error" in where[0]:
+                raise WeightTransferError(f"xccl_rs weight transfer: trainer rank 0 failed to open the session: "
+                                          f"{where[0]['error']}")
+            if not engine.is_sender:
+                engine._connect(where[0])
+            return engine
+
+        @staticmethod
+        def _check_source_all(source: Optional[WeightSource], n: int, sharded: bool) -> None:
+            if source is None:
+                return
+            if sharded and not source.implements_iter_local():
+                raise TypeError(f"sharded=True sends each rank's pieces from iter_local(), which "
+                                f"{type(source).__name__} does not implement")
+            if not sharded and not source.implements_iter_full():
+                raise TypeError(f"{type(source).__name__} does not implement iter_full() (with sharded=True its "
+                                "iter_local() pieces are sent)")
+            for m in source.metadata:
+                owners = getattr(m, "owners", None)
+                if owners is not None and sorted(owners) != list(range(n)):
+                    raise ValueError(
+                        f"parameter {m.name!r} is owned by trainer ranks {tuple(owners)}, but with senders='all' "
+                        f"every one of the {n} trainer ranks sends (a share of) every parameter; a source split "
+                        "among the ranks (pipeline stages) cannot be sent this way"
+                    )
 
         def _serve(self) -> None:
             info = self.info
@@ -703,16 +855,35 @@ def _make_classes() -> None:
             self.session = f"xccl_rs_vllm/{uuid.uuid4().hex}"
             self._root = dist.PrefixStore(self.session + "/", self._server)
 
+        def _start_session(self) -> None:
+            """Rank 0: the workers' engines connect to the store and register."""
+            self.init_workers(self.client)
+            expected = int(self.info.world_size) - int(self.info.num_trainer_ranks)
+            registered = int(self._root.add(_Keys.MEMBERS, 0))
+            if registered != expected:
+                raise ValueError(
+                    f"xccl_rs weight transfer: world_size {self.info.world_size} with "
+                    f"{self.info.num_trainer_ranks} trainer rank(s) means {expected} vLLM workers, but "
+                    f"{registered} registered"
+                )
+
+        def _connect(self, where: dict) -> None:
+            """The other trainer ranks (``senders="all"``): a client of rank 0's store."""
+            self.address, self.port, self.session = where["address"], int(where["port"]), where["session"]
+            self._client_store = dist.TCPStore(self.address, self.port, None, False, timeout=self.timeout)
+            self._root = dist.PrefixStore(self.session + "/", self._client_store)
+
         @property
         def worker_init_info(self) -> dict:
             """The init info every worker gets (``init_weight_transfer_engine``'s payload)."""
-            if self._root is None:
+            if self._server is None:
                 raise RuntimeError("xccl_rs trainer engine: only trainer rank 0 has the worker init info")
+            workers = int(self.info.world_size) - int(self.info.num_trainer_ranks)
             info = XcclRsWeightTransferInitInfo(
                 master_address=self.address,
                 master_port=self.port,
-                rank_offset=1,
-                world_size=int(self.info.world_size),
+                rank_offset=self.n_senders,
+                world_size=self.n_senders + workers,
                 session=self.session,
                 timeout_s=float(self.info.timeout_s),
                 bucket_device=str(self.info.worker_bucket_device),
@@ -725,7 +896,12 @@ def _make_classes() -> None:
             for a replica started later: it gets the full weights from the next round on)."""
             client.init_weight_transfer_engine(self.worker_init_info)
 
-        # ---- a round -----------------------------------------------------------------
+        # ---- who is who ----------------------------------------------------------------
+
+        def _load_who(self, members: list[int]) -> None:
+            for m in members:
+                if m not in self._who:
+                    self._who[m] = json.loads(self._root.get(_Keys.member(m)))
 
         def _checked_in(self, k: int) -> list[int]:
             """The members that checked in for round ``k``, in group-rank order."""
@@ -734,21 +910,23 @@ def _make_classes() -> None:
             if n == 0:
                 return []
             ids = [int(v) for v in root.multi_get([_Keys.checkin(k, i) for i in range(1, n + 1)])]
-            for m in ids:
-                if m not in self._who:
-                    self._who[m] = json.loads(root.get(_Keys.member(m)))
+            self._load_who(ids)
             return sorted(set(ids), key=lambda m: (int(self._who[m].get("static_rank", 0)), m))
 
         def _who_is(self, rank: int) -> str:
-            if 1 <= rank <= len(self._members):
-                return _describe(self._who.get(self._members[rank - 1], {}))
+            if 0 <= rank < self.n_senders:
+                return f"trainer rank {rank}" if self.n_senders > 1 else ""
+            if self.n_senders <= rank < self.n_senders + len(self._members):
+                return _describe(self._who.get(self._members[rank - self.n_senders], {}))
             return ""
 
         def _named(self, text: str) -> str:
-            """Who the workers are whose group ranks ``text`` names (the trainer is rank 0)."""
+            """Who the ranks are that ``text`` names (group ranks: the senders first, then the workers)."""
             ranks = sorted({int(r) for r in re.findall(r"\branks? \[?(\d+)", text)})
             who = [f"rank {r} = {self._who_is(r)}" for r in ranks if self._who_is(r)]
             return (". Group ranks named above: " + "; ".join(who)) if who else ""
+
+        # ---- a round -----------------------------------------------------------------
 
         def _cancel(self) -> None:
             """Best effort after a round failed before any worker received: vLLM's workers end the
@@ -772,20 +950,28 @@ def _make_classes() -> None:
         def send_weights(self, weights=None) -> None:
             """One round: the source's tensors, checked against its metadata; or, when
             ``weights`` (an iterable of ``(name, tensor)``, consumed once) is given, those (the
-            vLLM API's form for engines made without a source)."""
+            vLLM API's form for engines made without a source). With ``senders="all"`` each
+            rank's tensors: full tensors (shared out) or DTensors (each rank sends its shards)."""
             source = self.source
             if weights is None and source is None:
                 raise ValueError("xccl_rs trainer engine: made without a WeightSource, send_weights needs the weights")
             if weights is not None:
                 pairs = iter(weights)
+            elif self.info is not None and self.info.sharded:
+                pairs = self._checked_iter(source.iter_local(), source.metadata, self._as_shard)
             else:
-                pairs = self._checked_iter(source, source.metadata)
-            if not self.is_sender:
+                pairs = self._checked_iter(source.iter_full(), source.metadata)
+            if self._trainers is None and not self.is_sender:
                 for _ in pairs:  # the producer's collectives (e.g. FSDP's all-gathers)
                     pass
                 return
             if self._root is None:
                 raise RuntimeError("xccl_rs trainer engine: send_weights after shutdown")
+            self._begin_round()
+            self._transfer(pairs)
+
+        def _open_round(self) -> list[int]:
+            """Rank 0: announces the next round, starts it on the workers; its members."""
             k = self._round = self._round + 1
             _publish(self._root, _Keys.ROUND, str(k))  # before the workers are told to check in
             try:
@@ -797,81 +983,192 @@ def _make_classes() -> None:
             if not members:
                 self._cancel()
                 raise WeightTransferError(f"xccl_rs weight transfer: round {k}: no vLLM worker checked in")
-            if self._group is None or members != self._members:
+            return members
+
+        def _begin_round(self) -> None:
+            """The round's number, members and generation, decided by rank 0 (with
+            ``senders="all"``, told to the other trainer ranks through their group, which also
+            tells rank 0 whether each still holds the last generation's group)."""
+            held = self._generation if self._group is not None else 0
+            plan, error = None, None
+            if self.is_sender:
+                try:
+                    members = self._open_round()
+                    plan = {"round": self._round, "members": members, "generation": self._generation,
+                            "keep": self._group is not None and members == self._members}
+                except BaseException as e:
+                    error, plan = e, {"error": str(e)}
+            helds = [held]
+            if self._trainers is not None:
+                everyone = [None] * self.n_senders
+                dist.all_gather_object(everyone, {"held": held, "plan": plan}, group=self._trainers)
+                plan, helds = everyone[0]["plan"], [x["held"] for x in everyone]
+            if error is not None:
+                raise error
+            if "error" in plan:
+                raise WeightTransferError(f"{plan['error']} (on trainer rank 0)")
+            generation = int(plan["generation"])
+            if not (plan["keep"] and all(h == generation for h in helds)):
                 self._drop_group()
-                self._generation += 1
-                self._members = members
-            update_info = asdict(XcclRsWeightTransferUpdateInfo(round=k, generation=self._generation,
-                                                                 members=list(members)))
-            exe = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xccl_rs-vllm-update")
-            future = exe.submit(self.client.update_weights, update_info)
+                generation += 1
+            self._round, self._generation, self._members = int(plan["round"]), generation, list(plan["members"])
+            self._load_who(self._members)
+
+        def _transfer(self, pairs) -> None:
+            k, generation, members, n = self._round, self._generation, self._members, self.n_senders
+            exe = future = None
+            if self.is_sender:
+                update_info = asdict(XcclRsWeightTransferUpdateInfo(round=k, generation=generation,
+                                                                     members=list(members), senders=n))
+                exe = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xccl_rs-vllm-update")
+                future = exe.submit(self.client.update_weights, update_info)
             try:
                 try:
                     if self._group is None:
-                        store = dist.PrefixStore(_Keys.generation(self._generation), self._root)
-                        self._group = _make_group(store, 0, 1 + len(members), self.timeout, self.info.device,
+                        store = dist.PrefixStore(_Keys.generation(generation), self._root)
+                        rank = self.rank if self._trainers is not None else 0
+                        self._group = _make_group(store, rank, n + len(members), self.timeout, self.info.device,
                                                   self.info.group_backend)
-                        self._sender = WeightSender(self._group, src=0, bucket_bytes=int(self.info.bucket_bytes),
-                                                    device=self.info.device)
+                        self._sender = WeightSender(self._group, senders=list(range(n)),
+                                                    bucket_bytes=int(self.info.bucket_bytes), device=self.info.device)
                     stats = self._sender.send(pairs)
                     all_ok = _allreduce_min(self._group, True)
                 except BaseException as e:
                     self._drop_group()
                     text = str(e)
-                    if future.done() and future.exception() is not None:
+                    if future is not None and future.done() and future.exception() is not None:
                         text += f" (the workers' update_weights: {future.exception()})"
+                    where = f" on trainer rank {self.rank}" if n > 1 else ""
+                    senders = f", {n} sending trainer ranks" if n > 1 else ""
                     raise WeightTransferError(
-                        f"xccl_rs weight transfer: round {k} (generation {self._generation}, {len(members)} "
-                        f"workers) failed: {text}{self._named(text)}. The next send_weights() builds a new "
-                        "group over the workers that check in"
+                        f"xccl_rs weight transfer: round {k} (generation {generation}, {len(members)} "
+                        f"workers{senders}) failed{where}: {text}{self._named(text)}. The next send_weights() "
+                        "builds a new group over the workers that check in"
                     ) from e
-                # The protocol ran to its end (the vote): the workers' update_weights return now.
-                worker_error = None
-                try:
-                    future.result(timeout=self.timeout.total_seconds())
-                except FutureTimeout:
-                    raise WeightTransferError(
-                        f"xccl_rs weight transfer: round {k}: the workers' update_weights did not return within "
-                        f"{self.timeout.total_seconds():g} s after the transfer"
-                    ) from None
-                except Exception as e:  # noqa: BLE001 - raised below, after the refusals
-                    worker_error = e
-                if not all_ok:
-                    raise WeightTransferError(
-                        f"xccl_rs weight transfer: round {k}: refused by the workers: " + self._refusals(k)
-                    ) from worker_error
-                if worker_error is not None:
-                    raise WeightTransferError(
-                        f"xccl_rs weight transfer: round {k}: the workers' update_weights failed: {worker_error}"
-                    ) from worker_error
+                # The protocol ran to its end (the vote): rank 0 sees the workers' calls return and
+                # tells the other trainer ranks how the round ended.
+                if self.is_sender:
+                    try:
+                        self._conclude(k, future, all_ok)
+                    except BaseException as e:
+                        self._report(k, str(e))
+                        raise
+                    self._report(k, None)
+                else:
+                    self._await_report(k)
             finally:
                 # Never wait for the RPC thread on an error: a worker still blocked in the
                 # transfer returns only at the timeout (vLLM's NCCL engine does the same).
-                exe.shutdown(wait=False)
-            self.client.finish_weight_update()
+                if exe is not None:
+                    exe.shutdown(wait=False)
             self.last_stats = stats
-            logger.info("xccl_rs trainer engine: round %d to %d workers: %s", k, len(members), stats)
+            logger.info("xccl_rs trainer engine: round %d to %d workers (trainer rank %d): %s", k, len(members),
+                        self.rank, stats)
+
+        def _conclude(self, k: int, future, all_ok: bool) -> None:
+            """Rank 0, after the vote: the workers' update_weights, their refusals, then
+            vLLM's finish_weight_update."""
+            worker_error = None
+            try:
+                future.result(timeout=self.timeout.total_seconds())
+            except FutureTimeout:
+                raise WeightTransferError(
+                    f"xccl_rs weight transfer: round {k}: the workers' update_weights did not return within "
+                    f"{self.timeout.total_seconds():g} s after the transfer"
+                ) from None
+            except Exception as e:  # noqa: BLE001 - raised below, after the refusals
+                worker_error = e
+            if not all_ok:
+                raise WeightTransferError(
+                    f"xccl_rs weight transfer: round {k}: refused by the workers: " + self._refusals(k)
+                ) from worker_error
+            if worker_error is not None:
+                raise WeightTransferError(
+                    f"xccl_rs weight transfer: round {k}: the workers' update_weights failed: {worker_error}"
+                ) from worker_error
+            self.client.finish_weight_update()
+
+        def _report(self, k: int, error: Optional[str]) -> None:
+            """Rank 0 (``senders="all"``): how round ``k`` ended, for the other trainer ranks."""
+            if self._trainers is None or self.n_senders < 2:
+                return
+            try:
+                _publish(self._root, _Keys.outcome(k), json.dumps({"error": error}))
+            except Exception as e:  # noqa: BLE001 - they then fail at their wait, saying so
+                logger.warning("xccl_rs trainer engine: telling the trainer ranks how round %d ended failed: %s", k, e)
+
+        def _await_report(self, k: int) -> None:
+            """The other trainer ranks: rank 0's word on round ``k`` (it waits for the workers'
+            update_weights, up to the timeout, then for finish_weight_update)."""
+            wait = 2 * self.timeout
+            try:
+                self._root.wait([_Keys.outcome(k)], wait)
+                error = json.loads(self._root.get(_Keys.outcome(k)))["error"]
+            except Exception as e:  # noqa: BLE001
+                raise WeightTransferError(
+                    f"xccl_rs weight transfer: round {k}: trainer rank 0 did not say how the round ended within "
+                    f"{wait.total_seconds():g} s: {e}"
+                ) from e
+            if error is not None:
+                raise WeightTransferError(f"{error} (reported by trainer rank 0)")
 
         def _refusals(self, k: int) -> str:
             out = []
-            for rank in range(1, len(self._members) + 1):
+            for rank in range(self.n_senders, self.n_senders + len(self._members)):
                 key = _Keys.refusal(k, rank)
                 if self._root.check([key]):
                     out.append(f"group rank {rank}, {self._who_is(rank)}, refused {self._root.get(key).decode()}")
             return "; ".join(out) or "(no reason recorded)"
 
-        @staticmethod
-        def _checked_iter(source: WeightSource, meta: list[ParamMeta]):
-            """The sender's pairs, each checked against the metadata (vLLM's NCCL engine's check:
-            a difference aborts the round on every rank, naming the tensor)."""
+        # ---- the source ----------------------------------------------------------------
+
+        def _as_shard(self, name: str, local: torch.Tensor, m: ParamMeta) -> torch.Tensor:
+            """This rank's piece of ``m`` from ``iter_local()``, as the DTensor it is a shard of
+            (a view of it, on a mesh of the parameter's owners: no collective, no copy), so that
+            the weight sync sends it as it is; a replicated parameter is its full tensor."""
+            placements = getattr(m, "placements", None)
+            if getattr(m, "owners", None) is None or placements is None:
+                if tuple(local.shape) != tuple(m.shape):
+                    raise ValueError(f"WeightSource's iter_local() yielded {name!r} with shape {tuple(local.shape)}; "
+                                     f"its metadata declares it replicated, of shape {tuple(m.shape)}")
+                return local
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.tensor import DTensor, Replicate, Shard
+
+            key = (local.device.type, tuple(m.owners), tuple(m.mesh_shape))
+            mesh = self._meshes.get(key)
+            if mesh is None:
+                ranks = torch.tensor(m.owners, dtype=torch.int).view(m.mesh_shape)
+                try:  # no process group of its own: the mesh only says where this rank's piece goes
+                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=False, _rank=self.rank)
+                except TypeError:  # a torch without _rank: the default group's rank (the trainer rank)
+                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=False)
+                self._meshes[key] = mesh
+            shape = torch.Size(m.shape)
+            stride, acc = [], 1
+            for d in reversed(shape):
+                stride.insert(0, acc)
+                acc *= max(int(d), 1)
+            torch_placements = [Shard(p.dim) if getattr(p, "dim", None) is not None else Replicate()
+                                for p in placements]
+            with torch.no_grad():
+                return DTensor.from_local(local, mesh, torch_placements, run_check=False, shape=shape,
+                                          stride=tuple(stride))
+
+        def _checked_iter(self, pairs, meta: list[ParamMeta], piece=None):
+            """The source's pairs, each checked against the metadata (vLLM's NCCL engine's check:
+            a difference aborts the round on every rank, naming the tensor); ``piece`` makes
+            each of ``iter_local()``'s pieces the shard it is."""
             sent = 0
-            for name, tensor in source.iter_full():
+            for name, tensor in pairs:
                 if sent >= len(meta):
                     raise ValueError(
                         f"WeightSource yielded more parameters than its metadata declares ({len(meta)}); "
                         f"the first extra is {name!r}"
                     )
                 m = meta[sent]
+                if piece is not None and name == m.name and tensor.dtype == m.dtype:
+                    tensor = piece(name, tensor, m)
                 if name != m.name or tensor.dtype != m.dtype or tuple(tensor.shape) != tuple(m.shape):
                     raise ValueError(
                         f"WeightSource metadata disagrees with its iteration at index {sent}: declared "
@@ -886,6 +1183,7 @@ def _make_classes() -> None:
             self._drop_group()
             self._root = None
             self._server = None
+            self._client_store = None
 
     for cls in (
         XcclRsWeightTransferInitInfo,
