@@ -15,6 +15,11 @@
 * :class:`PipeClient` is the trainer's ``VLLMWeightSyncClient``: each call goes to every worker
   of every replica at once and waits for all (as vLLM's Ray client does), raising an error that
   names the replica when one fails or died.
+* Several trainer ranks (``senders="all"``): each is a process (:func:`trainer_main`) in a gloo
+  default group of the trainers, holding the transformers Qwen2, optionally ``fully_shard``-ed
+  (FSDP2) over that group. Trainer rank 0's client is a :class:`ProxyClient`, whose calls the
+  test process serves with its ``PipeClient`` (:func:`serve_client`); the other ranks get a
+  client that fails the test if called (vLLM's contract: only rank 0 drives the workers).
 """
 
 from __future__ import annotations
@@ -461,3 +466,316 @@ class PipeClient:
 
     def finish_weight_update(self, weight_version=None) -> None:
         self.fan_out("finish_weight_update")
+
+
+# --------------------------------------------------------------------------------------
+# trainer processes (several trainer ranks)
+# --------------------------------------------------------------------------------------
+
+
+def _status(key: str) -> int:
+    import re
+
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+
+
+class PeakRss:
+    """The RSS high-water mark over a block, above the RSS at its start (as
+    python_tests/test_multi_sender.py measures it): freed heap memory is given back first
+    (``malloc_trim``), so that it cannot serve the block's allocations unseen, and the
+    high-water mark is reset (``clear_refs``)."""
+
+    def __enter__(self):
+        import ctypes
+        import gc
+
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        self.start = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.extra = _status("VmHWM") - self.start
+
+
+@torch.no_grad()
+def set_weights(model: nn.Module, seed: int) -> None:
+    """New values in every parameter (deterministic from ``seed``), also when they are FSDP2's
+    DTensor shards: each rank writes its own piece of the same full values, with no collective."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    for _, p in model.named_parameters():
+        full = torch.randn(p.shape, generator=g).to(p.dtype)
+        if isinstance(p, DTensor):
+            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+        else:
+            p.copy_(full)
+
+
+class ProxyClient:
+    """Trainer rank 0's ``VLLMWeightSyncClient``: each call is served by the test process."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def _call(self, method: str, *args):
+        with self.lock:  # an update_weights still in flight after a failed round finishes first
+            self.conn.send((method, args))
+            status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self._call("finish_weight_update")
+
+
+class NoClient:
+    """The client of a trainer rank other than 0: vLLM's contract is that it is never called."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __getattr__(self, method):
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def call(*args, **kwargs):
+            raise AssertionError(f"trainer rank {self.rank} called the client's {method}")
+
+        return call
+
+
+def serve_client(conn, client: "PipeClient") -> threading.Thread:
+    """Serves trainer rank 0's :class:`ProxyClient` with ``client`` (a thread of the test process)."""
+
+    def run():
+        while True:
+            try:
+                method, args = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                conn.send(("ok", getattr(client, method)(*args)))
+            except BaseException as e:  # noqa: BLE001
+                try:
+                    conn.send(("error", str(e)))
+                except OSError:
+                    return
+
+    t = threading.Thread(target=run, daemon=True, name="proxy-client")
+    t.start()
+    return t
+
+
+def fsdp2(model: nn.Module) -> None:
+    """FSDP2's ``fully_shard`` of each decoder layer and of the model, over the default group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def trainer_main(conn, client_conn, rank: int, n: int, store_path: str, cfg: Cfg, shard: bool,
+                 group: bool = True) -> None:
+    """Trainer rank ``rank`` of ``n``: a gloo default group of the trainers (unless ``group`` is
+    false), the transformers Qwen2 of ``cfg`` (FSDP2-sharded over that group when ``shard``),
+    then answers ``(method, args)`` like a worker does."""
+    import time
+    from datetime import timedelta
+
+    try:
+        import torch.distributed as dist
+        import vllm.plugins
+        from torch.distributed.tensor import DTensor
+        from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+        from xccl_rs.vllm_engine import XcclRsTrainerInitInfo
+
+        vllm.plugins.load_general_plugins()
+        if group:
+            dist.init_process_group("gloo", store=dist.FileStore(store_path, n), rank=rank, world_size=n,
+                                    timeout=timedelta(seconds=60))
+        torch.manual_seed(0)  # the same initial weights on every trainer
+        model = hf_model(cfg)
+        if shard:
+            fsdp2(model)
+        gathers = [0]
+        full_tensor = DTensor.full_tensor
+
+        def counted(self, *args, **kwargs):  # every gather of a full tensor, on this rank
+            gathers[0] += 1
+            return full_tensor(self, *args, **kwargs)
+
+        DTensor.full_tensor = counted
+        state = {"engine": None, "die_after": None}
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+
+    def init(world_size: int, options: dict):
+        """The engine, made as vLLM's trainer makes it; ``options``: the init info's fields (``rank``
+        too, to give a wrong one), and ``source`` (False: made without a WeightSource)."""
+        options = dict(options)
+        source = options.pop("source", True)
+        options.setdefault("rank", rank)
+        info = XcclRsTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=world_size, **options)
+        client = ProxyClient(client_conn) if rank == 0 else NoClient(rank)
+        src = ModuleSource(model) if source else None
+        state["engine"] = WeightTransferTrainerFactory.trainer_init(info, client=client, source=src)
+
+    def weights(how: str):
+        """What ``send_weights(weights=...)`` is given: the parameters as they are (DTensors
+        when sharded), the full norm weight alone (one plain tensor: one trainer's share), or
+        that and a tensor the workers' model does not have."""
+        params = dict(model.named_parameters())
+        if how == "params":
+            return [(name, p.detach()) for name, p in params.items()]
+        if how == "unknown":
+            return weights("norm") + [("model.layers.0.mlp.extra_bias", torch.zeros(4, dtype=cfg.torch_dtype))]
+        p = params["model.norm.weight"]
+        return [("model.norm.weight", p.full_tensor() if isinstance(p, DTensor) else p.detach().clone())]
+
+    def send(seed: int, how: str = "source"):
+        engine = state["engine"]
+        set_weights(model, seed)
+        source = engine.source
+        if state["die_after"] is not None:  # this trainer dies mid-round, after that many tensors
+            count, inner = [0], (source.iter_local if engine.info.sharded else source.iter_full)
+
+            def dying():
+                for item in inner():
+                    count[0] += 1
+                    if count[0] > state["die_after"]:
+                        os._exit(17)
+                    yield item
+
+            setattr(source, "iter_local" if engine.info.sharded else "iter_full", dying)
+        items = None if how == "source" else weights(how)
+        gathers[0] = 0
+        t0 = time.monotonic()
+        try:
+            with PeakRss() as mem:
+                engine.send_weights(items) if items is not None else engine.send_weights()
+        except BaseException as e:  # noqa: BLE001
+            return {"error": f"{type(e).__name__}: {e}", "elapsed": time.monotonic() - t0}
+        sender = engine._sender
+        st = engine.last_stats
+        return {"bytes": st.bytes, "tensors": st.tensors, "buckets": st.buckets, "shared": st.shared_window,
+                "full_tensor_calls": gathers[0], "rss": mem.extra, "generation": engine._generation,
+                "allocated": [slot.buf is not None for slot in sender._slots]}
+
+    def reference():
+        """torch's own full tensors of every parameter (``full_tensor()``: its all-gather),
+        returned by rank 0."""
+        ref = {name: (p.full_tensor() if isinstance(p, DTensor) else p.detach().clone())
+               for name, p in model.named_parameters()}
+        return ref if rank == 0 else None
+
+    def die_in_next_round(after: int):
+        state["die_after"] = after
+
+    def shutdown():
+        if state["engine"] is not None:
+            state["engine"].shutdown()
+            state["engine"] = None
+
+    def model_info():
+        params = dict(model.named_parameters())
+        return {"placements": sorted({str(tuple(p.placements)) for p in params.values() if isinstance(p, DTensor)}),
+                "bytes": sum(p.numel() * p.element_size() for p in params.values()),
+                "largest": max(p.numel() * p.element_size() for p in params.values()),
+                "uneven": sorted(name for name, p in params.items()
+                                 if isinstance(p, DTensor) and p.shape[0] % n)}
+
+    calls = {f.__name__: f for f in (init, send, reference, die_in_next_round, shutdown, model_info)}
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            return
+        if method == "exit":
+            shutdown()
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", calls[method](*args)))
+        except BaseException as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class Trainers:
+    """``n`` trainer processes and the thread serving rank 0's client with ``client``."""
+
+    def __init__(self, ctx, cfg: Cfg, n: int, client: "PipeClient", store_path: str, shard: bool = True,
+                 group: bool = True):
+        self.n = n
+        self.procs, self.conns = [], []
+        parent_client, child_client = ctx.Pipe()
+        for rank in range(n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=trainer_main, args=(child, child_client if rank == 0 else None, rank, n,
+                                                       store_path, cfg, shard, group), daemon=True)
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        child_client.close()
+        self.server = serve_client(parent_client, client)
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(300):
+                raise TimeoutError(f"trainer {rank} did not start")
+            status, value = conn.recv()
+            assert status == "ok", f"trainer {rank} failed to start:\n{value}"
+
+    def all(self, method: str, *args, timeout: float = 180.0, ranks=None, errors: bool = False) -> list:
+        """``method(*args)`` on every trainer (``ranks``) at once; their answers, in rank order. A
+        trainer that died answers ``("died", exit code)``; one that raised ``("error", text)``
+        with ``errors``, else that is raised here."""
+        ranks = list(range(self.n)) if ranks is None else ranks
+        for r in ranks:
+            self.conns[r].send((method, args))
+        out = []
+        for r in ranks:
+            try:
+                if not self.conns[r].poll(timeout):
+                    raise TimeoutError(f"trainer {r}: {method} did not answer within {timeout} s")
+                status, value = self.conns[r].recv()
+            except (EOFError, ConnectionResetError, BrokenPipeError):
+                self.procs[r].join(10)
+                out.append(("died", self.procs[r].exitcode))
+                continue
+            if status != "ok" and not errors:
+                raise RuntimeError(f"trainer {r}: {method} raised {value}")
+            out.append(value if status == "ok" else ("error", value))
+        return out
+
+    def close(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.is_alive():
+                try:
+                    self.conns[r].send(("exit", ()))
+                    self.conns[r].poll(30)
+                except (OSError, EOFError):
+                    pass
+            p.join(10)
+            if p.is_alive():
+                p.kill()
