@@ -95,6 +95,8 @@ pub type FailureListener = Arc<dyn Fn(&CommError) + Send + Sync>;
 pub struct FailureNotice {
     first: Mutex<Option<CommError>>,
     listeners: Mutex<Vec<FailureListener>>,
+    /// The listeners' run, once the group has failed (until someone waited for it to end).
+    running: Mutex<Option<ListenersRunning>>,
 }
 
 impl FailureNotice {
@@ -109,19 +111,19 @@ impl FailureNotice {
     }
 
     /// Records `e` if it is the first failure, and then tells the listeners on a thread of
-    /// their own (outside the locks: a listener may ask for [`first`](Self::first)); None when
+    /// their own (outside the locks: a listener may ask for [`first`](Self::first)); false when
     /// the group had failed already or there is no listener.
-    pub fn record(&self, e: &CommError) -> Option<ListenersRunning> {
+    pub fn record(&self, e: &CommError) -> bool {
         {
             let mut first = self.first.lock();
             if first.is_some() {
-                return None;
+                return false;
             }
             *first = Some(e.clone());
         }
         let listeners = self.listeners.lock().clone();
         if listeners.is_empty() {
-            return None;
+            return false;
         }
         let e = e.clone();
         let (done, finished) = mpsc::channel::<()>();
@@ -132,7 +134,24 @@ impl FailureNotice {
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| listener(&e)));
             }
         };
-        std::thread::Builder::new().name("xccl_rs-hooks".into()).spawn(tell).ok().map(|_| ListenersRunning(finished))
+        let started = std::thread::Builder::new().name("xccl_rs-hooks".into()).spawn(tell).is_ok();
+        if started {
+            *self.running.lock() = Some(ListenersRunning(finished));
+        }
+        started
+    }
+
+    /// Waits until the listeners told of the failure have returned, or `bound` has passed; true
+    /// when they returned (or were never told). A group's shutdown waits here: torch drops a
+    /// group's hooks (its flight recorder's) right after shutting the group down, so hooks still
+    /// running then would find nothing left to dump.
+    pub fn wait_for_listeners(&self, bound: Duration) -> bool {
+        let mut running = self.running.lock();
+        let returned = running.as_ref().is_none_or(|r| r.wait(bound));
+        if returned {
+            *running = None;
+        }
+        returned
     }
 }
 
@@ -210,8 +229,9 @@ mod tests {
         let h = heard.clone();
         notice.listen(Arc::new(move |e: &CommError| h.lock().push(e.message.clone())));
         assert_eq!(notice.first(), None);
-        assert!(notice.record(&CommError::new(ErrorKind::Timeout, "first")).expect("a listener thread").wait(Duration::from_secs(10)));
-        assert!(notice.record(&CommError::new(ErrorKind::PeerFailure, "second")).is_none());
+        assert!(notice.record(&CommError::new(ErrorKind::Timeout, "first")), "a listener thread");
+        assert!(notice.wait_for_listeners(Duration::from_secs(10)));
+        assert!(!notice.record(&CommError::new(ErrorKind::PeerFailure, "second")));
         assert_eq!(notice.first().map(|e| e.kind), Some(ErrorKind::Timeout));
         assert_eq!(*heard.lock(), vec!["first".to_string()]);
     }
@@ -226,13 +246,13 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(5));
             }
         }));
-        let running = notice.record(&CommError::new(ErrorKind::Timeout, "stuck hook")).expect("a listener thread");
+        assert!(notice.record(&CommError::new(ErrorKind::Timeout, "stuck hook")), "a listener thread");
         let t0 = std::time::Instant::now();
-        assert!(!running.wait(Duration::from_millis(100)), "a listener that has not returned is still running");
+        assert!(!notice.wait_for_listeners(Duration::from_millis(100)), "a listener that has not returned is still running");
         assert!(t0.elapsed() < Duration::from_secs(5));
         assert!(!wait_for_listeners(Duration::from_millis(50)), "the process-wide count sees it too");
         release.store(true, Ordering::Release);
-        assert!(running.wait(Duration::from_secs(10)), "it returned once released");
+        assert!(notice.wait_for_listeners(Duration::from_secs(10)), "it returned once released");
         assert!(wait_for_listeners(Duration::from_secs(10)), "and the count drops when its thread ends");
     }
 }

@@ -69,6 +69,8 @@ pub struct Communicator {
     submitted: AtomicU64,
     abort_switch: Arc<AbortSwitch>,
     failure: Arc<FailureNotice>,
+    /// How long shutdown waits for the failure listeners still running (the abort hooks).
+    failure_hooks_wait: Duration,
     pipeline_chunk_bytes: usize,
     /// This rank's shared-memory heap (transport/shm/heap.rs), in a single-host group; let go
     /// at shutdown (tensors allocated from it keep it, and its descriptor, while they live).
@@ -91,6 +93,7 @@ impl Communicator {
         let timeout_ms = Arc::new(AtomicU64::new(config.timeout.as_millis().min(u64::MAX as u128) as u64));
         let (tx, rx) = mpsc::channel();
         let pipeline_chunk_bytes = config.pipeline_chunk_bytes;
+        let failure_hooks_wait = config.failure_hooks_wait;
         let abort_switch = Arc::new(AbortSwitch::new()?);
         let failure = Arc::new(FailureNotice::default());
         let group_name = Arc::new(Mutex::new(String::new()));
@@ -124,6 +127,7 @@ impl Communicator {
             submitted: AtomicU64::new(0),
             abort_switch,
             failure,
+            failure_hooks_wait,
             pipeline_chunk_bytes,
             heap: Mutex::new(heap),
             group_name,
@@ -266,8 +270,8 @@ impl Communicator {
     pub fn abort_now(&self, reason: &str) {
         let message = format!("xccl_rs: rank {}: {reason}", self.rank);
         self.abort_switch.raise(reason);
-        if let Some(listeners) = self.failure.record(&CommError::new(ErrorKind::Aborted, message.clone())) {
-            listeners.wait(Duration::MAX);
+        if self.failure.record(&CommError::new(ErrorKind::Aborted, message.clone())) {
+            self.failure.wait_for_listeners(Duration::MAX);
         }
         let _ = self.send(Job::Abort { op: OpKind::Barrier, message });
     }
@@ -293,8 +297,13 @@ impl Communicator {
     }
 
     /// Finishes queued work, then stops the progress thread and closes the connections and
-    /// shared memory. Later jobs fail with a clear error. Idempotent.
+    /// shared memory. Later jobs fail with a clear error. Idempotent. A group that failed first
+    /// lets its failure listeners (the abort hooks: torch's flight-recorder dump) finish, within
+    /// `XCCL_RS_FAILURE_HOOKS_WAIT_MS`: torch lets go of a group's hooks once it is shut down.
     pub fn shutdown(&self) {
+        if !self.failure.wait_for_listeners(self.failure_hooks_wait) {
+            tracing::warn!(rank = self.rank, "xccl_rs: shutting the group down while its abort hooks still run");
+        }
         drop(self.queue.lock().take());
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
@@ -406,7 +415,7 @@ impl Worker {
             self.fabric.abort(ctx, &e.message);
             // The listeners run on: the caller hears of `e` now, and the interpreter's exit
             // waits for them (abort.rs `wait_for_listeners`).
-            drop(self.failure.record(&e));
+            self.failure.record(&e);
             self.failed = Some(e);
         }
     }
