@@ -47,7 +47,9 @@ pub struct Step<'a> {
     pub reduce: u8,
     pub segment_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
-    /// All-reduces up to this many bytes take the one-shot shared-memory path.
+    /// `XCCL_RS_SHM_ONESHOT_BYTES`, part of a shared-memory group's capabilities as the table
+    /// sees them (select.rs `ShmCaps`), for the local steps of a hierarchical collective that
+    /// ask it for their path.
     pub shm_oneshot_bytes: usize,
     /// log2 of the pipeline's chunk size (pipeline.rs), part of the shared-memory description
     /// so that ranks configured differently fail instead of exchanging different ranges.
