@@ -1,6 +1,6 @@
 """What XCCL_RS_LOG shows (docs/debugging.md): at `info`, one line per group at set-up with its
-rank, size and fabric; at `debug`, also the algorithm the selection table chose, once per
-(op, size class) the group runs."""
+rank, size and fabric; at `debug`, also the algorithm and the path the selection table chose, once
+per (op, path, size class) the group runs."""
 
 from __future__ import annotations
 
@@ -37,5 +37,7 @@ def test_debug_names_each_path_once_per_op_and_size_class():
     paths = [line for line in run_with_log("debug").splitlines() if "first use of a path" in line]
     assert len(paths) == 3, "\n".join(paths)
     assert "op=AllReduce" in paths[0] and "algorithm=AllReduceDirect" in paths[0] and "size=< 32 B" in paths[0]
+    # The concrete path the table chose; a TCP all-reduce has one.
+    assert "path=AllReduceDirect" in paths[0], paths[0]
     assert "op=AllReduce" in paths[1] and "size=< 8388608 B" in paths[1]
     assert "op=Broadcast" in paths[2] and "algorithm=BroadcastDirect" in paths[2]

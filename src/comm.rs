@@ -23,7 +23,7 @@ use parking_lot::Mutex;
 
 use crate::abort::{AbortSwitch, FailureListener, FailureNotice};
 use crate::algorithms::mesh::p2p::{self, P2pCounters};
-use crate::algorithms::select::{Algorithm, FirstUses, select};
+use crate::algorithms::select::{self, Algorithm, FabricCaps, FirstUses};
 use crate::stats::{GroupStats, OpSample, Totals, fabric_name};
 use crate::algorithms::{Step, run_collective};
 use crate::buf::{Buf, Extent};
@@ -516,7 +516,7 @@ impl Worker {
             op: op.kind,
             dtype: op.dtype,
             bytes: total(&op.inputs).max(total(&op.outputs)),
-            algorithm: select(op.kind, shape),
+            algorithm: select::algorithm(op.kind, shape),
             fabric: fabric_name(shape, staged),
             start,
             duration,
@@ -534,8 +534,10 @@ impl Worker {
         let (count, key) = (op.count(), op.key());
         let chunk_bytes = self.config.pipeline_chunk_bytes;
         let world_size = self.fabric.tcp.size();
-        self.first_uses.note(op.kind, self.fabric.parts.shape(), count as usize * op.dtype.size(), ctx.rank);
+        let shape = self.fabric.parts.shape();
         pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk| {
+            let path = select::select_for(chunk, &FabricCaps::of(&self.fabric.parts, self.config.shm_oneshot_bytes));
+            self.first_uses.note(op.kind, shape, path, count as usize * op.dtype.size(), ctx.rank);
             let mut step = Step {
                 transport: self.fabric.tcp.as_mut(),
                 ctx,
@@ -549,7 +551,7 @@ impl Worker {
                 world_size,
                 chunk_log: chunk_bytes.trailing_zeros(),
             };
-            run_collective(&mut step, &mut self.fabric.parts, chunk)
+            run_collective(&mut step, &mut self.fabric.parts, chunk, path)
         })
     }
 }

@@ -1,4 +1,4 @@
-//! Zero-copy all-reduce (algorithms/host/allreduce_zero_copy.rs): tensors allocated from the
+//! Zero-copy all-reduce (algorithms/host/push.rs): tensors allocated from the
 //! ranks' shared-memory heaps are reduced in place, with results checked against sums computed
 //! here in f64; a group where some rank's tensor is not in its heap takes the slot path and is
 //! just as right. Which path ran is read from the communicator's zero-copy counter.

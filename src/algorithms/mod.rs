@@ -1,7 +1,8 @@
 //! Collective algorithms, in three families, one directory each, one algorithm per file named
-//! `<collective>_<algorithm>.rs`. Which one serves an op is decided in one place, the table in
-//! select.rs, from the op's kind and the shape of the group's fabric (fabric.rs); [`run_collective`]
-//! hands each algorithm the part of the fabric it runs on.
+//! `<collective>_<algorithm>.rs`. Which one serves an op, and on which path, is decided in one
+//! place, the table in select.rs, from the op's kind, the shape of the group's fabric
+//! (fabric.rs), the op's size and the capabilities of the group's shared memory;
+//! [`run_collective`] hands each path the part of the fabric it runs on.
 //!
 //! - `host/` (`*_shm.rs`), used when every rank of the group is on this host: data moves
 //!   through shared-memory slots in blocks, synchronized by counters (transport/shm/group.rs).
@@ -29,6 +30,7 @@ use crate::reduce::Reduction;
 use crate::fabric::Parts;
 use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
 use crate::types::DType;
+use select::Path::{self, Only};
 
 /// What an algorithm works with: the mesh (or a subset of it), the op's context and message
 /// identity, settings, and reusable scratch memory. Shared memory, where a fabric has it, is
@@ -45,7 +47,9 @@ pub struct Step<'a> {
     pub reduce: u8,
     pub segment_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
-    /// All-reduces up to this many bytes take the one-shot shared-memory path.
+    /// `XCCL_RS_SHM_ONESHOT_BYTES`, part of a shared-memory group's capabilities as the table
+    /// sees them (select.rs `ShmCaps`), for the local steps of a hierarchical collective that
+    /// ask it for their path.
     pub shm_oneshot_bytes: usize,
     /// log2 of the pipeline's chunk size (pipeline.rs), part of the shared-memory description
     /// so that ranks configured differently fail instead of exchanging different ranges.
@@ -129,45 +133,30 @@ impl Phase {
     }
 }
 
-/// Runs one collective op (not point-to-point) to completion with the algorithm the table
-/// picks for it on this fabric, giving that algorithm the part of the fabric it runs on.
-pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op) -> Result<()> {
+/// Runs one collective op (not point-to-point) to completion on `path`, the one the table
+/// (select.rs) picked for it on this fabric, giving that path the part of the fabric it runs on.
+pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op, path: Path) -> Result<()> {
     use select::Algorithm::*;
-    let algorithm = select::select(op.kind, parts.shape());
     let desc = host::blocks::describe(step, op);
     let ctx = step.ctx;
-    match (algorithm, parts) {
-        (AllReduceDirect, _) => mesh::allreduce_direct::run(step, op),
-        (BroadcastDirect, _) => mesh::broadcast_direct::run(step, op),
-        (ReduceDirect, _) => mesh::reduce_direct::run(step, op),
-        (AllGatherDirect, _) => mesh::allgather_direct::run(step, op),
-        (GatherDirect, _) => mesh::gather_direct::run(step, op),
-        (ScatterDirect, _) => mesh::scatter_direct::run(step, op),
-        (ReduceScatterDirect, _) => mesh::reduce_scatter_direct::run(step, op),
-        (AllToAllPairwise, _) => mesh::alltoall_pairwise::run(step, op),
-        (BarrierDirect, _) => mesh::barrier_direct::run(step),
-        (AllReduceShm, Parts::Host(shm)) => host::allreduce_shm::run(shm, ctx, op, desc, step.shm_oneshot_bytes),
-        (BroadcastShm, Parts::Host(shm)) => host::broadcast_shm::run(shm, ctx, op, desc),
-        (ReduceShm, Parts::Host(shm)) => host::reduce_shm::run(shm, ctx, op, desc),
-        (AllGatherShm, Parts::Host(shm)) if host::zero_copy::tries(shm, op.inputs[0].len() * shm.size()) => {
-            host::allgather_zero_copy::run(shm, ctx, op, desc)
-        }
-        (AllGatherShm, Parts::Host(shm)) => host::allgather_shm::run(shm, ctx, op, desc),
-        (GatherShm, Parts::Host(shm)) => host::gather_shm::run(shm, ctx, op, desc),
-        (ScatterShm, Parts::Host(shm)) => host::scatter_shm::run(shm, ctx, op, desc),
-        (ReduceScatterShm, Parts::Host(shm)) if host::zero_copy::tries(shm, op.outputs[0].len() * shm.size()) => {
-            host::reduce_scatter_zero_copy::run(shm, ctx, op, desc)
-        }
-        (ReduceScatterShm, Parts::Host(shm)) => host::reduce_scatter_shm::run(shm, ctx, op, desc),
-        (BarrierShm, Parts::Host(shm)) => host::barrier_shm::run(shm, ctx, desc),
-        (AllReduceHier, Parts::Mixed(mixed)) => mixed::allreduce_hier::run(step, mixed, op, desc),
-        (BroadcastHier, Parts::Mixed(mixed)) => mixed::broadcast_hier::run(step, mixed, op, desc),
-        (ReduceHier, Parts::Mixed(mixed)) => mixed::reduce_hier::run(step, mixed, op, desc),
-        (AllGatherHier, Parts::Mixed(mixed)) => mixed::allgather_hier::run(step, mixed, op, desc),
-        (BarrierHier, Parts::Mixed(mixed)) => mixed::barrier_hier::run(step, mixed, desc),
-        (PointToPoint, _) => unreachable!("point-to-point ops run through mesh/p2p.rs"),
-        // The table picks an algorithm of the fabric's own family or of the mesh (select.rs's
-        // test checks it), so a shared-memory algorithm always finds the parts it needs.
-        (other, _) => unreachable!("{other:?} does not run on this fabric"),
+    match (path, parts) {
+        (Only(AllReduceDirect), _) => mesh::allreduce_direct::run(step, op),
+        (Only(BroadcastDirect), _) => mesh::broadcast_direct::run(step, op),
+        (Only(ReduceDirect), _) => mesh::reduce_direct::run(step, op),
+        (Only(AllGatherDirect), _) => mesh::allgather_direct::run(step, op),
+        (Only(GatherDirect), _) => mesh::gather_direct::run(step, op),
+        (Only(ScatterDirect), _) => mesh::scatter_direct::run(step, op),
+        (Only(ReduceScatterDirect), _) => mesh::reduce_scatter_direct::run(step, op),
+        (Only(AllToAllPairwise), _) => mesh::alltoall_pairwise::run(step, op),
+        (Only(BarrierDirect), _) => mesh::barrier_direct::run(step),
+        (Only(AllReduceHier), Parts::Mixed(mixed)) => mixed::allreduce_hier::run(step, mixed, op, desc),
+        (Only(BroadcastHier), Parts::Mixed(mixed)) => mixed::broadcast_hier::run(step, mixed, op, desc),
+        (Only(ReduceHier), Parts::Mixed(mixed)) => mixed::reduce_hier::run(step, mixed, op, desc),
+        (Only(AllGatherHier), Parts::Mixed(mixed)) => mixed::allgather_hier::run(step, mixed, op, desc),
+        (Only(BarrierHier), Parts::Mixed(mixed)) => mixed::barrier_hier::run(step, mixed, desc),
+        (Only(PointToPoint), _) => unreachable!("point-to-point ops run through mesh/p2p.rs"),
+        // Every other path is a shared-memory one, which the table picks only on a Host fabric.
+        (path, Parts::Host(shm)) => host::run(path, shm, ctx, op, desc),
+        (path, _) => unreachable!("{path} does not run on this fabric"),
     }
 }

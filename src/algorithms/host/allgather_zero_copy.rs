@@ -4,11 +4,14 @@
 //! publishes `Consumed` and waits for everyone's. One copy per byte received, against two
 //! through the slots.
 //!
+//! Whether every rank's input is in its heap is decided during the op, from the pre-sync's
+//! answers; when not, the op goes on through the slots (slots.rs's gather).
+//!
 //! A rank whose input overlaps one of the output views it writes (not its own) says it is not
 //! in its heap: peers read that input while it writes, so that op takes the slot path.
 
-use super::allgather_shm::gather_to;
 use super::blocks::finish_block;
+use super::slots;
 use super::zero_copy::{overlap, peer_views, presync};
 use crate::error::Result;
 use crate::op::Op;
@@ -22,7 +25,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let g = presync(shm, ctx, desc, if safe { &op.inputs[..1] } else { &[] })?;
     if !shm.all_in_heap(g) {
         finish_block(shm, g);
-        return gather_to(shm, ctx, op, desc, None);
+        return slots::gather(shm, ctx, op, desc, None);
     }
     shm.count_zero_copy_op(ctx.seq);
     let mut copies = Vec::with_capacity(size);

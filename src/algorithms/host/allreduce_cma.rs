@@ -1,7 +1,10 @@
 //! All-reduce in place on ordinary tensors, by cross-memory attach (transport/shm/cma.rs):
 //! ranks read each other's tensors with one kernel copy instead of passing them through the
-//! slots. After the zero-copy path's pre-sync (zero_copy.rs), in which every rank also
-//! publishes where its tensor lies in its own memory, two steps:
+//! slots. select.rs sends here the all-reduces past the one-shot limit large enough to repay the
+//! pre-sync (`reads_by_cma`) on a group with cross-memory attach on. The op starts with the
+//! zero-copy pre-sync (zero_copy.rs), in which every rank also publishes where its tensor lies
+//! in its own memory; then, decided during the op from every rank's answer, it finishes
+//! zero-copy (push.rs) when every tensor lies in its heap, else in two steps:
 //!
 //! 1. Rank r reduces part r. Piece by piece ([`PIECE`] bytes, so the pieces stay in cache), it
 //!    reads part r of every peer's tensor into a bounce buffer of its own and reduces them,
@@ -12,7 +15,7 @@
 //!
 //! Rank r writes only its own tensor, and only parts no peer reads at that step (the zero-copy
 //! path writes into the peers' tensors instead, through their mapped heaps:
-//! allreduce_zero_copy.rs); every element is reduced once, on its part's owner, in rank order,
+//! push.rs); every element is reduced once, on its part's owner, in rank order,
 //! so every rank ends with the same bits as through the slots. Per rank this moves about 4N of memory
 //! traffic (the kernel's copy reads and writes), against 5N through the slots; but each read
 //! pins the peer's pages, and with every rank reading every peer at once that cost more than
@@ -21,23 +24,14 @@
 use std::cell::RefCell;
 use std::sync::Mutex;
 
+use super::push::push;
+use super::zero_copy::presync;
 use crate::algorithms::split::split_range;
 use crate::error::{CommError, Result};
 use crate::op::Op;
 use crate::reduce::reduce_raw;
 use crate::transport::OpCtx;
-use crate::transport::shm::{Counter, ShmGroup, cma};
-
-/// The smallest all-reduce (bytes) that reads by cross-memory attach: below it the pre-sync
-/// and the system calls cost more than the slots' second copy saves. The same on every rank,
-/// as it decides whether the pre-sync happens.
-pub const CMA_MIN_BYTES: usize = 1 << 20;
-
-/// Whether an all-reduce of `bytes` on `shm` goes through the pre-sync to read by cross-memory
-/// attach (the same on every rank: agreed at set-up, and `bytes` is compared in the pre-sync).
-pub fn tries(shm: &ShmGroup, bytes: usize) -> bool {
-    shm.cma() && bytes >= CMA_MIN_BYTES
-}
+use crate::transport::shm::{Counter, Desc, ShmGroup, cma};
 
 /// Bytes of each peer read per reduction in step 1: with 7 peers, 896 KiB of bounce buffers,
 /// within a core's L2.
@@ -59,9 +53,18 @@ fn read_error(ctx: &OpCtx, shm: &ShmGroup, r: usize, bytes: usize, e: std::io::E
     ))
 }
 
-/// Runs after the pre-sync for block `g` (zero_copy.rs: `presync`), when the group reads by
-/// cross-memory attach and not every tensor is in its heap.
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
+/// After a pre-sync, the all-reduce zero-copy if every rank's tensor is in its heap, else by
+/// cross-memory attach.
+pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    let g = presync(shm, ctx, desc, &op.outputs[..1])?;
+    if shm.all_in_heap(g) {
+        return push(shm, ctx, op, g, g);
+    }
+    read_by_cma(shm, ctx, op, g)
+}
+
+/// The two steps (module comment), after the pre-sync for block `g`.
+fn read_by_cma(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
     let buf = op.outputs[0];
     let (rank, size) = (shm.rank(), shm.size());
     let esz = op.dtype.size();

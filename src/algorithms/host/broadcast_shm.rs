@@ -2,31 +2,40 @@
 //! others copy it out of the root's slot straight into their tensors. Slots alternate, so the
 //! root fills block g + 1 while the others read block g.
 //!
-//! When the root's tensor lies in its heap (an op of at least `ZERO_COPY_MIN_BYTES`), the
-//! root says so with the first block instead of filling its slot, and the others copy the
-//! whole tensor from the root's heap (broadcast_zero_copy.rs). That costs no synchronization
-//! more than the slot path: the others learn it from the first block's description.
+//! On a group with heaps, from select.rs's zero-copy size ([`run_asking_root_heap`]), every rank
+//! says with the first block whether its tensor lies in its heap (only the root's answer is
+//! read), and a root whose does fills no slot. Then, decided during the op once the first
+//! block's exchange shows the root's answer, the others copy the whole tensor from the root's
+//! heap, where it is (zero_copy.rs): one copy per receiver, against two through the slots, and
+//! the root copies nothing. That costs no synchronization more than the slot path.
 
 use super::blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
-use super::{broadcast_zero_copy, zero_copy};
+use super::zero_copy::peer_views;
 use crate::error::Result;
 use crate::op::Op;
 use crate::transport::OpCtx;
-use crate::transport::shm::{Desc, ShmGroup};
+use crate::transport::shm::{Counter, Desc, ShmGroup};
 
+/// Through the slots.
 pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    let rank = shm.rank();
-    let root = op.root as usize;
+    through_slots(shm, ctx, op, desc, false)
+}
+
+/// Through the slots, or from the root's heap when its tensor lies there (module comment).
+pub fn run_asking_root_heap(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    through_slots(shm, ctx, op, desc, true)
+}
+
+fn through_slots(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, ask_root_heap: bool) -> Result<()> {
+    let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
-    let piece = shm.chunk();
-    let blocks = block_count(buf.len(), piece);
+    let blocks = block_count(buf.len(), shm.chunk());
     let g0 = shm.begin_op(blocks as u64);
-    let tries_zero_copy = zero_copy::tries(shm, buf.len());
     for b in 0..blocks {
         let g = g0 + b as u64;
-        let (start, len) = block_range(buf.len(), piece, b);
+        let (start, len) = block_range(buf.len(), shm.chunk(), b);
         wait_slot_free(shm, g, ctx)?;
-        let in_place = b == 0 && tries_zero_copy && {
+        let in_place = b == 0 && ask_root_heap && {
             // Every rank writes its answer (only the root's is read), so no stale one remains.
             shm.describe_heap(g, if rank == root { &op.outputs[..1] } else { &[] });
             shm.in_heap(g, root)
@@ -36,8 +45,8 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         }
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         // The root's description is checked now, so its heap answer is that of this op.
-        if b == 0 && tries_zero_copy && shm.in_heap(g, root) {
-            return broadcast_zero_copy::finish(shm, ctx, op, g, g0 + blocks as u64 - 1);
+        if b == 0 && ask_root_heap && shm.in_heap(g, root) {
+            return from_root_heap(shm, ctx, op, g, g0 + blocks as u64 - 1);
         }
         if rank != root {
             shm.par().copy_out(shm.slot(root, g).sub(0, len), buf.sub(start, len), buf.len());
@@ -45,4 +54,19 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
         finish_block(shm, g);
     }
     Ok(())
+}
+
+/// After the exchange of the op's first block `first`, whose answer from the root was "in my
+/// heap": every other rank copies the tensor, where it is, into its own and publishes
+/// `Consumed` for the op's last block `last`; the root returns once all have.
+fn from_root_heap(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
+    let (rank, root) = (shm.rank(), op.root as usize);
+    let buf = op.outputs[0];
+    shm.count_zero_copy_op(ctx.seq);
+    if rank != root {
+        shm.par().copy_out(peer_views(shm, first, root, 1, buf.len())?[0], buf, buf.len());
+    }
+    shm.publish(Counter::Reduced, last);
+    shm.publish(Counter::Consumed, last);
+    if rank == root { shm.wait_all(Counter::Consumed, last, ctx) } else { Ok(()) }
 }

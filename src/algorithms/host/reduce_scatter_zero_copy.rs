@@ -5,11 +5,14 @@
 //! everyone's. Per rank: N/n·n bytes read and N/n written, against a copy of its whole input
 //! into the slots first.
 //!
+//! Whether every rank's views are in its heap is decided during the op, from the pre-sync's
+//! answers; when not, the op goes on through the slots (slots.rs's reduce-scatter).
+//!
 //! A rank whose output overlaps its input other than exactly as its own view says it is not in
 //! its heap (peers read those bytes while it writes them), and that op takes the slot path.
 
 use super::blocks::finish_block;
-use super::reduce_scatter_shm;
+use super::slots;
 use super::zero_copy::{overlap, peer_views, presync};
 use crate::error::Result;
 use crate::op::Op;
@@ -24,7 +27,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let g = presync(shm, ctx, desc, if safe { &op.inputs } else { &[] })?;
     if !shm.all_in_heap(g) {
         finish_block(shm, g);
-        return reduce_scatter_shm::run(shm, ctx, op, desc);
+        return slots::reduce_scatter(shm, ctx, op, desc);
     }
     shm.count_zero_copy_op(ctx.seq);
     let mut srcs: Vec<*const u8> = Vec::with_capacity(size);

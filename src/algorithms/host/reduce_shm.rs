@@ -1,13 +1,13 @@
-//! Reduce over shared memory: the blocked all-reduce of allreduce_shm.rs (every rank reduces
-//! its part of each block into its slot), in which only the root copies the parts into its
-//! tensor. Other ranks' tensors are left unchanged.
+//! Reduce over shared memory: the blocked reduction of slots.rs (every rank reduces its part of
+//! each block into its slot), in which only the root copies the parts into its tensor. Other
+//! ranks' tensors are left unchanged.
 
-use super::allreduce_shm::blocked;
+use super::slots;
 use crate::error::Result;
 use crate::op::Op;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Desc, ShmGroup};
 
 pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    blocked(shm, ctx, op, desc, Some(op.root as usize))
+    slots::reduce(shm, ctx, op, desc, Some(op.root as usize), false).map(drop)
 }

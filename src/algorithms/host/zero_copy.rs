@@ -3,34 +3,23 @@
 //! `Backend.allocate_tensor`), ranks read each other's buffers where they are instead of
 //! passing them through the slots.
 //!
-//! Whether they do is agreed per op, in the *pre-sync*: each rank publishes where its buffers
-//! lie together with the op's description, and waits for every rank's. Then every rank reads
-//! every rank's answer, so all take the same path. When the answer is no, the pre-sync was one
-//! synchronization more than the slot path needs, so only ops of at least
-//! [`ZERO_COPY_MIN_BYTES`] try, where one synchronization is small beside the slot path's copies.
+//! Whether they do is agreed per op, during it, in the *pre-sync*: each rank publishes where its
+//! buffers lie together with the op's description, and waits for every rank's. Then every rank
+//! reads every rank's answer, so all take the same path. Which ops have a pre-sync at all
+//! (those whose size repays one synchronization more when the answer is no) is select.rs's
+//! choice, made before the op.
 //!
 //! Every zero-copy op ends by waiting until every rank has published `Consumed` for the
 //! pre-sync's block: only then has no peer any reason left to read this rank's buffers, which
-//! the caller may overwrite as soon as the op returns. Broadcast and all-reduce need no
-//! pre-sync: each rank gives its answer with the first block of the slot path and fills no
-//! slot if it is yes (broadcast_shm.rs, from this size, where only the root's answer counts;
-//! allreduce_shm.rs, at every size past its one-shot limit unless cross-memory attach is on).
+//! the caller may overwrite as soon as the op returns. Broadcast and all-reduce through the
+//! slots need no pre-sync: each rank gives its answer with the first block of the slot path and
+//! fills no slot if it is yes (broadcast_shm.rs, where only the root's answer counts;
+//! allreduce_shm.rs).
 
 use super::blocks::{exchange_produced, wait_slot_free};
 use crate::error::{CommError, Result};
 use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::{OpCtx, RawBuf};
-
-/// The smallest op (bytes of its largest buffer set, see each algorithm) that tries the
-/// zero-copy path. Every rank must use the same value (it decides whether the pre-sync
-/// happens), so it is a constant, not a setting.
-pub const ZERO_COPY_MIN_BYTES: usize = 1 << 20;
-
-/// Whether an op of `bytes` on `shm` goes through the pre-sync (the same on every rank: the
-/// group's heaps were agreed at set-up, and `bytes` is compared across ranks in the pre-sync).
-pub fn tries(shm: &ShmGroup, bytes: usize) -> bool {
-    shm.zero_copy() && bytes >= ZERO_COPY_MIN_BYTES
-}
 
 /// The pre-sync: reserves one block, publishes where `views` lie with the op's description,
 /// waits for every rank's and checks the descriptions. Returns the block number.

@@ -3,9 +3,9 @@
 //! views over TCP, each received straight into its rank's view; each leader then broadcasts
 //! the other hosts' views to its host over shared memory, one view after another.
 
-use super::{among, behind_remote, leaders, rooted};
+use super::{among, behind_remote, broadcast_on_host, leaders, rooted};
 use crate::algorithms::Step;
-use crate::algorithms::host::{allgather_shm, broadcast_shm};
+use crate::algorithms::host::allgather_shm;
 use crate::error::Result;
 use crate::fabric::Mixed;
 use crate::op::Op;
@@ -16,6 +16,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
     let rank = step.rank();
     let my_host = hosts.host_of(rank);
     let ctx = step.ctx;
+    let oneshot = step.shm_oneshot_bytes;
     if let Some(shm) = mixed.shm.as_mut() {
         let views = hosts.ranks(my_host).iter().map(|&r| op.outputs[r]).collect();
         allgather_shm::run(shm, ctx, &Op { outputs: views, ..op.clone() }, desc)?;
@@ -40,7 +41,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
     }
     if let Some(shm) = mixed.shm.as_mut() {
         for r in (0..hosts.world_size()).filter(|&r| hosts.host_of(r) != my_host) {
-            broadcast_shm::run(shm, &behind_remote(ctx), &Op { outputs: vec![op.outputs[r]], ..rooted(op, 0) }, desc)?;
+            broadcast_on_host(shm, oneshot, &behind_remote(ctx), &Op { outputs: vec![op.outputs[r]], ..rooted(op, 0) }, desc)?;
         }
     }
     Ok(())

@@ -4,9 +4,9 @@
 //! once with the whole group's size); each leader broadcasts the result to its host over
 //! shared memory. Every rank ends with the leaders' bits, which are identical.
 
-use super::{among, behind_remote, leaders, local_op, rooted};
+use super::{among, behind_remote, broadcast_on_host, leaders, local_op, rooted};
 use crate::algorithms::Step;
-use crate::algorithms::host::{broadcast_shm, reduce_shm};
+use crate::algorithms::host::reduce_shm;
 use crate::algorithms::mesh::allreduce_direct;
 use crate::error::Result;
 use crate::fabric::Mixed;
@@ -18,6 +18,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
     let leaders = leaders(hosts);
     let is_leader = hosts.leader(hosts.host_of(step.rank())) == step.rank();
     let ctx = step.ctx;
+    let oneshot = step.shm_oneshot_bytes;
     if let Some(shm) = mixed.shm.as_mut() {
         let first = Op { reduce_op: local_op(op.reduce_op), ..rooted(op, 0) };
         reduce_shm::run(shm, ctx, &first, desc)?;
@@ -26,7 +27,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         among(mixed.shm.as_ref(), step, &leaders, |s| allreduce_direct::run(s, op))?;
     }
     if let Some(shm) = mixed.shm.as_mut() {
-        broadcast_shm::run(shm, &behind_remote(ctx), &rooted(op, 0), desc)?;
+        broadcast_on_host(shm, oneshot, &behind_remote(ctx), &rooted(op, 0), desc)?;
     }
     Ok(())
 }

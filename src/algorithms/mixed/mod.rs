@@ -31,11 +31,13 @@ pub mod reduce_hier;
 use std::time::Duration;
 
 use super::Step;
+use super::host;
+use super::select::{self, ShmCaps};
 use crate::error::Result;
 use crate::hosts::HostMap;
 use crate::op::Op;
 use crate::transport::OpCtx;
-use crate::transport::shm::ShmGroup;
+use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::subset::Subset;
 use crate::types::ReduceOp;
 
@@ -56,6 +58,13 @@ pub fn local_op(op: ReduceOp) -> ReduceOp {
 /// TCP step).
 pub fn rooted(op: &Op, root: usize) -> Op {
     Op { root: root as i64, ..op.clone() }
+}
+
+/// A broadcast among this host's ranks on the path the table picks for it (select.rs), as in a
+/// group that has only this host.
+pub fn broadcast_on_host(shm: &mut ShmGroup, oneshot_bytes: usize, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    let path = select::broadcast_on_host(&ShmCaps::of(shm, oneshot_bytes), op.outputs[0].len());
+    host::run(path, shm, ctx, op, desc)
 }
 
 /// How much later than its representative a rank gives up on a shared-memory step that follows

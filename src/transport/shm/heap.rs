@@ -1,6 +1,7 @@
 //! A rank's *heap*: shared memory from which tensors are allocated (`xccl_rs.empty`, torch's
 //! `Backend.allocate_tensor`), so that the peers of its host group can read them in place.
-//! Collectives whose buffers lie in the heaps skip the slots (host/allreduce_zero_copy.rs).
+//! Collectives whose buffers lie in the heaps skip the slots (algorithms/host/zero_copy.rs; the
+//! all-reduce: algorithms/host/push.rs).
 //!
 //! The heap is one sparse file in /dev/shm of `XCCL_RS_SHM_HEAP_BYTES`, made like a segment
 //! (O_EXCL, mode 0600, an unguessable name, unlinked once every rank has mapped it). Sparse:

@@ -1,13 +1,16 @@
-//! All-reduce in place, zero-copy (zero_copy.rs): every rank's tensor lies in its heap.
+//! All-reduce in place, zero-copy (zero_copy.rs): every rank's tensor lies in its heap. A piece
+//! that two all-reduce paths share, not a path select.rs picks: each of them finds during the op
+//! that every tensor is in its heap (allreduce_shm.rs after its first block, allreduce_cma.rs
+//! after its pre-sync) and then finishes the op here.
 //!
 //! B_r is rank r's tensor; every tensor is cut in the same `size` parts (per block, below).
 //! Rank r alone reads and writes part r of every tensor: it reduces part r of every B_j in rank
 //! order (scaling fused) into part r of its own B_r, then writes that result into part r of
 //! every peer's B_j. No other rank reads or writes part r, so the parts need no
 //! synchronization between them: after the exchange that showed every tensor in its heap (the
-//! first block of the slot path, allreduce_shm.rs, or the pre-sync where cross-memory attach is
-//! on), each rank goes through its parts alone, then publishes `Consumed` and waits for
-//! everyone's (zero_copy.rs): only then is every rank's tensor complete.
+//! slot path's first block, or the cross-memory attach path's pre-sync), each rank goes through
+//! its parts alone, then publishes `Consumed` and waits for everyone's (zero_copy.rs): only then
+//! is every rank's tensor complete.
 //!
 //! Per rank this moves N bytes read and N written (N/n of them to its own tensor, in cache),
 //! against 3N when each rank gathered the reduced parts itself after a synchronization per
@@ -19,29 +22,13 @@
 //! as the blocked slot path cuts a block), each block one hand-off to the rank's threads: each
 //! thread reduces a piece of part r and copies it to the peers while it is still in its cache.
 
-use super::allreduce_shm::blocked;
-use super::blocks::{block_count, block_range, finish_block};
-use super::zero_copy::{peer_views, presync};
+use super::blocks::{block_count, block_range};
+use super::zero_copy::peer_views;
 use crate::algorithms::split::split_range;
 use crate::error::Result;
 use crate::op::Op;
 use crate::transport::OpCtx;
-use crate::transport::shm::{Counter, Desc, ShmGroup};
-
-/// Where cross-memory attach is on (allreduce_shm.rs): after a pre-sync, runs the all-reduce
-/// zero-copy if every rank's tensor is in its heap, else by cross-memory attach.
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    let buf = op.outputs[0];
-    let g = presync(shm, ctx, desc, &[buf])?;
-    if shm.all_in_heap(g) {
-        return push(shm, ctx, op, g, g);
-    }
-    if shm.cma() {
-        return super::allreduce_cma::run(shm, ctx, op, g);
-    }
-    finish_block(shm, g);
-    blocked(shm, ctx, op, desc, None)
-}
+use crate::transport::shm::{Counter, ShmGroup};
 
 /// The all-reduce itself, once every rank said, with the op's block `first`, that its tensor
 /// lies in its heap; marks all the op's blocks (up to `last`) done.
