@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use xccl_rs::config::TransportChoice;
 use xccl_rs::keys::Key;
 use xccl_rs::rendezvous::{Store, parse_address};
-use xccl_rs::transport::tcp::connect::{Link, MeshSpec, connect_mesh};
+use xccl_rs::transport::tcp::connect::{MeshSpec, connect_mesh};
+use xccl_rs::transport::tcp::handshake::Link;
 use xccl_rs::transport::tcp::handshake::{CHALLENGE_LEN, HELLO_LEN, Hello, PROOF_LEN, Secret};
 use xccl_rs::{Communicator, Config, MemoryStore, OpKind, ReduceOp};
 

@@ -12,9 +12,8 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::connect::Link;
 use super::handshake::{
-    CHALLENGE_LEN, Challenge, HELLO_LEN, Hello, PROOF_LEN, Secret, Transcript, decode_proof, flags_mismatch, random_nonce,
+    CHALLENGE_LEN, Challenge, HELLO_LEN, Hello, Link, PROOF_LEN, Secret, Transcript, decode_proof, flags_mismatch, random_nonce,
 };
 use super::socket;
 use crate::error::{CommError, ErrorKind, Result};

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::accept::{AcceptSpec, accept_peers};
 use super::handshake::{
-    CHALLENGE_LEN, Challenge, FLAG_TLS, Hello, MAC_LEN, Secret, Transcript, encode_proof, flags_mismatch, random_nonce,
+    CHALLENGE_LEN, Challenge, FLAG_TLS, Hello, Link, Secret, Transcript, encode_proof, flags_mismatch, random_nonce,
 };
 use crate::error::{CommError, ErrorKind, Result};
 use crate::keys::Key;
@@ -20,12 +20,6 @@ use crate::rendezvous::{Store, parse_address, rendezvous_error};
 
 /// How long one connection may take to authenticate (less when the group's timeout is shorter).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// An authenticated connection to one peer and the key that seals its frame headers.
-pub struct Link {
-    pub stream: TcpStream,
-    pub frame_key: [u8; MAC_LEN],
-}
 
 /// The address this rank advertises: `XCCL_RS_SOCKET_HOST`, else what the hostname resolves to
 /// (any IPv4 address), else loopback.

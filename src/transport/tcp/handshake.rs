@@ -37,6 +37,13 @@ pub const MAC_LEN: usize = 32;
 pub const HELLO_LEN: usize = 48;
 pub const CHALLENGE_LEN: usize = 8 + NONCE_LEN + MAC_LEN;
 pub const PROOF_LEN: usize = 4 + MAC_LEN;
+
+/// An authenticated connection to one peer (what either side of the handshake ends with) and
+/// the key that seals its frame headers.
+pub struct Link {
+    pub stream: std::net::TcpStream,
+    pub frame_key: [u8; MAC_LEN],
+}
 pub const VERSION: u16 = 2;
 
 /// The link is to run TLS after the handshake (`XCCL_RS_TLS=1`).

@@ -20,7 +20,8 @@ use std::time::Instant;
 
 use crate::error::Result;
 pub use connect::MeshSpec;
-use connect::{HANDSHAKE_TIMEOUT, Link};
+use connect::HANDSHAKE_TIMEOUT;
+use handshake::Link;
 use seal::Seal;
 use tunnel::Tunnel;
 
