@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from xccl_rs.demo import DTYPES, LAYERS, initial_weights, qwen25_05b_shapes
+from xccl_rs.demo import DTYPES, LAYERS, initial_weights, join_all, qwen25_05b_shapes
 
 MODES = ("single", "multi", "sharded")
 
@@ -219,14 +219,7 @@ def main(argv=None) -> int:
                 print(f"  round {round_ + 1}/{args.rounds} {mode:<8} {max(r[1] for r in rows):.3f} s", flush=True)
         elif msg[0] == "done":
             done += 1
-    for proc in procs:
-        proc.join(timeout=30)
-    failed = [i for i, proc in enumerate(procs) if proc.exitcode != 0]
-    if failed:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        print(f"FAILED: processes {failed} exited with codes {[procs[i].exitcode for i in failed]}", file=sys.stderr)
+    if not join_all(procs, "bench_weight_sync"):
         return 1
     del launcher
 
@@ -244,7 +237,7 @@ def main(argv=None) -> int:
             for proc, _, extra, _ in rows:
                 mem.setdefault(proc, []).append(extra)
         shown = "  ".join(
-            f"{who(p)} {v[0] / 1e6:.0f}/{statistics.median(v[1:] or v) / 1e6:.0f}" for p, v in sorted(mem.items())
+            f"{who(p)} {max(v[0], 0) / 1e6:.0f}/{max(statistics.median(v[1:] or v), 0) / 1e6:.0f}" for p, v in sorted(mem.items())
         )
         shares = "/".join(f"{sent / 1e9:.2f}" for p, _, _, sent in sorted(rounds[0]) if p < args.trainers)
         n = 1 if mode == "single" else args.trainers

@@ -66,6 +66,20 @@ def qwen25_05b_shapes(layers: int = LAYERS) -> list[tuple[str, tuple[int, ...]]]
     return shapes
 
 
+def join_all(procs, what: str) -> bool:
+    """Joins the processes; when one failed, kills those left and says which failed (stderr).
+    True when all exited with 0."""
+    for proc in procs:
+        proc.join(timeout=30)
+    failed = [i for i, proc in enumerate(procs) if proc.exitcode != 0]
+    if failed:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        print(f"{what} FAILED: processes {failed} exited with codes {[procs[i].exitcode for i in failed]}", file=sys.stderr)
+    return not failed
+
+
 def initial_weights(layers: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """Random weights, the same on every process (seeded by name)."""
     out = {}
@@ -299,14 +313,7 @@ def main(argv=None) -> int:
             extra[msg[1]] = max(extra.get(msg[1], 0), msg[2])
         elif msg[0] == "done":
             done += 1
-    for proc in procs:
-        proc.join(timeout=30)
-    failed = [i for i, proc in enumerate(procs) if proc.exitcode != 0]
-    if failed:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        print(f"demo FAILED: processes {failed} exited with codes {[procs[i].exitcode for i in failed]}", file=sys.stderr)
+    if not join_all(procs, "demo"):
         return 1
     del launcher
     _report(args, rows, verified)
