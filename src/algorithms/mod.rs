@@ -25,26 +25,23 @@ pub mod select;
 pub mod split;
 
 use crate::error::Result;
-use crate::op::Op;
+use crate::op::{Op, OpIdentity};
 use crate::reduce::Reduction;
 use crate::fabric::Parts;
 use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
 use crate::types::DType;
 use select::Path::{self, Only};
 
-/// What an algorithm works with: the mesh (or a subset of it), the op's context and message
-/// identity, settings, and reusable scratch memory. Shared memory, where a fabric has it, is
-/// handed to the algorithms that use it beside the step.
+/// What an algorithm works with: the mesh (or a subset of it), the op's context and identity,
+/// the mesh's settings, and reusable scratch memory. Facts of the op an algorithm runs (its
+/// dtype, buffers, root, reduction) are read from the op it is given; shared memory, where a
+/// fabric has it, is handed to the algorithms that use it beside the step, with its settings.
 pub struct Step<'a> {
     pub transport: &'a mut dyn Transport,
     pub ctx: &'a OpCtx,
-    pub dtype: DType,
-    /// The `count` every frame of this op carries (see the frame docs): checked by receivers.
-    pub count: u64,
-    /// Root or tag, carried in every frame.
-    pub key: i64,
-    /// The reduction's ReduceOp code (else 0), carried in every frame and checked.
-    pub reduce: u8,
+    /// What every frame of this op carries and its receivers check: the submitted op's, not
+    /// that of the chunk or level the algorithm runs (see `OpIdentity`).
+    pub identity: OpIdentity,
     pub segment_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
     /// `XCCL_RS_SHM_ONESHOT_BYTES`, part of a shared-memory group's capabilities as the table
@@ -72,9 +69,9 @@ impl Step<'_> {
         op.reduction(self.world_size)
     }
 
-    /// Elements per segment of a reduction round.
-    pub fn segment_elems(&self) -> usize {
-        (self.segment_bytes / self.dtype.size()).max(1)
+    /// Elements of `dtype` per segment of a reduction round.
+    pub fn segment_elems(&self, dtype: DType) -> usize {
+        (self.segment_bytes / dtype.size()).max(1)
     }
 
     /// Scratch of at least `bytes` bytes (grown, never shrunk, so steady state allocates nothing).
@@ -87,8 +84,7 @@ impl Step<'_> {
 
     /// A fresh phase whose messages carry this op's identity.
     pub fn phase(&self) -> Phase {
-        let id = MessageId { op: self.ctx.op as u8, dtype: self.dtype as u8, reduce: self.reduce, seq: self.ctx.seq, count: 0, key: self.key };
-        Phase { id, transfers: Vec::new() }
+        Phase { id: self.identity.message(self.ctx.seq), transfers: Vec::new() }
     }
 
     /// The confirmation step of an operation in which some ranks only send: each receiver
@@ -137,7 +133,7 @@ impl Phase {
 /// (select.rs) picked for it on this fabric, giving that path the part of the fabric it runs on.
 pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op, path: Path) -> Result<()> {
     use select::Algorithm::*;
-    let desc = host::blocks::describe(step, op);
+    let desc = host::blocks::describe(step);
     let ctx = step.ctx;
     match (path, parts) {
         (Only(AllReduceDirect), _) => mesh::allreduce_direct::run(step, op),

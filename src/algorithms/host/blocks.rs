@@ -6,20 +6,21 @@
 
 use crate::algorithms::Step;
 use crate::error::Result;
-use crate::op::Op;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 use crate::transport::{OpCtx, RawBuf};
 
-/// What every rank of a shared-memory group says about `op` before touching peers' data.
-pub fn describe(step: &Step<'_>, op: &Op) -> Desc {
+/// What every rank of a shared-memory group says about the op of `step` before touching peers'
+/// data: its identity, which every chunk and level of it keeps.
+pub fn describe(step: &Step<'_>) -> Desc {
+    let id = &step.identity;
     Desc {
         seq: step.ctx.seq,
-        kind: op.kind as u8,
-        dtype: op.dtype as u8,
-        reduce: if op.is_reduction() { op.reduce_op as u8 } else { 0 },
+        kind: id.kind as u8,
+        dtype: id.dtype as u8,
+        reduce: id.reduce,
         chunk_log: step.chunk_log as u8,
-        count: step.count,
-        root: step.key as u64,
+        count: id.count,
+        root: id.key as u64,
     }
 }
 

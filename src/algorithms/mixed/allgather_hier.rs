@@ -30,10 +30,10 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
                 // Both sides list a host's views in rank order: same-peer transfers complete
                 // in list order, so each view lands in its own buffer.
                 for &r in hosts.ranks(my_host) {
-                    phase.send(other, op.outputs[r], s.count);
+                    phase.send(other, op.outputs[r], s.identity.count);
                 }
                 for &r in hosts.ranks(other) {
-                    phase.recv(other, op.outputs[r], s.count);
+                    phase.recv(other, op.outputs[r], s.identity.count);
                 }
             }
             s.run(phase)

@@ -34,7 +34,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         return among(mixed.shm.as_ref(), step, &reps, |s| {
             let mut phase = s.phase();
             for &h in &others {
-                phase.send(h, buf, s.count);
+                phase.send(h, buf, s.identity.count);
             }
             s.run(phase)?;
             s.confirm(&[], &others)
@@ -43,7 +43,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
     if rank == my_rep {
         among(mixed.shm.as_ref(), step, &reps, |s| {
             let mut phase = s.phase();
-            phase.recv(root_host, buf, s.count);
+            phase.recv(root_host, buf, s.identity.count);
             s.run(phase)
         })?;
     }

@@ -100,10 +100,7 @@ fn among_over_tcp<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut
     let mut inner = Step {
         transport: &mut sub,
         ctx: step.ctx,
-        dtype: step.dtype,
-        count: step.count,
-        key: step.key,
-        reduce: step.reduce,
+        identity: step.identity,
         segment_bytes: step.segment_bytes,
         scratch: &mut *step.scratch,
         shm_oneshot_bytes: step.shm_oneshot_bytes,
