@@ -536,7 +536,7 @@ impl Worker {
         let world_size = self.fabric.tcp.size();
         let shape = self.fabric.parts.shape();
         pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk| {
-            let path = select::select_for(chunk, &FabricCaps::of(&self.fabric.parts, self.config.shm_oneshot_bytes));
+            let path = select::select_for(chunk, &FabricCaps::of(&self.fabric.parts));
             self.first_uses.note(op.kind, shape, path, identity.count as usize * op.dtype.size(), ctx.rank);
             let mut step = Step {
                 transport: self.fabric.tcp.as_mut(),
@@ -544,9 +544,7 @@ impl Worker {
                 identity,
                 segment_bytes: self.config.segment_bytes,
                 scratch: &mut self.scratch,
-                shm_oneshot_bytes: self.config.shm_oneshot_bytes,
                 world_size,
-                chunk_log: chunk_bytes.trailing_zeros(),
             };
             run_collective(&mut step, &mut self.fabric.parts, chunk, path)
         })

@@ -44,13 +44,6 @@ pub struct Step<'a> {
     pub identity: OpIdentity,
     pub segment_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
-    /// `XCCL_RS_SHM_ONESHOT_BYTES`, part of a shared-memory group's capabilities as the table
-    /// sees them (select.rs `ShmCaps`), for the local steps of a hierarchical collective that
-    /// ask it for their path.
-    pub shm_oneshot_bytes: usize,
-    /// log2 of the pipeline's chunk size (pipeline.rs), part of the shared-memory description
-    /// so that ranks configured differently fail instead of exchanging different ranges.
-    pub chunk_log: u32,
     /// The size of the whole group: AVG's divisor. It is the transport's size, except in the
     /// leaders' step of a hierarchical collective, which runs among fewer ranks.
     pub world_size: usize,
@@ -133,7 +126,6 @@ impl Phase {
 /// (select.rs) picked for it on this fabric, giving that path the part of the fabric it runs on.
 pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op, path: Path) -> Result<()> {
     use select::Algorithm::*;
-    let desc = host::blocks::describe(step);
     let ctx = step.ctx;
     match (path, parts) {
         (Only(AllReduceDirect), _) => mesh::allreduce_direct::run(step, op),
@@ -145,14 +137,17 @@ pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op, path: Pat
         (Only(ReduceScatterDirect), _) => mesh::reduce_scatter_direct::run(step, op),
         (Only(AllToAllPairwise), _) => mesh::alltoall_pairwise::run(step, op),
         (Only(BarrierDirect), _) => mesh::barrier_direct::run(step),
-        (Only(AllReduceHier), Parts::Mixed(mixed)) => mixed::allreduce_hier::run(step, mixed, op, desc),
-        (Only(BroadcastHier), Parts::Mixed(mixed)) => mixed::broadcast_hier::run(step, mixed, op, desc),
-        (Only(ReduceHier), Parts::Mixed(mixed)) => mixed::reduce_hier::run(step, mixed, op, desc),
-        (Only(AllGatherHier), Parts::Mixed(mixed)) => mixed::allgather_hier::run(step, mixed, op, desc),
-        (Only(BarrierHier), Parts::Mixed(mixed)) => mixed::barrier_hier::run(step, mixed, desc),
+        (Only(AllReduceHier), Parts::Mixed(mixed)) => mixed::allreduce_hier::run(step, mixed, op),
+        (Only(BroadcastHier), Parts::Mixed(mixed)) => mixed::broadcast_hier::run(step, mixed, op),
+        (Only(ReduceHier), Parts::Mixed(mixed)) => mixed::reduce_hier::run(step, mixed, op),
+        (Only(AllGatherHier), Parts::Mixed(mixed)) => mixed::allgather_hier::run(step, mixed, op),
+        (Only(BarrierHier), Parts::Mixed(mixed)) => mixed::barrier_hier::run(step, mixed),
         (Only(PointToPoint), _) => unreachable!("point-to-point ops run through mesh/p2p.rs"),
         // Every other path is a shared-memory one, which the table picks only on a Host fabric.
-        (path, Parts::Host(shm)) => host::run(path, shm, ctx, op, desc),
+        (path, Parts::Host(shm)) => {
+            let desc = host::blocks::describe(shm, ctx.seq, &step.identity);
+            host::run(path, shm, ctx, op, desc)
+        }
         (path, _) => unreachable!("{path} does not run on this fabric"),
     }
 }
