@@ -42,6 +42,7 @@ pub struct Step<'a> {
     /// What every frame of this op carries and its receivers check: the submitted op's, not
     /// that of the chunk or level the algorithm runs (see `OpIdentity`).
     pub identity: OpIdentity,
+    /// A TCP reduction's round size (`XCCL_RS_SEGMENT_BYTES`), a setting of the mesh.
     pub segment_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
     /// The size of the whole group: AVG's divisor. It is the transport's size, except in the
