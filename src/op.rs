@@ -260,3 +260,31 @@ impl From<&Op> for Op<Buf> {
         op.map_bufs(|b| Ok(Buf::Host(*b))).expect("mapping host buffers cannot fail")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The identity names what receivers check: a reduction's op, a rooted op's root, a
+    /// point-to-point op's tag, and the per-rank piece as the count.
+    #[test]
+    fn identity_carries_what_receivers_check() {
+        let (mut piece, mut whole) = (vec![0u8; 8], vec![0u8; 24]);
+        let mut reduce: Op = Op::new(OpKind::ReduceScatter, DType::Float32);
+        reduce.reduce_op = ReduceOp::Max;
+        reduce.inputs.push(RawBuf::from_slice(&mut whole));
+        reduce.outputs.push(RawBuf::from_slice(&mut piece));
+        let id = reduce.identity();
+        assert_eq!((id.kind, id.dtype, id.reduce, id.count, id.key), (OpKind::ReduceScatter, DType::Float32, ReduceOp::Max as u8, 2, 0));
+
+        let mut broadcast: Op = Op { root: 3, reduce_op: ReduceOp::Max, ..Op::new(OpKind::Broadcast, DType::Float32) };
+        broadcast.outputs.push(RawBuf::from_slice(&mut whole));
+        let id = broadcast.identity();
+        assert_eq!((id.reduce, id.count, id.key), (0, 6, 3));
+
+        let mut send: Op = Op { root: 1, tag: 7, ..Op::new(OpKind::Send, DType::UInt8) };
+        send.inputs.push(RawBuf::from_slice(&mut piece));
+        let message = send.identity().message(5);
+        assert_eq!((message.op, message.seq, message.count, message.key), (OpKind::Send as u8, 5, 8, 7));
+    }
+}
