@@ -531,25 +531,20 @@ impl Worker {
 
     /// Runs collective `op` (op `index` of its job), chunk by chunk (pipeline.rs).
     fn run_one(&mut self, op: &Op<Buf>, index: usize, ctx: &OpCtx, staging: Option<&mut StagedJob>) -> Result<()> {
-        let (count, key) = (op.count(), op.key());
+        let identity = op.identity();
         let chunk_bytes = self.config.pipeline_chunk_bytes;
         let world_size = self.fabric.tcp.size();
         let shape = self.fabric.parts.shape();
         pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk| {
-            let path = select::select_for(chunk, &FabricCaps::of(&self.fabric.parts, self.config.shm_oneshot_bytes));
-            self.first_uses.note(op.kind, shape, path, count as usize * op.dtype.size(), ctx.rank);
+            let path = select::select_for(chunk, &FabricCaps::of(&self.fabric.parts));
+            self.first_uses.note(op.kind, shape, path, identity.count as usize * op.dtype.size(), ctx.rank);
             let mut step = Step {
                 transport: self.fabric.tcp.as_mut(),
                 ctx,
-                dtype: op.dtype,
-                count,
-                key,
-                reduce: if op.is_reduction() { op.reduce_op as u8 } else { 0 },
+                identity,
                 segment_bytes: self.config.segment_bytes,
                 scratch: &mut self.scratch,
-                shm_oneshot_bytes: self.config.shm_oneshot_bytes,
                 world_size,
-                chunk_log: chunk_bytes.trailing_zeros(),
             };
             run_collective(&mut step, &mut self.fabric.parts, chunk, path)
         })

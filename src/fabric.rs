@@ -20,7 +20,7 @@ use crate::error::Result;
 use crate::hosts::HostMap;
 use crate::par::Par;
 use crate::rendezvous::Store;
-use crate::transport::shm::ShmGroup;
+use crate::transport::shm::{ShmGroup, ShmSettings};
 use crate::transport::shm::group::host_identity;
 use crate::transport::tcp::handshake::Secret;
 use crate::transport::tcp::{MeshSpec, TcpTransport};
@@ -139,8 +139,7 @@ impl Fabric {
         // Only a single-host group reads tensors in place (zero-copy), so only it has heaps.
         let setup = |namespace: &str, heap_bytes: usize| {
             let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes, config.streaming_min_for(local.len()));
-            let (chunk, spin, timeout) = (config.shm_chunk_bytes, config.spin, config.timeout);
-            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, chunk, spin, timeout, par, heap_bytes, config.cma)
+            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, ShmSettings::of(config, heap_bytes), par)
         };
         let count = hosts.host_count();
         let parts = if count == 1 {

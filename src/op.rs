@@ -21,6 +21,7 @@
 use crate::buf::{Buf, Extent, RawBuf};
 use crate::error::{CommError, Result};
 use crate::reduce::Reduction;
+use crate::transport::MessageId;
 use crate::types::{DType, OpKind, ReduceOp};
 
 /// An operation on buffers of type `B`: [`RawBuf`] (host memory) for the algorithms, [`Buf`]
@@ -38,6 +39,31 @@ pub struct Op<B = RawBuf> {
     pub tag: i64,
     pub inputs: Vec<B>,
     pub outputs: Vec<B>,
+}
+
+/// What every message of an op says it belongs to, and what each rank of a shared-memory group
+/// writes about it, so that ranks running different ops fail instead of exchanging bytes. It is
+/// the submitted op's ([`Op::identity`]): its chunks (pipeline.rs) and the levels of a
+/// hierarchical collective run on parts of the op, or with a root renumbered for the level, but
+/// announce the whole op as the group numbers it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpIdentity {
+    pub kind: OpKind,
+    pub dtype: DType,
+    /// The reduction's ReduceOp code, else 0.
+    pub reduce: u8,
+    /// [`Op::count`].
+    pub count: u64,
+    /// [`Op::key`].
+    pub key: i64,
+}
+
+impl OpIdentity {
+    /// The identity message `seq` of this op carries; each transfer sets its own count (phases
+    /// announce the agreed count, all-to-all each pair's, a confirmation none).
+    pub fn message(&self, seq: u64) -> MessageId {
+        MessageId { op: self.kind as u8, dtype: self.dtype as u8, reduce: self.reduce, seq, count: self.count, key: self.key }
+    }
 }
 
 /// What a finished job reports back.
@@ -89,6 +115,17 @@ impl<B: Extent> Op<B> {
             OpKind::Broadcast | OpKind::Reduce | OpKind::Gather | OpKind::Scatter => self.root,
             OpKind::Send | OpKind::Recv | OpKind::RecvAnySource => self.tag,
             OpKind::AllReduce | OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll | OpKind::Barrier => 0,
+        }
+    }
+
+    /// What every message of this op, and its shared-memory description, say it belongs to.
+    pub fn identity(&self) -> OpIdentity {
+        OpIdentity {
+            kind: self.kind,
+            dtype: self.dtype,
+            reduce: if self.is_reduction() { self.reduce_op as u8 } else { 0 },
+            count: self.count(),
+            key: self.key(),
         }
     }
 
@@ -221,5 +258,33 @@ impl Op<Buf> {
 impl From<&Op> for Op<Buf> {
     fn from(op: &Op) -> Op<Buf> {
         op.map_bufs(|b| Ok(Buf::Host(*b))).expect("mapping host buffers cannot fail")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The identity names what receivers check: a reduction's op, a rooted op's root, a
+    /// point-to-point op's tag, and the per-rank piece as the count.
+    #[test]
+    fn identity_carries_what_receivers_check() {
+        let (mut piece, mut whole) = (vec![0u8; 8], vec![0u8; 24]);
+        let mut reduce: Op = Op::new(OpKind::ReduceScatter, DType::Float32);
+        reduce.reduce_op = ReduceOp::Max;
+        reduce.inputs.push(RawBuf::from_slice(&mut whole));
+        reduce.outputs.push(RawBuf::from_slice(&mut piece));
+        let id = reduce.identity();
+        assert_eq!((id.kind, id.dtype, id.reduce, id.count, id.key), (OpKind::ReduceScatter, DType::Float32, ReduceOp::Max as u8, 2, 0));
+
+        let mut broadcast: Op = Op { root: 3, reduce_op: ReduceOp::Max, ..Op::new(OpKind::Broadcast, DType::Float32) };
+        broadcast.outputs.push(RawBuf::from_slice(&mut whole));
+        let id = broadcast.identity();
+        assert_eq!((id.reduce, id.count, id.key), (0, 6, 3));
+
+        let mut send: Op = Op { root: 1, tag: 7, ..Op::new(OpKind::Send, DType::UInt8) };
+        send.inputs.push(RawBuf::from_slice(&mut piece));
+        let message = send.identity().message(5);
+        assert_eq!((message.op, message.seq, message.count, message.key), (OpKind::Send as u8, 5, 8, 7));
     }
 }

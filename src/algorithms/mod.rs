@@ -25,35 +25,26 @@ pub mod select;
 pub mod split;
 
 use crate::error::Result;
-use crate::op::Op;
+use crate::op::{Op, OpIdentity};
 use crate::reduce::Reduction;
 use crate::fabric::Parts;
 use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
 use crate::types::DType;
 use select::Path::{self, Only};
 
-/// What an algorithm works with: the mesh (or a subset of it), the op's context and message
-/// identity, settings, and reusable scratch memory. Shared memory, where a fabric has it, is
-/// handed to the algorithms that use it beside the step.
+/// What an algorithm works with: the mesh (or a subset of it), the op's context and identity,
+/// the mesh's settings, and reusable scratch memory. Facts of the op an algorithm runs (its
+/// dtype, buffers, root, reduction) are read from the op it is given; shared memory, where a
+/// fabric has it, is handed to the algorithms that use it beside the step, with its settings.
 pub struct Step<'a> {
     pub transport: &'a mut dyn Transport,
     pub ctx: &'a OpCtx,
-    pub dtype: DType,
-    /// The `count` every frame of this op carries (see the frame docs): checked by receivers.
-    pub count: u64,
-    /// Root or tag, carried in every frame.
-    pub key: i64,
-    /// The reduction's ReduceOp code (else 0), carried in every frame and checked.
-    pub reduce: u8,
+    /// What every frame of this op carries and its receivers check: the submitted op's, not
+    /// that of the chunk or level the algorithm runs (see `OpIdentity`).
+    pub identity: OpIdentity,
+    /// A TCP reduction's round size (`XCCL_RS_SEGMENT_BYTES`), a setting of the mesh.
     pub segment_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
-    /// `XCCL_RS_SHM_ONESHOT_BYTES`, part of a shared-memory group's capabilities as the table
-    /// sees them (select.rs `ShmCaps`), for the local steps of a hierarchical collective that
-    /// ask it for their path.
-    pub shm_oneshot_bytes: usize,
-    /// log2 of the pipeline's chunk size (pipeline.rs), part of the shared-memory description
-    /// so that ranks configured differently fail instead of exchanging different ranges.
-    pub chunk_log: u32,
     /// The size of the whole group: AVG's divisor. It is the transport's size, except in the
     /// leaders' step of a hierarchical collective, which runs among fewer ranks.
     pub world_size: usize,
@@ -72,9 +63,9 @@ impl Step<'_> {
         op.reduction(self.world_size)
     }
 
-    /// Elements per segment of a reduction round.
-    pub fn segment_elems(&self) -> usize {
-        (self.segment_bytes / self.dtype.size()).max(1)
+    /// Elements of `dtype` per segment of a reduction round.
+    pub fn segment_elems(&self, dtype: DType) -> usize {
+        (self.segment_bytes / dtype.size()).max(1)
     }
 
     /// Scratch of at least `bytes` bytes (grown, never shrunk, so steady state allocates nothing).
@@ -87,8 +78,7 @@ impl Step<'_> {
 
     /// A fresh phase whose messages carry this op's identity.
     pub fn phase(&self) -> Phase {
-        let id = MessageId { op: self.ctx.op as u8, dtype: self.dtype as u8, reduce: self.reduce, seq: self.ctx.seq, count: 0, key: self.key };
-        Phase { id, transfers: Vec::new() }
+        Phase { id: self.identity.message(self.ctx.seq), transfers: Vec::new() }
     }
 
     /// The confirmation step of an operation in which some ranks only send: each receiver
@@ -137,7 +127,6 @@ impl Phase {
 /// (select.rs) picked for it on this fabric, giving that path the part of the fabric it runs on.
 pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op, path: Path) -> Result<()> {
     use select::Algorithm::*;
-    let desc = host::blocks::describe(step, op);
     let ctx = step.ctx;
     match (path, parts) {
         (Only(AllReduceDirect), _) => mesh::allreduce_direct::run(step, op),
@@ -149,14 +138,17 @@ pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op, path: Pat
         (Only(ReduceScatterDirect), _) => mesh::reduce_scatter_direct::run(step, op),
         (Only(AllToAllPairwise), _) => mesh::alltoall_pairwise::run(step, op),
         (Only(BarrierDirect), _) => mesh::barrier_direct::run(step),
-        (Only(AllReduceHier), Parts::Mixed(mixed)) => mixed::allreduce_hier::run(step, mixed, op, desc),
-        (Only(BroadcastHier), Parts::Mixed(mixed)) => mixed::broadcast_hier::run(step, mixed, op, desc),
-        (Only(ReduceHier), Parts::Mixed(mixed)) => mixed::reduce_hier::run(step, mixed, op, desc),
-        (Only(AllGatherHier), Parts::Mixed(mixed)) => mixed::allgather_hier::run(step, mixed, op, desc),
-        (Only(BarrierHier), Parts::Mixed(mixed)) => mixed::barrier_hier::run(step, mixed, desc),
+        (Only(AllReduceHier), Parts::Mixed(mixed)) => mixed::allreduce_hier::run(step, mixed, op),
+        (Only(BroadcastHier), Parts::Mixed(mixed)) => mixed::broadcast_hier::run(step, mixed, op),
+        (Only(ReduceHier), Parts::Mixed(mixed)) => mixed::reduce_hier::run(step, mixed, op),
+        (Only(AllGatherHier), Parts::Mixed(mixed)) => mixed::allgather_hier::run(step, mixed, op),
+        (Only(BarrierHier), Parts::Mixed(mixed)) => mixed::barrier_hier::run(step, mixed),
         (Only(PointToPoint), _) => unreachable!("point-to-point ops run through mesh/p2p.rs"),
         // Every other path is a shared-memory one, which the table picks only on a Host fabric.
-        (path, Parts::Host(shm)) => host::run(path, shm, ctx, op, desc),
+        (path, Parts::Host(shm)) => {
+            let desc = host::blocks::describe(shm, ctx.seq, &step.identity);
+            host::run(path, shm, ctx, op, desc)
+        }
         (path, _) => unreachable!("{path} does not run on this fabric"),
     }
 }

@@ -118,8 +118,8 @@ pub struct ShmCaps {
 }
 
 impl ShmCaps {
-    pub fn of(shm: &ShmGroup, oneshot_bytes: usize) -> ShmCaps {
-        ShmCaps { ranks: shm.size(), slot_bytes: shm.chunk(), oneshot_bytes, heaps: shm.zero_copy(), cma: shm.cma() }
+    pub fn of(shm: &ShmGroup) -> ShmCaps {
+        ShmCaps { ranks: shm.size(), slot_bytes: shm.chunk(), oneshot_bytes: shm.oneshot_bytes(), heaps: shm.zero_copy(), cma: shm.cma() }
     }
 }
 
@@ -132,10 +132,10 @@ pub enum FabricCaps {
 }
 
 impl FabricCaps {
-    pub fn of(parts: &Parts, oneshot_bytes: usize) -> FabricCaps {
+    pub fn of(parts: &Parts) -> FabricCaps {
         match parts {
             Parts::Mesh => FabricCaps::Mesh,
-            Parts::Host(shm) => FabricCaps::Host(ShmCaps::of(shm, oneshot_bytes)),
+            Parts::Host(shm) => FabricCaps::Host(ShmCaps::of(shm)),
             Parts::Mixed(_) => FabricCaps::Mixed,
         }
     }

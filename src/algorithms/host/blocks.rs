@@ -4,22 +4,21 @@
 //! then, after reading, announce the block consumed. And what every rank says about an op
 //! before touching peers' data (its description).
 
-use crate::algorithms::Step;
 use crate::error::Result;
-use crate::op::Op;
+use crate::op::OpIdentity;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 use crate::transport::{OpCtx, RawBuf};
 
-/// What every rank of a shared-memory group says about `op` before touching peers' data.
-pub fn describe(step: &Step<'_>, op: &Op) -> Desc {
+/// What every rank of `shm` says about op `seq`, of identity `id`, before touching peers' data.
+pub fn describe(shm: &ShmGroup, seq: u64, id: &OpIdentity) -> Desc {
     Desc {
-        seq: step.ctx.seq,
-        kind: op.kind as u8,
-        dtype: op.dtype as u8,
-        reduce: if op.is_reduction() { op.reduce_op as u8 } else { 0 },
-        chunk_log: step.chunk_log as u8,
-        count: step.count,
-        root: step.key as u64,
+        seq,
+        kind: id.kind as u8,
+        dtype: id.dtype as u8,
+        reduce: id.reduce,
+        chunk_log: shm.pipeline_chunk_log(),
+        count: id.count,
+        root: id.key as u64,
     }
 }
 

@@ -11,8 +11,8 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let input = op.inputs[0];
     let mut phase = step.phase();
     for peer in (0..size).filter(|&p| p != rank) {
-        phase.send(peer, input, step.count);
-        phase.recv(peer, op.outputs[peer], step.count);
+        phase.send(peer, input, step.identity.count);
+        phase.recv(peer, op.outputs[peer], step.identity.count);
     }
     step.run(phase)?;
     input.copy_to(op.outputs[rank]);

@@ -13,7 +13,7 @@ use crate::op::Op;
 
 pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let (rank, size) = (step.rank(), step.size());
-    let esz = step.dtype.size();
+    let esz = op.dtype.size();
     let buf = op.outputs[0];
     let n = buf.len() / esz;
     let chunks: Vec<_> = (0..size).map(|i| chunk(buf, n, size, i, esz)).collect();
@@ -21,8 +21,8 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
 
     let mut phase = step.phase();
     for peer in (0..size).filter(|&p| p != rank) {
-        phase.send(peer, chunks[rank], step.count);
-        phase.recv(peer, chunks[peer], step.count);
+        phase.send(peer, chunks[rank], step.identity.count);
+        phase.recv(peer, chunks[peer], step.identity.count);
     }
     step.run(phase)
 }

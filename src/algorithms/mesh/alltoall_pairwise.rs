@@ -8,7 +8,7 @@ use crate::op::Op;
 
 pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let (rank, size) = (step.rank(), step.size());
-    let esz = step.dtype.size() as u64;
+    let esz = op.dtype.size() as u64;
     let mut phase = step.phase();
     for peer in (0..size).filter(|&p| p != rank) {
         phase.send(peer, op.inputs[peer], op.inputs[peer].len() as u64 / esz);

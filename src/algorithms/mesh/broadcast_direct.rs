@@ -13,10 +13,10 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let mut phase = step.phase();
     if rank == root {
         for peer in (0..size).filter(|&p| p != rank) {
-            phase.send(peer, buf, step.count);
+            phase.send(peer, buf, step.identity.count);
         }
     } else {
-        phase.recv(root, buf, step.count);
+        phase.recv(root, buf, step.identity.count);
     }
     step.run(phase)?;
     let others: Vec<usize> = (0..size).filter(|&p| p != root).collect();

@@ -12,10 +12,10 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let mut phase = step.phase();
     if rank == root {
         for peer in (0..size).filter(|&p| p != rank) {
-            phase.recv(peer, op.outputs[peer], step.count);
+            phase.recv(peer, op.outputs[peer], step.identity.count);
         }
     } else {
-        phase.send(root, input, step.count);
+        phase.send(root, input, step.identity.count);
     }
     step.run(phase)?;
     let others: Vec<usize> = (0..size).filter(|&p| p != root).collect();

@@ -27,7 +27,7 @@ impl P2pCounters {
 /// The identity of message `seq` of a pair (the payload's length is its buffer's).
 fn message(op: &Op, seq: u64) -> MessageId {
     // Both sides name the message by the sender's op, so a receive expects a Send message.
-    MessageId { op: OpKind::Send as u8, dtype: op.dtype as u8, reduce: 0, seq, count: op.count(), key: op.key() }
+    MessageId { op: OpKind::Send as u8, ..op.identity().message(seq) }
 }
 
 /// Runs a batch of sends and receives with known peers as one phase.

@@ -10,10 +10,10 @@ use crate::reduce::reduce_raw;
 pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let (rank, size) = (step.rank(), step.size());
     let root = op.root as usize;
-    let esz = step.dtype.size();
+    let esz = op.dtype.size();
     let buf = op.outputs[0];
     let n = buf.len() / esz;
-    let seg = step.segment_elems();
+    let seg = step.segment_elems(op.dtype);
     let rounds = n.div_ceil(seg).max(1);
     let segment = |k: usize| {
         let start = (k * seg).min(n);
@@ -24,7 +24,7 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
         let mut phase = step.phase();
         for k in 0..rounds {
             let (off, len) = segment(k);
-            phase.send(root, buf.sub(off, len), step.count);
+            phase.send(root, buf.sub(off, len), step.identity.count);
         }
         step.run(phase)?;
         return step.confirm(&[], &[root]);
@@ -37,7 +37,7 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
         let (off, len) = segment(k);
         let mut phase = step.phase();
         for peer in (0..size).filter(|&p| p != rank) {
-            phase.recv(peer, scratch.sub(slot(peer) * seg * esz, len), step.count);
+            phase.recv(peer, scratch.sub(slot(peer) * seg * esz, len), step.identity.count);
         }
         step.run(phase)?;
         let own = buf.sub(off, len);

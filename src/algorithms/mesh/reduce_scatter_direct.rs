@@ -23,8 +23,8 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
 /// `blocks[rank]` (in place).
 pub fn reduce_blocks(step: &mut Step<'_>, reduction: &Reduction, blocks: &[RawBuf], out: RawBuf) -> Result<()> {
     let (rank, size) = (step.rank(), step.size());
-    let esz = step.dtype.size();
-    let seg = step.segment_elems();
+    let esz = reduction.dtype.size();
+    let seg = step.segment_elems(reduction.dtype);
     let longest = blocks.iter().map(|b| b.len() / esz).max().unwrap_or(0);
     let rounds = longest.div_ceil(seg).max(1);
     let needs_finish = matches!(reduction.op, ReduceOp::Avg | ReduceOp::PreMulSum);
@@ -40,8 +40,8 @@ pub fn reduce_blocks(step: &mut Step<'_>, reduction: &Reduction, blocks: &[RawBu
         let mut phase = step.phase();
         for peer in (0..size).filter(|&p| p != rank) {
             let (s, l) = segment_of(blocks[peer].len() / esz);
-            phase.send(peer, blocks[peer].sub(s * esz, l * esz), step.count);
-            phase.recv(peer, scratch.sub(slot(peer) * seg * esz, my_len * esz), step.count);
+            phase.send(peer, blocks[peer].sub(s * esz, l * esz), step.identity.count);
+            phase.recv(peer, scratch.sub(slot(peer) * seg * esz, my_len * esz), step.identity.count);
         }
         step.run(phase)?;
 

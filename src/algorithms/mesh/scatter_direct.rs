@@ -12,10 +12,10 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let mut phase = step.phase();
     if rank == root {
         for peer in (0..size).filter(|&p| p != rank) {
-            phase.send(peer, op.inputs[peer], step.count);
+            phase.send(peer, op.inputs[peer], step.identity.count);
         }
     } else {
-        phase.recv(root, output, step.count);
+        phase.recv(root, output, step.identity.count);
     }
     step.run(phase)?;
     let others: Vec<usize> = (0..size).filter(|&p| p != root).collect();

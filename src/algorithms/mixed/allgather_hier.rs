@@ -3,21 +3,19 @@
 //! views over TCP, each received straight into its rank's view; each leader then broadcasts
 //! the other hosts' views to its host over shared memory, one view after another.
 
-use super::{among, behind_remote, broadcast_on_host, leaders, rooted};
+use super::{among, behind_remote, broadcast_on_host, leaders, on_host, rooted};
 use crate::algorithms::Step;
 use crate::algorithms::host::allgather_shm;
 use crate::error::Result;
 use crate::fabric::Mixed;
 use crate::op::Op;
-use crate::transport::shm::Desc;
 
-pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Result<()> {
+pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     let hosts = &mixed.hosts;
     let rank = step.rank();
     let my_host = hosts.host_of(rank);
     let ctx = step.ctx;
-    let oneshot = step.shm_oneshot_bytes;
-    if let Some(shm) = mixed.shm.as_mut() {
+    if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
         let views = hosts.ranks(my_host).iter().map(|&r| op.outputs[r]).collect();
         allgather_shm::run(shm, ctx, &Op { outputs: views, ..op.clone() }, desc)?;
     } else {
@@ -30,18 +28,18 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
                 // Both sides list a host's views in rank order: same-peer transfers complete
                 // in list order, so each view lands in its own buffer.
                 for &r in hosts.ranks(my_host) {
-                    phase.send(other, op.outputs[r], s.count);
+                    phase.send(other, op.outputs[r], s.identity.count);
                 }
                 for &r in hosts.ranks(other) {
-                    phase.recv(other, op.outputs[r], s.count);
+                    phase.recv(other, op.outputs[r], s.identity.count);
                 }
             }
             s.run(phase)
         })?;
     }
-    if let Some(shm) = mixed.shm.as_mut() {
+    if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
         for r in (0..hosts.world_size()).filter(|&r| hosts.host_of(r) != my_host) {
-            broadcast_on_host(shm, oneshot, &behind_remote(ctx), &Op { outputs: vec![op.outputs[r]], ..rooted(op, 0) }, desc)?;
+            broadcast_on_host(shm, &behind_remote(ctx), &Op { outputs: vec![op.outputs[r]], ..rooted(op, 0) }, desc)?;
         }
     }
     Ok(())

@@ -5,14 +5,13 @@
 //! any receiver's failure — here also of a failure in another host's shared-memory step (a
 //! mismatch on a non-leader) — and fails with it.
 
-use super::{among, behind_remote, broadcast_on_host, rooted};
+use super::{among, behind_remote, broadcast_on_host, on_host, rooted};
 use crate::algorithms::Step;
 use crate::error::Result;
 use crate::fabric::Mixed;
 use crate::op::Op;
-use crate::transport::shm::Desc;
 
-pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Result<()> {
+pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     let hosts = &mixed.hosts;
     let (rank, root) = (step.rank(), op.root as usize);
     let reps = hosts.representatives(root);
@@ -20,11 +19,10 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
     let (my_rep, root_host) = (reps[my_host], hosts.host_of(root));
     let local = rooted(op, hosts.local_index(my_rep));
     let ctx = step.ctx;
-    let oneshot = step.shm_oneshot_bytes;
     let buf = op.outputs[0];
     if my_host == root_host {
-        if let Some(shm) = mixed.shm.as_mut() {
-            broadcast_on_host(shm, oneshot, ctx, &local, desc)?;
+        if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
+            broadcast_on_host(shm, ctx, &local, desc)?;
         }
         if rank != root {
             return Ok(());
@@ -34,7 +32,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         return among(mixed.shm.as_ref(), step, &reps, |s| {
             let mut phase = s.phase();
             for &h in &others {
-                phase.send(h, buf, s.count);
+                phase.send(h, buf, s.identity.count);
             }
             s.run(phase)?;
             s.confirm(&[], &others)
@@ -43,12 +41,12 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
     if rank == my_rep {
         among(mixed.shm.as_ref(), step, &reps, |s| {
             let mut phase = s.phase();
-            phase.recv(root_host, buf, s.count);
+            phase.recv(root_host, buf, s.identity.count);
             s.run(phase)
         })?;
     }
-    if let Some(shm) = mixed.shm.as_mut() {
-        broadcast_on_host(shm, oneshot, &behind_remote(ctx), &local, desc)?;
+    if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
+        broadcast_on_host(shm, &behind_remote(ctx), &local, desc)?;
     }
     if rank == my_rep {
         among(mixed.shm.as_ref(), step, &reps, |s| s.confirm(&[root_host], &[]))?;

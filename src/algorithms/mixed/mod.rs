@@ -60,10 +60,18 @@ pub fn rooted(op: &Op, root: usize) -> Op {
     Op { root: root as i64, ..op.clone() }
 }
 
+/// This host's shared-memory group (`Mixed::shm`), when the host has one, and what each of its
+/// ranks writes about the op of `step` in every local step: the caller's op, not the level's.
+pub fn on_host<'m>(shm: &'m mut Option<ShmGroup>, step: &Step<'_>) -> Option<(&'m mut ShmGroup, Desc)> {
+    let shm = shm.as_mut()?;
+    let desc = host::blocks::describe(shm, step.ctx.seq, &step.identity);
+    Some((shm, desc))
+}
+
 /// A broadcast among this host's ranks on the path the table picks for it (select.rs), as in a
 /// group that has only this host.
-pub fn broadcast_on_host(shm: &mut ShmGroup, oneshot_bytes: usize, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    let path = select::broadcast_on_host(&ShmCaps::of(shm, oneshot_bytes), op.outputs[0].len());
+pub fn broadcast_on_host(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    let path = select::broadcast_on_host(&ShmCaps::of(shm), op.outputs[0].len());
     host::run(path, shm, ctx, op, desc)
 }
 
@@ -100,15 +108,10 @@ fn among_over_tcp<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut
     let mut inner = Step {
         transport: &mut sub,
         ctx: step.ctx,
-        dtype: step.dtype,
-        count: step.count,
-        key: step.key,
-        reduce: step.reduce,
+        identity: step.identity,
         segment_bytes: step.segment_bytes,
         scratch: &mut *step.scratch,
-        shm_oneshot_bytes: step.shm_oneshot_bytes,
         world_size: step.world_size,
-        chunk_log: step.chunk_log,
     };
     f(&mut inner)
 }

@@ -4,16 +4,15 @@
 //! root reduces into scratch (a copy of its input), not its tensor: as in a direct reduce,
 //! every tensor but the root's is left unchanged.
 
-use super::{among, local_op, rooted};
+use super::{among, local_op, on_host, rooted};
 use crate::algorithms::Step;
 use crate::algorithms::host::reduce_shm;
 use crate::algorithms::mesh::reduce_direct;
 use crate::error::Result;
 use crate::fabric::Mixed;
 use crate::op::Op;
-use crate::transport::shm::Desc;
 
-pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Result<()> {
+pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     let hosts = &mixed.hosts;
     let (rank, root) = (step.rank(), op.root as usize);
     let reps = hosts.representatives(root);
@@ -27,7 +26,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, desc: Desc) -> Resul
         partial = mixed.partial(tensor.len());
         tensor.copy_to(partial);
     }
-    if let Some(shm) = mixed.shm.as_mut() {
+    if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
         let first = Op { reduce_op: local_op(op.reduce_op), outputs: vec![partial], ..rooted(op, local_root) };
         reduce_shm::run(shm, ctx, &first, desc)?;
     }

@@ -22,6 +22,7 @@ use super::futex;
 use super::heap::{Heap, PeerHeap};
 use super::layout::{ABORT_CLOSED, ABORT_FAILED, Code, Desc, RankHeader};
 use super::segment::Segment;
+use super::settings::ShmSettings;
 use crate::error::{CommError, ErrorKind, Result};
 use crate::par::Par;
 use crate::keys::Key;
@@ -88,6 +89,10 @@ pub struct ShmGroup {
     /// agreed at set-up; with it, each peer's pid.
     cma: Option<Vec<i32>>,
     cma_ops: u64,
+    /// `ShmSettings::oneshot_bytes`.
+    oneshot_bytes: usize,
+    /// `ShmSettings::pipeline_chunk_log`.
+    pipeline_chunk_log: u8,
 }
 
 /// What identifies "this host and this /dev/shm" (NCCL's shm transport checks both).
@@ -129,19 +134,8 @@ impl ShmGroup {
     /// mapped everything. `members` are the group ranks of the local indices (`rank` is this
     /// rank's local index); `namespace` keeps the store keys of different hosts' groups apart
     /// (empty for a single-host group, whose keys are then `xccl_rs/shm/<rank>`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn setup(
-        store: &dyn Store,
-        members: &[usize],
-        rank: usize,
-        namespace: &str,
-        chunk: usize,
-        spin: Duration,
-        timeout: Duration,
-        par: Par,
-        heap_bytes: usize,
-        cma: bool,
-    ) -> Result<ShmGroup> {
+    pub fn setup(store: &dyn Store, members: &[usize], rank: usize, namespace: &str, settings: ShmSettings, par: Par) -> Result<ShmGroup> {
+        let ShmSettings { slot_bytes: chunk, spin, timeout, heap_bytes, cma, .. } = settings;
         let size = members.len();
         let me = members[rank];
         let (own, name) = Segment::create(chunk)?;
@@ -233,6 +227,8 @@ impl ShmGroup {
             cma: all_read.then(|| segments_pids(&segments)).flatten(),
             cma_ops: 0,
             segments,
+            oneshot_bytes: settings.oneshot_bytes,
+            pipeline_chunk_log: settings.pipeline_chunk_log,
         })
     }
 
@@ -410,6 +406,16 @@ impl ShmGroup {
     /// Bytes of one data slot.
     pub fn chunk(&self) -> usize {
         self.chunk
+    }
+
+    /// What each rank of a one-shot all-reduce may read (`ShmSettings::oneshot_bytes`).
+    pub fn oneshot_bytes(&self) -> usize {
+        self.oneshot_bytes
+    }
+
+    /// log2 of the pipeline's chunk size, part of every op's description.
+    pub fn pipeline_chunk_log(&self) -> u8 {
+        self.pipeline_chunk_log
     }
 
     /// Reserves `blocks` consecutive block numbers for one operation; returns the first.

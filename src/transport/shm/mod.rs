@@ -10,6 +10,8 @@ pub mod group;
 pub mod heap;
 pub mod layout;
 pub mod segment;
+pub mod settings;
 
 pub use group::{Counter, ShmGroup};
 pub use layout::Desc;
+pub use settings::ShmSettings;
