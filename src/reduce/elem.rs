@@ -10,8 +10,10 @@
 //! to four sources per pass over the accumulator, and the half-type conversions are fused into
 //! their read and write loops, so each loop stays a single vectorized pass.
 
+#[cfg(not(target_arch = "x86_64"))]
 use half::f16;
 
+#[cfg(not(target_arch = "x86_64"))]
 use super::convert::{f16_to_f32, f32_to_f16};
 use super::ops::{Bool01, Combine};
 
@@ -135,10 +137,8 @@ macro_rules! half_elem {
         }
     )*};
 }
-#[cfg(target_arch = "x86_64")]
-half_elem! {
-    f16 => f16_to_f32, f32_to_f16, super::f16c::F16c;
-}
+pub(super) use half_elem;
+// float16's impl on x86-64 is in f16c.rs, with its F16C build.
 #[cfg(not(target_arch = "x86_64"))]
 half_elem! {
     f16 => f16_to_f32, f32_to_f16, f16;

@@ -19,9 +19,16 @@ use std::arch::x86_64::{
 
 use std::mem::transmute;
 
+use half::f16;
+
 use super::convert::{f16_to_f32, f32_to_f16};
-use super::elem::Elem;
+use super::elem::{Elem, half_elem};
 use super::ops::Combine;
+
+// float16 itself: converted in software (convert.rs), with F16c in its place in the AVX builds.
+half_elem! {
+    f16 => f16_to_f32, f32_to_f16, F16c;
+}
 
 /// Elements per F16C instruction.
 const LANES: usize = 8;
