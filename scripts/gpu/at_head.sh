@@ -12,7 +12,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 export OUT="${OUT:-$ROOT/.gpu/out}"
 mkdir -p "$OUT"
 cd "$ROOT"
-git log --oneline -1 >"$OUT/commit.txt" 2>/dev/null || true
+# No commit is recorded here: the device machine's copy of the tree may carry an older .git.
 step() {  # step NAME SECONDS COMMAND...: one bounded run, its time and exit code on one line
   local name="$1" limit="$2" t0=$SECONDS
   shift 2
