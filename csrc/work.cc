@@ -85,6 +85,15 @@ void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, 
   // The core queued the copies back of staged outputs before reporting success (finish()).
   const bool copied_back = !failure && state->staging && state->staging->results_back();
   const std::chrono::duration<float, std::milli> took = std::chrono::steady_clock::now() - state->issued;
+  // The op's profiler ranges end before its waiters wake: a caller that leaves the profiler as
+  // soon as wait() returns must find them recorded.
+  if (state->profile_end) {
+    try {
+      state->profile_end(started_unix_us);
+    } catch (const std::exception& e) {
+      LOG(WARNING) << "xccl_rs: ending the profiler's range of " << state->what << " failed: " << e.what();
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(state->mu);
     state->duration_ms = took.count();
@@ -104,13 +113,6 @@ void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, 
     complete_future(*state, failure);
   } else {
     complete_future(*state, failure);
-  }
-  if (state->profile_end) {
-    try {
-      state->profile_end(started_unix_us);
-    } catch (const std::exception& e) {
-      LOG(WARNING) << "xccl_rs: ending the profiler's range of " << state->what << " failed: " << e.what();
-    }
   }
   // Only success is reported (a failed or timed-out op must not read as finished).
   if (!failure) {
