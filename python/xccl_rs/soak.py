@@ -517,8 +517,8 @@ def slope_error(xs: list[float], ys: list[float]) -> float:
 
 
 RSS_STEADY = 0.6  # the last quarter's slope at least this fraction of the third quarter's: not slowing down
-# Ops per rank after the warm-up before RSS growth can fail a run (--rss-min-ops): the 2-core VM's
-# floor still climbs in steps of about 14 MiB between 10,000 and 20,000 ops (docs/reliability.md).
+# Ops per rank after the warm-up before RSS growth can fail a run (--rss-min-ops): before that the
+# allocator's floor still climbs in steps (docs/reliability.md has the measurement).
 RSS_MIN_OPS = 50_000
 RSS_MIN_SAMPLES = 16  # samples after warm-up, for a run to be judged on its second half
 RSS_FLOOR = 2  # RSS is judged on its floor: each sample's least with this many neighbours on each side
