@@ -30,7 +30,7 @@ use crate::buf::{Buf, Extent};
 use crate::config::Config;
 use crate::error::{CommError, ErrorKind, Result};
 use crate::fabric::Fabric;
-pub use crate::fabric::this_host;
+pub use crate::hosts::this_host;
 use crate::op::{Completion, Op};
 use crate::pipeline;
 use crate::rendezvous::{Store, agree_on_secret};
@@ -541,6 +541,7 @@ impl Worker {
             let mut step = Step {
                 transport: self.fabric.tcp.as_mut(),
                 ctx,
+                par: &self.fabric.par,
                 identity,
                 segment_bytes: self.config.segment_bytes,
                 scratch: &mut self.scratch,

@@ -15,13 +15,15 @@
 //! again, for the ranks that remain ([`Fabric::build`] needs only the group's store and
 //! numbering).
 
+use std::sync::Arc;
+
 use crate::config::{Config, TransportChoice};
 use crate::error::Result;
-use crate::hosts::HostMap;
+use crate::hosts::{HostMap, this_host};
 use crate::par::Par;
 use crate::rendezvous::Store;
+use crate::transport::shm::heap::Heap;
 use crate::transport::shm::{ShmGroup, ShmSettings};
-use crate::transport::shm::group::host_identity;
 use crate::transport::tcp::handshake::Secret;
 use crate::transport::tcp::{MeshSpec, TcpTransport};
 use crate::transport::{OpCtx, RawBuf, Transport};
@@ -32,6 +34,9 @@ pub struct Fabric {
     pub tcp: Box<dyn Transport>,
     /// What the ranks share besides it.
     pub parts: Parts,
+    /// This rank's threads for the copies and reductions of shared-memory steps (par.rs):
+    /// the algorithms' to use, sized by how many ranks share this host's memory.
+    pub par: Par,
 }
 
 /// What a fabric has besides the mesh.
@@ -90,10 +95,13 @@ impl Mixed {
     }
 }
 
-/// Which ranks share memory: ranks whose identities are equal. `XCCL_RS_HOST_ID` when set, else
-/// this host and its /dev/shm; empty when there is no /dev/shm (then no rank shares memory).
-pub fn this_host(config: &Config) -> String {
-    config.host_id.clone().or_else(host_identity).unwrap_or_default()
+/// This rank's compute threads when `shm_ranks` ranks share its memory (`None`: it shares none,
+/// and its steps never split).
+fn compute_threads(config: &Config, shm_ranks: Option<usize>) -> Par {
+    match shm_ranks {
+        Some(k) => Par::new(config.threads_for(k), config.thread_min_bytes, config.streaming_min_for(k)),
+        None => Par::serial(),
+    }
 }
 
 impl Fabric {
@@ -110,11 +118,12 @@ impl Fabric {
         } else {
             (Parts::Mesh, 1)
         };
-        let fabric = Fabric { tcp, parts };
-        let local_ranks = fabric.shm().map_or(1, |s| s.size());
-        let cma = fabric.shm().is_some_and(|s| s.cma());
-        let threads = fabric.shm().map_or(1, |s| s.par().threads());
-        let streaming_min = fabric.shm().map_or(0, |s| s.par().streaming_min());
+        let shm_ranks = parts.shm().map(|s| s.size());
+        let fabric = Fabric { tcp, parts, par: compute_threads(config, shm_ranks) };
+        let local_ranks = shm_ranks.unwrap_or(1);
+        let cma = fabric.shm().is_some_and(|s| s.cma().is_some());
+        let threads = fabric.par.threads();
+        let streaming_min = shm_ranks.map_or(0, |_| fabric.par.streaming_min());
         tracing::info!(
             rank,
             size,
@@ -138,8 +147,7 @@ impl Fabric {
         let local = hosts.ranks(host).to_vec();
         // Only a single-host group reads tensors in place (zero-copy), so only it has heaps.
         let setup = |namespace: &str, heap_bytes: usize| {
-            let par = Par::new(config.threads_for(local.len()), config.thread_min_bytes, config.streaming_min_for(local.len()));
-            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, ShmSettings::of(config, heap_bytes), par)
+            ShmGroup::setup(store, &local, hosts.local_index(rank), namespace, ShmSettings::of(config, heap_bytes))
         };
         let count = hosts.host_count();
         let parts = if count == 1 {
@@ -155,21 +163,21 @@ impl Fabric {
 
     /// This rank's shared-memory heap, in a group whose ranks all share this host (the only
     /// groups whose collectives read tensors in place).
-    pub fn host_heap(&self) -> Option<std::sync::Arc<crate::transport::shm::heap::Heap>> {
+    pub fn host_heap(&self) -> Option<Arc<Heap>> {
         match &self.parts {
-            Parts::Host(shm) => shm.heap().cloned(),
+            Parts::Host(shm) => shm.heaps().map(|h| h.own().clone()),
             _ => None,
         }
     }
 
     /// Zero-copy operations so far (0 without shared memory).
     pub fn zero_copy_ops(&self) -> u64 {
-        self.shm().map_or(0, |s| s.zero_copy_ops())
+        self.shm().and_then(|s| s.heaps()).map_or(0, |h| h.zero_copy_ops())
     }
 
     /// Operations that read peers by cross-memory attach so far.
     pub fn cma_ops(&self) -> u64 {
-        self.shm().map_or(0, |s| s.cma_ops())
+        self.shm().and_then(|s| s.cma()).map_or(0, |c| c.ops())
     }
 
     /// The shared-memory group this rank belongs to, if any.
@@ -186,9 +194,11 @@ impl Fabric {
         }
     }
 
-    /// Unmaps shared memory and closes every connection (the group is being destroyed).
+    /// Unmaps shared memory, stops the compute threads and closes every connection (the group
+    /// is being destroyed).
     pub fn close(&mut self) {
         self.parts = Parts::Mesh;
+        self.par = Par::serial();
         self.tcp.close();
     }
 }

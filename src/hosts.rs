@@ -2,21 +2,42 @@
 //! shared memory within each host and TCP between hosts (algorithms/mixed/).
 //!
 //! Terms: a rank's *host identity* is the hostname with /dev/shm's device and inode (what
-//! shared memory needs: transport/shm/group.rs's `host_identity`), or `XCCL_RS_HOST_ID` when
-//! set. Ranks with equal identities form one *host*; hosts are numbered in the order of their
-//! lowest rank, and a host's ranks are listed in rank order, so a rank's *local index* is its
-//! position there. A host's *leader* is its lowest rank (local index 0). Every rank builds the
+//! shared memory needs: [`host_identity`]), or `XCCL_RS_HOST_ID` when set ([`this_host`]).
+//! Ranks with equal identities form one *host*; hosts are numbered in the order of their lowest
+//! rank, and a host's ranks are listed in rank order, so a rank's *local index* is its position
+//! there. A host's *leader* is its lowest rank (local index 0). Every rank builds the
 //! same map from the same published identities.
 
 use std::time::Duration;
 
+use crate::config::Config;
 use crate::error::{CommError, Result};
+use crate::keys::Key;
+use crate::rendezvous::{Store, rendezvous_error};
+use crate::transport::shm::files::SHM_DIR;
 
 /// The longest host identity a rank may publish (hostname, `/dev/shm` device and inode, or
 /// `XCCL_RS_HOST_ID`).
 pub const MAX_HOST_ID_LEN: usize = 4096;
-use crate::keys::Key;
-use crate::rendezvous::{Store, rendezvous_error};
+
+/// What identifies "this host and this /dev/shm" (NCCL's shm transport checks both).
+pub fn host_identity() -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(SHM_DIR).ok()?;
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its whole length.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return None;
+    }
+    let len = buf.iter().position(|&c| c == 0).unwrap_or(buf.len());
+    Some(format!("{}|{}|{}", String::from_utf8_lossy(&buf[..len]), meta.dev(), meta.ino()))
+}
+
+/// Which ranks share memory: ranks whose identities are equal. `XCCL_RS_HOST_ID` when set, else
+/// this host and its /dev/shm; empty when there is no /dev/shm (then no rank shares memory).
+pub fn this_host(config: &Config) -> String {
+    config.host_id.clone().or_else(host_identity).unwrap_or_default()
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostMap {

@@ -17,7 +17,7 @@ pub enum Key<'a> {
     /// A rank's host identity (hosts.rs).
     Host(usize),
     /// The name of a rank's shared-memory segment, within one host's group (`namespace` keeps
-    /// the groups of different hosts apart; transport/shm/group.rs).
+    /// the groups of different hosts apart; transport/shm/setup.rs).
     ShmSegment { namespace: &'a str, rank: usize },
     /// Whether a rank could map every peer's segment.
     ShmMapped { namespace: &'a str, rank: usize },

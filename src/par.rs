@@ -64,6 +64,12 @@ impl Par {
         Par { pool, threads, min_piece: min_piece.max(ALIGN), streaming_min }
     }
 
+    /// Everything on the calling thread, no pool, no streaming stores: for a rank whose steps
+    /// never split (it shares no memory, or its group is closed).
+    pub fn serial() -> Par {
+        Par { pool: None, threads: 1, min_piece: ALIGN, streaming_min: usize::MAX }
+    }
+
     /// How many pieces `bytes` of work are cut into.
     fn pieces(&self, bytes: usize) -> usize {
         if self.threads == 1 { 1 } else { (bytes / self.min_piece).clamp(1, self.threads) }

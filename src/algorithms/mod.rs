@@ -26,6 +26,7 @@ pub mod split;
 
 use crate::error::Result;
 use crate::op::{Op, OpIdentity};
+use crate::par::Par;
 use crate::reduce::Reduction;
 use crate::fabric::Parts;
 use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
@@ -33,12 +34,15 @@ use crate::types::DType;
 use select::Path::{self, Only};
 
 /// What an algorithm works with: the mesh (or a subset of it), the op's context and identity,
-/// the mesh's settings, and reusable scratch memory. Facts of the op an algorithm runs (its
-/// dtype, buffers, root, reduction) are read from the op it is given; shared memory, where a
-/// fabric has it, is handed to the algorithms that use it beside the step, with its settings.
+/// the mesh's settings, this rank's compute threads, and reusable scratch memory. Facts of the
+/// op an algorithm runs (its dtype, buffers, root, reduction) are read from the op it is given;
+/// shared memory, where a fabric has it, is handed to the algorithms that use it beside the
+/// step, with its settings.
 pub struct Step<'a> {
     pub transport: &'a mut dyn Transport,
     pub ctx: &'a OpCtx,
+    /// The threads that split the copies and reductions of a shared-memory step (par.rs).
+    pub par: &'a Par,
     /// What every frame of this op carries and its receivers check: the submitted op's, not
     /// that of the chunk or level the algorithm runs (see `OpIdentity`).
     pub identity: OpIdentity,
@@ -147,7 +151,7 @@ pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op, path: Pat
         // Every other path is a shared-memory one, which the table picks only on a Host fabric.
         (path, Parts::Host(shm)) => {
             let desc = host::blocks::describe(shm, ctx.seq, &step.identity);
-            host::run(path, shm, ctx, op, desc)
+            host::run(path, shm, step.par, ctx, op, desc)
         }
         (path, _) => unreachable!("{path} does not run on this fabric"),
     }

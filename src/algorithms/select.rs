@@ -119,7 +119,13 @@ pub struct ShmCaps {
 
 impl ShmCaps {
     pub fn of(shm: &ShmGroup) -> ShmCaps {
-        ShmCaps { ranks: shm.size(), slot_bytes: shm.chunk(), oneshot_bytes: shm.oneshot_bytes(), heaps: shm.zero_copy(), cma: shm.cma() }
+        ShmCaps {
+            ranks: shm.size(),
+            slot_bytes: shm.chunk(),
+            oneshot_bytes: shm.oneshot_bytes(),
+            heaps: shm.heaps().is_some_and(|h| h.zero_copy()),
+            cma: shm.cma().is_some(),
+        }
     }
 }
 

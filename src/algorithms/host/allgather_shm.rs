@@ -4,9 +4,10 @@
 use super::slots;
 use crate::error::Result;
 use crate::op::Op;
+use crate::par::Par;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Desc, ShmGroup};
 
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    slots::gather(shm, ctx, op, desc, None)
+pub fn run(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    slots::gather(shm, par, ctx, op, desc, None)
 }

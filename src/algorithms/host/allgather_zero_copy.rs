@@ -12,22 +12,23 @@
 
 use super::blocks::finish_block;
 use super::slots;
-use super::zero_copy::{overlap, peer_views, presync};
+use super::zero_copy::{all_in_heap, count_zero_copy, overlap, peer_views, presync};
 use crate::error::Result;
 use crate::op::Op;
+use crate::par::Par;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+pub fn run(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let (rank, size) = (shm.rank(), shm.size());
     let input = op.inputs[0];
     let safe = !(0..size).any(|r| r != rank && overlap(input, op.outputs[r]));
     let g = presync(shm, ctx, desc, if safe { &op.inputs[..1] } else { &[] })?;
-    if !shm.all_in_heap(g) {
+    if !all_in_heap(shm, g) {
         finish_block(shm, g);
-        return slots::gather(shm, ctx, op, desc, None);
+        return slots::gather(shm, par, ctx, op, desc, None);
     }
-    shm.count_zero_copy_op(ctx.seq);
+    count_zero_copy(shm, ctx.seq);
     let mut copies = Vec::with_capacity(size);
     for r in (0..size).filter(|&r| r != rank) {
         copies.push((peer_views(shm, g, r, 1, input.len())?[0], op.outputs[r]));
@@ -35,7 +36,7 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     if input.ptr() != op.outputs[rank].ptr() {
         copies.push((input, op.outputs[rank]));
     }
-    shm.par().copy_all_out(&copies, input.len() * size);
+    par.copy_all_out(&copies, input.len() * size);
     shm.publish(Counter::Reduced, g);
     shm.publish(Counter::Consumed, g);
     shm.wait_all(Counter::Consumed, g, ctx)

@@ -25,10 +25,11 @@ use std::cell::RefCell;
 use std::sync::Mutex;
 
 use super::push::push;
-use super::zero_copy::presync;
+use super::zero_copy::{all_in_heap, presync};
 use crate::algorithms::split::split_range;
 use crate::error::{CommError, Result};
 use crate::op::Op;
+use crate::par::Par;
 use crate::reduce::reduce_raw;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, Desc, ShmGroup, cma};
@@ -55,16 +56,16 @@ fn read_error(ctx: &OpCtx, shm: &ShmGroup, r: usize, bytes: usize, e: std::io::E
 
 /// After a pre-sync, the all-reduce zero-copy if every rank's tensor is in its heap, else by
 /// cross-memory attach.
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+pub fn run(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let g = presync(shm, ctx, desc, &op.outputs[..1])?;
-    if shm.all_in_heap(g) {
-        return push(shm, ctx, op, g, g);
+    if all_in_heap(shm, g) {
+        return push(shm, par, ctx, op, g, g);
     }
-    read_by_cma(shm, ctx, op, g)
+    read_by_cma(shm, par, ctx, op, g)
 }
 
 /// The two steps (module comment), after the pre-sync for block `g`.
-fn read_by_cma(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
+fn read_by_cma(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
     let buf = op.outputs[0];
     let (rank, size) = (shm.rank(), shm.size());
     let esz = op.dtype.size();
@@ -73,8 +74,12 @@ fn read_by_cma(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
         let (s, l) = split_range(count, size, r);
         (s * esz, l * esz)
     };
-    let peers: Vec<(i32, u64)> = (0..size).map(|r| shm.cma_peer(g, r)).collect();
-    shm.count_cma_op();
+    let cma = shm.cma().expect("cross-memory attach was agreed");
+    // Each rank's pid, and where its tensor lies in its own memory (published in the pre-sync).
+    let peers: Vec<(i32, u64)> = (0..size).map(|r| (cma.pid(r), shm.placement(g, r).addr)).collect();
+    if let Some(cma) = shm.cma_mut() {
+        cma.count_op();
+    }
     let failed: Mutex<Option<(usize, std::io::Error)>> = Mutex::new(None);
     let fail = |r: usize, e: std::io::Error| {
         let mut f = failed.lock().unwrap_or_else(|p| p.into_inner());
@@ -85,7 +90,7 @@ fn read_by_cma(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
     // Step 1: part `rank`, from every tensor, into this rank's.
     let (my_start, my_len) = part(rank);
     let reduction = op.reduction(size);
-    shm.par().split(my_len, |lo, hi| {
+    par.split(my_len, |lo, hi| {
         BOUNCE.with_borrow_mut(|bounce| {
             bounce.resize((size - 1) * PIECE, 0);
             let mut srcs: Vec<*const u8> = Vec::with_capacity(size);
@@ -128,7 +133,7 @@ fn read_by_cma(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, g: u64) -> Result<()> {
     // Step 2: every other part, from its owner, into this rank's tensor.
     let others: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
     let total: usize = others.iter().map(|&r| part(r).1).sum();
-    shm.par().split(total, |lo, hi| {
+    par.split(total, |lo, hi| {
         // This thread's bytes [lo, hi) of the concatenated parts.
         let mut at = 0;
         for &r in &others {

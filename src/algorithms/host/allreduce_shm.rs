@@ -13,25 +13,26 @@ use super::push::push;
 use super::slots::{self, HeapAnswers};
 use crate::error::Result;
 use crate::op::Op;
+use crate::par::Par;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 
 /// Through the slots, on a group without heaps.
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    slots::reduce(shm, ctx, op, desc, None, false).map(drop)
+pub fn run(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    slots::reduce(shm, par, ctx, op, desc, None, false).map(drop)
 }
 
 /// Through the slots, or zero-copy when every rank's tensor lies in its heap (module comment).
-pub fn run_asking_heap(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    match slots::reduce(shm, ctx, op, desc, None, true)? {
+pub fn run_asking_heap(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    match slots::reduce(shm, par, ctx, op, desc, None, true)? {
         HeapAnswers::NoneInHeap => Ok(()),
-        HeapAnswers::AllInHeap { first, last } => push(shm, ctx, op, first, last),
+        HeapAnswers::AllInHeap { first, last } => push(shm, par, ctx, op, first, last),
         HeapAnswers::SomeInHeap { last } => {
             // Mark this op's blocks done (nobody read a slot of it) and start over through the
             // slots, without asking.
             shm.publish(Counter::Reduced, last);
             shm.publish(Counter::Consumed, last);
-            run(shm, ctx, op, desc)
+            run(shm, par, ctx, op, desc)
         }
     }
 }

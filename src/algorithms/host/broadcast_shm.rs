@@ -9,62 +9,65 @@
 //! heap, where it is (zero_copy.rs): one copy per receiver, against two through the slots, and
 //! the root copies nothing. That costs no synchronization more than the slot path.
 
-use super::blocks::{block_count, block_range, exchange_produced, finish_block, wait_slot_free};
-use super::zero_copy::peer_views;
+use std::ops::ControlFlow;
+
+use super::blocks::{Block, each_block_until, exchange_produced, finish_block};
+use super::zero_copy::{count_zero_copy, describe_views, in_heap, peer_views};
 use crate::error::Result;
 use crate::op::Op;
+use crate::par::Par;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 
 /// Through the slots.
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    through_slots(shm, ctx, op, desc, false)
+pub fn run(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    through_slots(shm, par, ctx, op, desc, false)
 }
 
 /// Through the slots, or from the root's heap when its tensor lies there (module comment).
-pub fn run_asking_root_heap(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    through_slots(shm, ctx, op, desc, true)
+pub fn run_asking_root_heap(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+    through_slots(shm, par, ctx, op, desc, true)
 }
 
-fn through_slots(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, ask_root_heap: bool) -> Result<()> {
+fn through_slots(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, ask_root_heap: bool) -> Result<()> {
     let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
-    let blocks = block_count(buf.len(), shm.chunk());
-    let g0 = shm.begin_op(blocks as u64);
-    for b in 0..blocks {
-        let g = g0 + b as u64;
-        let (start, len) = block_range(buf.len(), shm.chunk(), b);
-        wait_slot_free(shm, g, ctx)?;
+    let block_bytes = shm.chunk();
+    let from_heap = each_block_until(shm, ctx, buf.len(), block_bytes, |shm, Block { index: b, g, last, start, len }| {
         let in_place = b == 0 && ask_root_heap && {
             // Every rank writes its answer (only the root's is read), so no stale one remains.
-            shm.describe_heap(g, if rank == root { &op.outputs[..1] } else { &[] });
-            shm.in_heap(g, root)
+            describe_views(shm, g, if rank == root { &op.outputs[..1] } else { &[] });
+            in_heap(shm, g, root)
         };
         if rank == root && !in_place {
-            shm.par().copy(buf.sub(start, len), shm.slot(rank, g).sub(0, len));
+            par.copy(buf.sub(start, len), shm.slot(rank, g).sub(0, len));
         }
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         // The root's description is checked now, so its heap answer is that of this op.
-        if b == 0 && ask_root_heap && shm.in_heap(g, root) {
-            return from_root_heap(shm, ctx, op, g, g0 + blocks as u64 - 1);
+        if b == 0 && ask_root_heap && in_heap(shm, g, root) {
+            return Ok(ControlFlow::Break((g, last)));
         }
         if rank != root {
-            shm.par().copy_out(shm.slot(root, g).sub(0, len), buf.sub(start, len), buf.len());
+            par.copy_out(shm.slot(root, g).sub(0, len), buf.sub(start, len), buf.len());
         }
         finish_block(shm, g);
+        Ok(ControlFlow::Continue(()))
+    })?;
+    match from_heap {
+        Some((first, last)) => from_root_heap(shm, par, ctx, op, first, last),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// After the exchange of the op's first block `first`, whose answer from the root was "in my
 /// heap": every other rank copies the tensor, where it is, into its own and publishes
 /// `Consumed` for the op's last block `last`; the root returns once all have.
-fn from_root_heap(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
+fn from_root_heap(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
     let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
-    shm.count_zero_copy_op(ctx.seq);
+    count_zero_copy(shm, ctx.seq);
     if rank != root {
-        shm.par().copy_out(peer_views(shm, first, root, 1, buf.len())?[0], buf, buf.len());
+        par.copy_out(peer_views(shm, first, root, 1, buf.len())?[0], buf, buf.len());
     }
     shm.publish(Counter::Reduced, last);
     shm.publish(Counter::Consumed, last);

@@ -28,26 +28,28 @@ pub mod zero_copy;
 use crate::algorithms::select::{Algorithm, Path};
 use crate::error::Result;
 use crate::op::Op;
+use crate::par::Par;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Desc, ShmGroup};
 
-/// Runs `op` on `path`, one of the shared-memory paths (select.rs).
-pub fn run(path: Path, shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+/// Runs `op` on `path`, one of the shared-memory paths (select.rs), with this rank's compute
+/// threads `par` for the copies and reductions of its steps.
+pub fn run(path: Path, shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     use Path::*;
     match path {
         AllReduceOneShot => allreduce_one_shot::run(shm, ctx, op, desc),
-        AllReduceSlots => allreduce_shm::run(shm, ctx, op, desc),
-        AllReduceSlotsOrZeroCopy => allreduce_shm::run_asking_heap(shm, ctx, op, desc),
-        AllReduceCmaOrZeroCopy => allreduce_cma::run(shm, ctx, op, desc),
-        BroadcastSlots => broadcast_shm::run(shm, ctx, op, desc),
-        BroadcastSlotsOrZeroCopy => broadcast_shm::run_asking_root_heap(shm, ctx, op, desc),
-        AllGatherSlots => allgather_shm::run(shm, ctx, op, desc),
-        AllGatherZeroCopy => allgather_zero_copy::run(shm, ctx, op, desc),
-        ReduceScatterSlots => reduce_scatter_shm::run(shm, ctx, op, desc),
-        ReduceScatterZeroCopy => reduce_scatter_zero_copy::run(shm, ctx, op, desc),
-        Only(Algorithm::ReduceShm) => reduce_shm::run(shm, ctx, op, desc),
-        Only(Algorithm::GatherShm) => gather_shm::run(shm, ctx, op, desc),
-        Only(Algorithm::ScatterShm) => scatter_shm::run(shm, ctx, op, desc),
+        AllReduceSlots => allreduce_shm::run(shm, par, ctx, op, desc),
+        AllReduceSlotsOrZeroCopy => allreduce_shm::run_asking_heap(shm, par, ctx, op, desc),
+        AllReduceCmaOrZeroCopy => allreduce_cma::run(shm, par, ctx, op, desc),
+        BroadcastSlots => broadcast_shm::run(shm, par, ctx, op, desc),
+        BroadcastSlotsOrZeroCopy => broadcast_shm::run_asking_root_heap(shm, par, ctx, op, desc),
+        AllGatherSlots => allgather_shm::run(shm, par, ctx, op, desc),
+        AllGatherZeroCopy => allgather_zero_copy::run(shm, par, ctx, op, desc),
+        ReduceScatterSlots => reduce_scatter_shm::run(shm, par, ctx, op, desc),
+        ReduceScatterZeroCopy => reduce_scatter_zero_copy::run(shm, par, ctx, op, desc),
+        Only(Algorithm::ReduceShm) => reduce_shm::run(shm, par, ctx, op, desc),
+        Only(Algorithm::GatherShm) => gather_shm::run(shm, par, ctx, op, desc),
+        Only(Algorithm::ScatterShm) => scatter_shm::run(shm, par, ctx, op, desc),
         Only(Algorithm::BarrierShm) => barrier_shm::run(shm, ctx, desc),
         Only(other) => unreachable!("{other:?} is not a shared-memory algorithm"),
     }

@@ -23,16 +23,17 @@
 //! thread reduces a piece of part r and copies it to the peers while it is still in its cache.
 
 use super::blocks::{block_count, block_range};
-use super::zero_copy::peer_views;
+use super::zero_copy::{count_zero_copy, peer_views};
 use crate::algorithms::split::split_range;
 use crate::error::Result;
 use crate::op::Op;
+use crate::par::Par;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, ShmGroup};
 
 /// The all-reduce itself, once every rank said, with the op's block `first`, that its tensor
 /// lies in its heap; marks all the op's blocks (up to `last`) done.
-pub fn push(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
+pub fn push(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
     let buf = op.outputs[0];
     let g = first;
     let (rank, size) = (shm.rank(), shm.size());
@@ -40,7 +41,7 @@ pub fn push(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> 
     for r in 0..size {
         bufs.push(if r == rank { buf } else { peer_views(shm, g, r, 1, buf.len())?[0] });
     }
-    shm.count_zero_copy_op(ctx.seq);
+    count_zero_copy(shm, ctx.seq);
     let esz = op.dtype.size();
     let piece = block_bytes(shm.chunk(), esz);
     let reduction = op.reduction(size);
@@ -58,13 +59,13 @@ pub fn push(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> 
         replicas.extend((0..size).filter(|&r| r != rank).map(|r| bufs[r].sub(my_start, my_len).ptr()));
         // SAFETY: every rank's tensor holds its input (all published Produced for g after
         // their input was ready) and has `buf.len()` bytes (the descriptions matched, and
-        // heap_views bounded each range by its heap); the destination, my part of my own
+        // peer_views bounded each range by its heap); the destination, my part of my own
         // tensor, is exactly srcs[rank]; each replica, my part of a peer's tensor, is exactly
         // that peer's src and lies in another tensor than the destination and the other
         // replicas; no other rank reads or writes my part of any tensor (module comment), and
         // no rank returns, letting its caller touch its tensor, before all published Consumed.
         unsafe {
-            shm.par().reduce_and_replicate(&reduction, buf.sub(my_start, my_len).ptr(), &srcs, &replicas, my_len / esz, esz, buf.len())
+            par.reduce_and_replicate(&reduction, buf.sub(my_start, my_len).ptr(), &srcs, &replicas, my_len / esz, esz, buf.len())
         };
     }
     shm.publish(Counter::Reduced, last);

@@ -13,23 +13,24 @@
 
 use super::blocks::finish_block;
 use super::slots;
-use super::zero_copy::{overlap, peer_views, presync};
+use super::zero_copy::{all_in_heap, count_zero_copy, overlap, peer_views, presync};
 use crate::error::Result;
 use crate::op::Op;
+use crate::par::Par;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 
-pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+pub fn run(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let (rank, size) = (shm.rank(), shm.size());
     let output = op.outputs[0];
     let len = output.len();
     let safe = !(0..size).any(|r| overlap(output, op.inputs[r]) && !(r == rank && output.ptr() == op.inputs[r].ptr()));
     let g = presync(shm, ctx, desc, if safe { &op.inputs } else { &[] })?;
-    if !shm.all_in_heap(g) {
+    if !all_in_heap(shm, g) {
         finish_block(shm, g);
-        return slots::reduce_scatter(shm, ctx, op, desc);
+        return slots::reduce_scatter(shm, par, ctx, op, desc);
     }
-    shm.count_zero_copy_op(ctx.seq);
+    count_zero_copy(shm, ctx.seq);
     let mut srcs: Vec<*const u8> = Vec::with_capacity(size);
     for r in 0..size {
         let view = if r == rank { op.inputs[rank] } else { peer_views(shm, g, r, size, len)?[rank] };
@@ -38,11 +39,11 @@ pub fn run(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     if len > 0 {
         let esz = op.dtype.size();
         // SAFETY: every rank's view `rank` holds `len` bytes of its input (all published
-        // Produced after their inputs were ready; heap_views bounded each range by its heap);
+        // Produced after their inputs were ready; peer_views bounded each range by its heap);
         // the output is either exactly this rank's own view `rank` or overlaps none of its
         // views (checked above), and no peer's (other processes' memory); no one writes an
         // input before every rank has published Consumed.
-        unsafe { shm.par().reduce(&op.reduction(size), output.ptr(), &srcs, len / esz, esz) };
+        unsafe { par.reduce(&op.reduction(size), output.ptr(), &srcs, len / esz, esz) };
     }
     shm.publish(Counter::Reduced, g);
     shm.publish(Counter::Consumed, g);

@@ -18,10 +18,14 @@
 //! its own lane from every peer's slot (its own piece from its input view, in rank order,
 //! scaling fused) straight into its output.
 
-use super::blocks::{block_count, block_range, copy_reduced_parts, exchange_produced, finish_block, wait_slot_free};
+use std::ops::ControlFlow;
+
+use super::blocks::{Block, copy_reduced_parts, each_block, each_block_until, exchange_produced, finish_block};
+use super::zero_copy::{describe_views, in_heap};
 use crate::algorithms::split::split_range;
 use crate::error::Result;
 use crate::op::Op;
+use crate::par::Par;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Counter, Desc, ShmGroup};
 
@@ -41,45 +45,38 @@ pub enum HeapAnswers {
 /// out (all-reduce), Some(root) when only the root does (reduce). With `ask_heap`, the first
 /// block also says whether this rank's tensor lies in its heap (then it fills no slot), and the
 /// op stops after that block unless no rank's does.
-pub fn reduce(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>, ask_heap: bool) -> Result<HeapAnswers> {
+pub fn reduce(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>, ask_heap: bool) -> Result<HeapAnswers> {
     let (rank, size) = (shm.rank(), shm.size());
     let buf = op.outputs[0];
     let esz = op.dtype.size();
-    let piece = shm.chunk() / esz * esz;
-    let blocks = block_count(buf.len(), piece);
-    let g0 = shm.begin_op(blocks as u64);
     let reduction = op.reduction(size);
-    for b in 0..blocks {
-        let g = g0 + b as u64;
-        let (start, len) = block_range(buf.len(), piece, b);
+    let block_bytes = shm.chunk() / esz * esz;
+    let stopped = each_block_until(shm, ctx, buf.len(), block_bytes, |shm, Block { index: b, g, last, start, len }| {
         let block = buf.sub(start, len);
         let part = |r: usize| {
             let (s, l) = split_range(len / esz, size, r);
             (s * esz, l * esz)
         };
-        wait_slot_free(shm, g, ctx)?;
         let in_my_heap = b == 0 && ask_heap && {
-            shm.describe_heap(g, &[buf]);
-            shm.in_heap(g, rank)
+            describe_views(shm, g, &[buf]);
+            in_heap(shm, g, rank)
         };
         let mine = shm.slot(rank, g);
         let (my_start, my_len) = part(rank);
         if !in_my_heap {
             // Peers own everything but my part: copy what lies before and after it.
             let after = my_start + my_len;
-            shm.par()
-                .copy_all(&[(block.sub(0, my_start), mine.sub(0, my_start)), (block.sub(after, len - after), mine.sub(after, len - after))]);
+            par.copy_all(&[(block.sub(0, my_start), mine.sub(0, my_start)), (block.sub(after, len - after), mine.sub(after, len - after))]);
         }
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         // Every rank's description is checked now, so every heap answer is that of this op.
         if b == 0 && ask_heap {
-            let last = g0 + blocks as u64 - 1;
-            let in_heap = (0..size).filter(|&r| shm.in_heap(g, r)).count();
-            if in_heap == size {
-                return Ok(HeapAnswers::AllInHeap { first: g, last });
+            let answered_yes = (0..size).filter(|&r| in_heap(shm, g, r)).count();
+            if answered_yes == size {
+                return Ok(ControlFlow::Break(HeapAnswers::AllInHeap { first: g, last }));
             }
-            if in_heap > 0 {
-                return Ok(HeapAnswers::SomeInHeap { last });
+            if answered_yes > 0 {
+                return Ok(ControlFlow::Break(HeapAnswers::SomeInHeap { last }));
             }
         }
 
@@ -90,63 +87,55 @@ pub fn reduce(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Opti
             // SAFETY: peers' slots hold their inputs for my part (they published Produced for g
             // after copying); my own part is read from my tensor; the destination, my slot's
             // part, is disjoint from all of these (I never copied my own part into it).
-            unsafe { shm.par().reduce(&reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, esz) };
+            unsafe { par.reduce(&reduction, mine.sub(my_start, my_len).ptr(), &srcs, my_len / esz, esz) };
         }
         shm.publish(Counter::Reduced, g);
         if reader.is_none_or(|root| root == rank) {
             shm.wait_all(Counter::Reduced, g, ctx)?;
-            copy_reduced_parts(shm, g, block, part, buf.len());
+            copy_reduced_parts(shm, par, g, block, part, buf.len());
         }
         finish_block(shm, g);
-    }
-    Ok(HeapAnswers::NoneInHeap)
+        Ok(ControlFlow::Continue(()))
+    })?;
+    Ok(stopped.unwrap_or(HeapAnswers::NoneInHeap))
 }
 
 /// The gather of every rank's `op.inputs[0]` into `op.outputs[rank]`; `reader`: None when
 /// every rank reads (all-gather), Some(root) when only the root does (gather).
-pub fn gather(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>) -> Result<()> {
+pub fn gather(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, reader: Option<usize>) -> Result<()> {
     let (rank, size) = (shm.rank(), shm.size());
     let input = op.inputs[0];
-    let piece = shm.chunk();
-    let blocks = block_count(input.len(), piece);
-    let g0 = shm.begin_op(blocks as u64);
     let reads = reader.is_none_or(|root| root == rank);
-    for b in 0..blocks {
-        let g = g0 + b as u64;
-        let (start, len) = block_range(input.len(), piece, b);
-        wait_slot_free(shm, g, ctx)?;
-        shm.par().copy(input.sub(start, len), shm.slot(rank, g).sub(0, len));
+    let block_bytes = shm.chunk();
+    each_block(shm, ctx, input.len(), block_bytes, |shm, Block { index: b, g, start, len, .. }| {
+        par.copy(input.sub(start, len), shm.slot(rank, g).sub(0, len));
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         if reads {
             let copies: Vec<_> =
                 (0..size).filter(|&p| p != rank).map(|peer| (shm.slot(peer, g).sub(0, len), op.outputs[peer].sub(start, len))).collect();
-            shm.par().copy_all_out(&copies, input.len() * size);
+            par.copy_all_out(&copies, input.len() * size);
         }
         finish_block(shm, g);
-    }
+        Ok(())
+    })?;
     if reads {
-        shm.par().copy_out(input, op.outputs[rank], input.len() * size);
+        par.copy_out(input, op.outputs[rank], input.len() * size);
     }
     Ok(())
 }
 
 /// The reduce-scatter of the input views `op.inputs` into `op.outputs[0]`.
-pub fn reduce_scatter(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+pub fn reduce_scatter(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let (rank, size) = (shm.rank(), shm.size());
     let output = op.outputs[0];
     let esz = op.dtype.size();
-    let lane = shm.chunk() / size / 64 * 64 / esz * esz;
-    let blocks = block_count(output.len(), lane);
-    let g0 = shm.begin_op(blocks as u64);
     let reduction = op.reduction(size);
-    for b in 0..blocks {
-        let g = g0 + b as u64;
-        let (start, len) = block_range(output.len(), lane, b);
-        wait_slot_free(shm, g, ctx)?;
+    let lane = shm.chunk() / size / 64 * 64 / esz * esz;
+    each_block(shm, ctx, output.len(), lane, |shm, Block { index: b, g, start, len, .. }| {
         let slot = shm.slot(rank, g);
         let copies: Vec<_> =
             (0..size).filter(|&p| p != rank).map(|peer| (op.inputs[peer].sub(start, len), slot.sub(peer * lane, len))).collect();
-        shm.par().copy_all(&copies);
+        par.copy_all(&copies);
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
         let srcs: Vec<*const u8> = (0..size)
             .map(
@@ -157,9 +146,9 @@ pub fn reduce_scatter(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> R
             // SAFETY: peers' lanes for this rank hold `len` bytes of their inputs (published
             // Produced for g); the destination is this rank's output, which c10d guarantees is
             // not one of its input views, and is disjoint from every slot.
-            unsafe { shm.par().reduce(&reduction, output.sub(start, len).ptr(), &srcs, len / esz, esz) };
+            unsafe { par.reduce(&reduction, output.sub(start, len).ptr(), &srcs, len / esz, esz) };
         }
         finish_block(shm, g);
-    }
-    Ok(())
+        Ok(())
+    })
 }

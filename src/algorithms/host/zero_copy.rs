@@ -15,9 +15,14 @@
 //! slots need no pre-sync: each rank gives its answer with the first block of the slot path and
 //! fills no slot if it is yes (broadcast_shm.rs, where only the root's answer counts;
 //! allreduce_shm.rs).
+//!
+//! The group reports its heaps (`ShmGroup::heaps`, transport/shm/heap.rs) and carries each
+//! rank's `Placement` of an op's buffers beside its description; the helpers here publish this
+//! rank's and turn a peer's into its buffers, bounded by its heap.
 
 use super::blocks::{exchange_produced, wait_slot_free};
 use crate::error::{CommError, Result};
+use crate::transport::shm::layout::Placement;
 use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::{OpCtx, RawBuf};
 
@@ -26,15 +31,53 @@ use crate::transport::{OpCtx, RawBuf};
 pub fn presync(shm: &mut ShmGroup, ctx: &OpCtx, desc: Desc, views: &[RawBuf]) -> Result<u64> {
     let g = shm.begin_op(1);
     wait_slot_free(shm, g, ctx)?;
-    shm.describe_heap(g, views);
+    describe_views(shm, g, views);
     exchange_produced(shm, g, Some(desc), ctx)?;
     Ok(g)
 }
 
-/// Peer `r`'s `count` views of `len` bytes in its heap, once `shm.in_heap(g, r)` said they are
-/// there (bounds-checked by `heap_views`).
+/// Records, with the description of the op starting at block `g`, where this rank's `views`
+/// of the op lie: in its heap, when all lie there evenly spaced (`Heap::placement`), and the
+/// first one's address in this process, for peers that read it by cross-memory attach.
+pub fn describe_views(shm: &ShmGroup, g: u64, views: &[RawBuf]) {
+    let heap = shm.heaps().and_then(|h| h.own().placement(views)).map(|(offset, stride)| (offset as u64, stride as u64));
+    shm.place(g, Placement { heap, addr: views.first().map_or(0, |v| v.ptr() as u64) });
+}
+
+/// After rank `r`'s `Produced` ≥ g: whether `r` said its views of the op lie in its heap, on
+/// a group whose ranks read each other's heaps.
+pub fn in_heap(shm: &ShmGroup, g: u64, r: usize) -> bool {
+    shm.heaps().is_some_and(|h| h.zero_copy()) && shm.placement(g, r).heap.is_some()
+}
+
+/// After every rank's `Produced` ≥ g: whether every rank's views of the op lie in its heap.
+/// Every rank reads the same published values, so all decide alike.
+pub fn all_in_heap(shm: &ShmGroup, g: u64) -> bool {
+    (0..shm.size()).all(|r| in_heap(shm, g, r))
+}
+
+/// Peer `r`'s `count` views of `len` bytes, read in place in its heap, once `in_heap(shm, g,
+/// r)` said they are there. A peer's ranges are used only once they lie inside its heap; one
+/// outside is an error (a corrupt or hostile peer), not a read.
 pub fn peer_views(shm: &ShmGroup, g: u64, r: usize, count: usize, len: usize) -> Result<Vec<RawBuf>> {
-    shm.heap_views(g, r, count, len)?.ok_or_else(|| CommError::io(format!("xccl_rs: local rank {r}'s buffers are not in its heap")))
+    debug_assert!(r != shm.rank(), "a rank's own views are its op's buffers");
+    let heaps = shm.heaps().filter(|h| h.zero_copy());
+    let (Some(heaps), Some((offset, stride))) = (heaps, shm.placement(g, r).heap) else {
+        return Err(CommError::io(format!("xccl_rs: local rank {r}'s buffers are not in its heap")));
+    };
+    heaps.peer(r).and_then(|heap| heap.views(offset, stride, count, len)).ok_or_else(|| {
+        CommError::io(format!(
+            "xccl_rs: rank {} published {count} buffers of {len} bytes at offset {offset} (spacing {stride}) of its heap, which lie outside it",
+            shm.group_rank(r)
+        ))
+    })
+}
+
+/// Counts the op of sequence number `seq` as zero-copy (`Heaps::count_zero_copy_op`).
+pub fn count_zero_copy(shm: &mut ShmGroup, seq: u64) {
+    if let Some(heaps) = shm.heaps_mut() {
+        heaps.count_zero_copy_op(seq);
+    }
 }
 
 /// Whether `a` and `b` share a byte.

@@ -17,7 +17,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     let ctx = step.ctx;
     if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
         let views = hosts.ranks(my_host).iter().map(|&r| op.outputs[r]).collect();
-        allgather_shm::run(shm, ctx, &Op { outputs: views, ..op.clone() }, desc)?;
+        allgather_shm::run(shm, step.par, ctx, &Op { outputs: views, ..op.clone() }, desc)?;
     } else {
         op.inputs[0].copy_to(op.outputs[rank]);
     }
@@ -39,7 +39,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     }
     if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
         for r in (0..hosts.world_size()).filter(|&r| hosts.host_of(r) != my_host) {
-            broadcast_on_host(shm, &behind_remote(ctx), &Op { outputs: vec![op.outputs[r]], ..rooted(op, 0) }, desc)?;
+            broadcast_on_host(shm, step.par, &behind_remote(ctx), &Op { outputs: vec![op.outputs[r]], ..rooted(op, 0) }, desc)?;
         }
     }
     Ok(())

@@ -19,13 +19,13 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     let ctx = step.ctx;
     if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
         let first = Op { reduce_op: local_op(op.reduce_op), ..rooted(op, 0) };
-        reduce_shm::run(shm, ctx, &first, desc)?;
+        reduce_shm::run(shm, step.par, ctx, &first, desc)?;
     }
     if is_leader {
         among(mixed.shm.as_ref(), step, &leaders, |s| allreduce_direct::run(s, op))?;
     }
     if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
-        broadcast_on_host(shm, &behind_remote(ctx), &rooted(op, 0), desc)?;
+        broadcast_on_host(shm, step.par, &behind_remote(ctx), &rooted(op, 0), desc)?;
     }
     Ok(())
 }

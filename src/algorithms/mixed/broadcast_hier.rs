@@ -22,7 +22,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     let buf = op.outputs[0];
     if my_host == root_host {
         if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
-            broadcast_on_host(shm, ctx, &local, desc)?;
+            broadcast_on_host(shm, step.par, ctx, &local, desc)?;
         }
         if rank != root {
             return Ok(());
@@ -46,7 +46,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
         })?;
     }
     if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
-        broadcast_on_host(shm, &behind_remote(ctx), &local, desc)?;
+        broadcast_on_host(shm, step.par, &behind_remote(ctx), &local, desc)?;
     }
     if rank == my_rep {
         among(mixed.shm.as_ref(), step, &reps, |s| s.confirm(&[root_host], &[]))?;

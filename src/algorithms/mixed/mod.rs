@@ -36,6 +36,7 @@ use super::select::{self, ShmCaps};
 use crate::error::Result;
 use crate::hosts::HostMap;
 use crate::op::Op;
+use crate::par::Par;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Desc, ShmGroup};
 use crate::transport::subset::Subset;
@@ -70,9 +71,9 @@ pub fn on_host<'m>(shm: &'m mut Option<ShmGroup>, step: &Step<'_>) -> Option<(&'
 
 /// A broadcast among this host's ranks on the path the table picks for it (select.rs), as in a
 /// group that has only this host.
-pub fn broadcast_on_host(shm: &mut ShmGroup, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+pub fn broadcast_on_host(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let path = select::broadcast_on_host(&ShmCaps::of(shm), op.outputs[0].len());
-    host::run(path, shm, ctx, op, desc)
+    host::run(path, shm, par, ctx, op, desc)
 }
 
 /// How much later than its representative a rank gives up on a shared-memory step that follows
@@ -108,6 +109,7 @@ fn among_over_tcp<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut
     let mut inner = Step {
         transport: &mut sub,
         ctx: step.ctx,
+        par: step.par,
         identity: step.identity,
         segment_bytes: step.segment_bytes,
         scratch: &mut *step.scratch,

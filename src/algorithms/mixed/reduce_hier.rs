@@ -28,7 +28,7 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     }
     if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
         let first = Op { reduce_op: local_op(op.reduce_op), outputs: vec![partial], ..rooted(op, local_root) };
-        reduce_shm::run(shm, ctx, &first, desc)?;
+        reduce_shm::run(shm, step.par, ctx, &first, desc)?;
     }
     if rank == my_rep {
         let second = Op { outputs: vec![partial], ..rooted(op, root_host) };

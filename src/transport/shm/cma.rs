@@ -6,12 +6,84 @@
 //! `ptrace_scope` of 0; containers may also forbid the call). So a group probes once, at
 //! set-up ([`probe`]): each rank reads a peer's segment header through the peer's own address
 //! of it and compares it with what the shared mapping shows. Only if every rank can read every
-//! peer does the group use it (group.rs), and then every rank takes the same path.
+//! peer does the group use it (setup.rs), and then every rank takes the same path: the group
+//! then reports its [`CmaPeers`].
 //!
 //! A peer's address is its word: the kernel checks every remote range (a bad one is `EFAULT`,
 //! and reads only the peer's own memory), while this side writes only into its own buffers.
 
 use std::io;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::layout::RankHeader;
+use super::segment::Segment;
+use crate::error::{CommError, Result};
+use crate::keys::Key;
+use crate::rendezvous::{Store, rendezvous_error};
+
+/// The peers of a host group that every rank reads by cross-memory attach, present where the
+/// group agreed on it at set-up: each rank's pid, and how many ops read them.
+pub struct CmaPeers {
+    pids: Vec<i32>,
+    ops: u64,
+}
+
+impl CmaPeers {
+    /// The peers whose segments are `segments` (index = local rank), if every segment's pid is
+    /// a kernel pid (cross-memory attach addresses processes by it).
+    pub fn of(segments: &[Segment]) -> Option<CmaPeers> {
+        let pids = segments.iter().map(|s| i32::try_from(s.header().pid.0.load(Ordering::Relaxed)).ok()).collect::<Option<_>>()?;
+        Some(CmaPeers { pids, ops: 0 })
+    }
+
+    /// Local rank `r`'s pid.
+    pub fn pid(&self, r: usize) -> i32 {
+        self.pids[r]
+    }
+
+    /// Operations that ran by cross-memory attach so far (diagnostics and tests).
+    pub fn ops(&self) -> u64 {
+        self.ops
+    }
+
+    pub fn count_op(&mut self) {
+        self.ops += 1;
+    }
+}
+
+/// Whether this rank can read every peer's memory by cross-memory attach: each peer's header,
+/// read through the address the peer published (`Key::ShmCma`), must equal this rank's mapping
+/// of it (the same shared memory). A peer in another pid namespace, a ptrace policy that
+/// forbids it, or a seccomp filter all make it false. `members`, `rank` and `namespace` as in
+/// `ShmGroup::setup`; `segments` are every rank's, mapped here.
+pub fn probe_peers(store: &dyn Store, members: &[usize], rank: usize, namespace: &str, segments: &[Segment], timeout: Duration) -> Result<bool> {
+    let me = members[rank];
+    let mut all = true;
+    for (peer, &member) in members.iter().enumerate() {
+        let raw = store.get(&Key::ShmCma { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+        if peer == rank {
+            continue;
+        }
+        let header = segments[peer].header();
+        let pid = header.pid.0.load(Ordering::Relaxed);
+        let Some(addr) = std::str::from_utf8(&raw).ok().and_then(|v| v.parse::<u64>().ok()) else {
+            return Err(CommError::io(format!("xccl_rs: rank {member} published an unusable header address for cross-memory attach")));
+        };
+        // The magic word and the pid, as this rank's mapping shows them.
+        let mut expect = [0u8; 16];
+        expect[..8].copy_from_slice(&header.magic.0.load(Ordering::Relaxed).to_ne_bytes());
+        expect[8..].copy_from_slice(&pid.to_ne_bytes());
+        let pid_offset = std::mem::offset_of!(RankHeader, pid) as u64;
+        let readable = i32::try_from(pid)
+            .is_ok_and(|p| probe(p, addr, &expect[..8]) && addr.checked_add(pid_offset).is_some_and(|a| probe(p, a, &expect[8..])));
+        if !readable {
+            tracing::debug!("rank {me}: cannot read rank {member} (pid {pid}) by cross-memory attach; collectives use the slots");
+        }
+        all &= readable;
+    }
+    Ok(all)
+}
 
 /// Copies `local.len()` bytes of process `pid`, from its address `remote`, into `local`.
 pub fn read(pid: i32, remote: u64, local: &mut [u8]) -> io::Result<()> {

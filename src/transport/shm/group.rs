@@ -9,24 +9,25 @@
 //! block g − 2, is finished everywhere. That gives double buffering: a rank can fill block
 //! g + 1 while peers still read block g.
 //!
-//! Waiting spins (then yields the core) for `XCCL_RS_SPIN_US`, then sleeps on the group futex (rank 0's `epoch`),
-//! waking every 100 ms to check the deadline, the group's abort switch (abort.rs), peers' abort flags and whether peers' processes
-//! still exist.
+//! Waiting spins (then yields the core) for `XCCL_RS_SPIN_US`, then sleeps on the group futex
+//! (rank 0's `epoch`), waking every 100 ms to check the deadline, the group's abort switch
+//! (abort.rs), peers' abort flags and whether peers' processes still exist.
+//!
+//! Besides the counters, the group holds each op's description (desc.rs), checked across ranks
+//! on the op's first block, and where each rank's buffers of the op lie (`Placement`). How the
+//! group is set up is setup.rs; what it can do besides the slots, it reports (heap.rs, cma.rs).
 
-use std::sync::atomic::{AtomicU32, Ordering, fence};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
-use std::sync::Arc;
-
+use super::cma::CmaPeers;
+use super::desc::Desc;
 use super::futex;
-use super::heap::{Heap, PeerHeap};
-use super::layout::{ABORT_CLOSED, ABORT_FAILED, Code, Desc, RankHeader};
+use super::heap::Heaps;
+use super::layout::{ABORT_CLOSED, ABORT_FAILED, Placement, RankHeader};
 use super::segment::Segment;
 use super::settings::ShmSettings;
 use crate::error::{CommError, ErrorKind, Result};
-use crate::par::Par;
-use crate::keys::Key;
-use crate::rendezvous::{Store, rendezvous_error};
 use crate::transport::{OpCtx, RawBuf};
 
 /// Turns of the busy spin (a `pause` each, then a poll) before a waiting rank starts yielding
@@ -64,53 +65,19 @@ impl Drop for RemoteWait<'_> {
 /// The shared-memory group of some ranks on one host: every rank of a single-host group, or
 /// one host's ranks of a group that spans several (see hosts.rs). `rank` and `size`, and every
 /// rank argument of the methods, are *local* indices 0..size; `members` maps them to the
-/// group's ranks, which error messages name.
+/// group's ranks, which error messages name. Set up by setup.rs, which also gives it what the
+/// group can do besides the slots: read tensors in the ranks' heaps, or peers' memory by
+/// cross-memory attach ([`heaps`](Self::heaps), [`cma`](Self::cma)).
 pub struct ShmGroup {
     rank: usize,
-    size: usize,
     members: Vec<usize>,
-    chunk: usize,
+    settings: ShmSettings,
     segments: Vec<Segment>,
     next_block: u64,
-    spin: Duration,
-    /// This rank's threads for large block steps.
-    par: Par,
     /// Peers' pids are meaningful here (same pid namespace), so a vanished pid means a dead rank.
     pids_visible: bool,
-    /// This rank's heap (heap.rs), and every peer's mapped here (None at this rank's index).
-    heap: Option<Arc<Heap>>,
-    peer_heaps: Vec<Option<PeerHeap>>,
-    /// Every rank has a heap and has mapped every peer's: the same on every rank (agreed at
-    /// set-up), so every rank takes the same path through a collective.
-    zero_copy: bool,
-    zero_copy_ops: u64,
-    last_zero_copy_seq: Option<u64>,
-    /// Every rank can read every peer's memory with cross-memory attach (cma.rs), probed and
-    /// agreed at set-up; with it, each peer's pid.
-    cma: Option<Vec<i32>>,
-    cma_ops: u64,
-    /// `ShmSettings::oneshot_bytes`.
-    oneshot_bytes: usize,
-    /// `ShmSettings::pipeline_chunk_log`.
-    pipeline_chunk_log: u8,
-}
-
-/// What identifies "this host and this /dev/shm" (NCCL's shm transport checks both).
-pub fn host_identity() -> Option<String> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(super::segment::SHM_DIR).ok()?;
-    let mut buf = [0u8; 256];
-    // SAFETY: `buf` is writable for its whole length.
-    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return None;
-    }
-    let len = buf.iter().position(|&c| c == 0).unwrap_or(buf.len());
-    Some(format!("{}|{}|{}", String::from_utf8_lossy(&buf[..len]), meta.dev(), meta.ino()))
-}
-
-/// Every segment's pid as a kernel pid, if all are (cross-memory attach addresses them).
-fn segments_pids(segments: &[Segment]) -> Option<Vec<i32>> {
-    segments.iter().map(|s| i32::try_from(s.header().pid.0.load(Ordering::Relaxed)).ok()).collect()
+    heaps: Option<Heaps>,
+    cma: Option<CmaPeers>,
 }
 
 fn pid_alive(pid: u64) -> bool {
@@ -130,147 +97,18 @@ fn pid_alive(pid: u64) -> bool {
 }
 
 impl ShmGroup {
-    /// Creates this rank's segment, maps every peer's, and unlinks ours once all ranks have
-    /// mapped everything. `members` are the group ranks of the local indices (`rank` is this
-    /// rank's local index); `namespace` keeps the store keys of different hosts' groups apart
-    /// (empty for a single-host group, whose keys are then `xccl_rs/shm/<rank>`).
-    pub fn setup(store: &dyn Store, members: &[usize], rank: usize, namespace: &str, settings: ShmSettings, par: Par) -> Result<ShmGroup> {
-        let ShmSettings { slot_bytes: chunk, spin, timeout, heap_bytes, cma, .. } = settings;
-        let size = members.len();
-        let me = members[rank];
-        let (own, name) = Segment::create(chunk)?;
-        store.set(&Key::ShmSegment { namespace, rank }.text(), name.as_bytes())?;
-        // Where this process sees its own header: peers probe cross-memory attach with it.
-        let own_header = own.header() as *const RankHeader as u64;
-        store.set(&Key::ShmCma { namespace, rank }.text(), own_header.to_string().as_bytes())?;
-        // A heap that cannot be made (address space limits, say) leaves the group without
-        // zero-copy, not without shared memory.
-        let heap = match (heap_bytes >= super::heap::HEAP_PAGE).then(|| Heap::create(heap_bytes)).transpose() {
-            Ok(heap) => heap.map(|(heap, name)| (Arc::new(heap), name)),
-            Err(e) => {
-                tracing::warn!("rank {me}: no shared-memory heap, so no zero-copy collectives: {}", e.message);
-                None
-            }
-        };
-        let heap_name = heap.as_ref().map_or(String::new(), |(_, name)| name.clone());
-        store.set(&Key::ShmHeap { namespace, rank }.text(), heap_name.as_bytes())?;
-        let heap = heap.map(|(heap, _)| heap);
-        let mut segments = Vec::with_capacity(size);
-        let mut own = Some(own);
-        for (peer, &member) in members.iter().enumerate() {
-            if peer == rank {
-                segments.push(own.take().expect("own segment placed once"));
-                continue;
-            }
-            let peer_name = store.get(&Key::ShmSegment { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
-            segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), chunk)?);
-        }
-        let mut peer_heaps: Vec<Option<PeerHeap>> = Vec::with_capacity(size);
-        for (peer, &member) in members.iter().enumerate() {
-            if peer == rank || heap.is_none() {
-                peer_heaps.push(None);
-                continue;
-            }
-            let name = store.get(&Key::ShmHeap { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
-            let name = String::from_utf8_lossy(&name);
-            // A peer's heap that cannot be mapped here (an address-space limit, say) leaves the
-            // group without zero-copy: this rank then says so below, and every rank agrees.
-            peer_heaps.push(match name.is_empty() {
-                true => None,
-                false => PeerHeap::open(&name)
-                    .map_err(|e| {
-                        tracing::warn!("rank {me}: rank {member}'s heap is not mapped, so no zero-copy collectives: {}", e.message)
-                    })
-                    .ok(),
-            });
-        }
-        let all_heaps = heap.is_some() && peer_heaps.iter().enumerate().all(|(peer, h)| peer == rank || h.is_some());
-        let reads_peers = cma && Self::probe_cma(store, members, rank, namespace, &segments, timeout)?;
-        // "h": this rank can take part in zero-copy collectives; "c": it can read every peer
-        // by cross-memory attach. Every rank must see the same.
-        let mut said = vec![if all_heaps { b'h' } else { b'1' }];
-        if reads_peers {
-            said.push(b'c');
-        }
-        store.set(&Key::ShmMapped { namespace, rank }.text(), &said)?;
-        let (mut zero_copy, mut all_read) = (true, true);
-        for (peer, &member) in members.iter().enumerate() {
-            let mapped =
-                store.get(&Key::ShmMapped { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
-            zero_copy &= mapped.first() == Some(&b'h');
-            all_read &= mapped.get(1) == Some(&b'c');
-        }
-        segments[rank].unlink();
-        if let Some(heap) = &heap {
-            heap.unlink();
-        }
-        for (peer, seg) in segments.iter().enumerate() {
-            if !seg.header().is_valid() {
-                return Err(CommError::io(format!("xccl_rs: rank {}'s shared-memory segment is not initialized", members[peer])));
-            }
-        }
-        let pids_visible = segments.iter().all(|s| pid_alive(s.header().pid.0.load(Ordering::Relaxed)));
-        Ok(ShmGroup {
-            rank,
-            size,
-            members: members.to_vec(),
-            chunk,
-            next_block: 1,
-            spin,
-            par,
-            pids_visible,
-            heap,
-            peer_heaps,
-            zero_copy,
-            zero_copy_ops: 0,
-            last_zero_copy_seq: None,
-            cma: all_read.then(|| segments_pids(&segments)).flatten(),
-            cma_ops: 0,
-            segments,
-            oneshot_bytes: settings.oneshot_bytes,
-            pipeline_chunk_log: settings.pipeline_chunk_log,
-        })
-    }
-
-    /// Whether this rank can read every peer's memory by cross-memory attach: each peer's
-    /// header, read through the address the peer published, must equal this rank's mapping of
-    /// it (the same shared memory). A peer in another pid namespace, a ptrace policy that
-    /// forbids it, or a seccomp filter all make it false.
-    fn probe_cma(
-        store: &dyn Store,
-        members: &[usize],
+    /// The group of every rank's `segments` (index = local rank, all mapped and checked),
+    /// `members` their group ranks, `rank` this rank's local index.
+    pub(super) fn new(
         rank: usize,
-        namespace: &str,
-        segments: &[Segment],
-        timeout: Duration,
-    ) -> Result<bool> {
-        let me = members[rank];
-        let mut all = true;
-        for (peer, &member) in members.iter().enumerate() {
-            let raw = store.get(&Key::ShmCma { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
-            if peer == rank {
-                continue;
-            }
-            let header = segments[peer].header();
-            let pid = header.pid.0.load(Ordering::Relaxed);
-            let Some(addr) = std::str::from_utf8(&raw).ok().and_then(|v| v.parse::<u64>().ok()) else {
-                return Err(CommError::io(format!("xccl_rs: rank {member} published an unusable header address for cross-memory attach")));
-            };
-            // The magic word and the pid, as this rank's mapping shows them.
-            let mut expect = [0u8; 16];
-            expect[..8].copy_from_slice(&header.magic.0.load(Ordering::Relaxed).to_ne_bytes());
-            expect[8..].copy_from_slice(&pid.to_ne_bytes());
-            let pid_offset = std::mem::offset_of!(RankHeader, pid) as u64;
-            let readable = i32::try_from(pid).is_ok_and(|p| {
-                super::cma::probe(p, addr, &expect[..8])
-                    && addr.checked_add(pid_offset).is_some_and(|a| super::cma::probe(p, a, &expect[8..]))
-            });
-            if !readable {
-                tracing::debug!("rank {me}: cannot read rank {member} (pid {pid}) by cross-memory attach; collectives use the slots");
-            }
-            all &= readable;
-        }
-        Ok(all)
+        members: &[usize],
+        settings: ShmSettings,
+        segments: Vec<Segment>,
+        heaps: Option<Heaps>,
+        cma: Option<CmaPeers>,
+    ) -> ShmGroup {
+        let pids_visible = segments.iter().all(|s| pid_alive(s.header().pid.0.load(Ordering::Relaxed)));
+        ShmGroup { rank, members: members.to_vec(), settings, segments, next_block: 1, pids_visible, heaps, cma }
     }
 
     pub fn rank(&self) -> usize {
@@ -281,141 +119,46 @@ impl ShmGroup {
         self.members[r]
     }
     pub fn size(&self) -> usize {
-        self.size
+        self.members.len()
     }
     /// Blocks this group has used so far (each moves up to one slot per rank): how much work
     /// went through shared memory, for diagnostics and tests.
     pub fn blocks_used(&self) -> u64 {
         self.next_block - 1
     }
-    /// This rank's heap, where it has one (tensors allocated from it can be read in place).
-    pub fn heap(&self) -> Option<&Arc<Heap>> {
-        self.heap.as_ref()
+    /// This rank's heap and, where the group agreed on zero-copy, its peers' (heap.rs); None
+    /// where this rank has no heap.
+    pub fn heaps(&self) -> Option<&Heaps> {
+        self.heaps.as_ref()
     }
 
-    /// Whether collectives may read peers' buffers in their heaps: the same on every rank.
-    pub fn zero_copy(&self) -> bool {
-        self.zero_copy
+    pub fn heaps_mut(&mut self) -> Option<&mut Heaps> {
+        self.heaps.as_mut()
     }
 
-    /// Operations that ran zero-copy so far (diagnostics and tests).
-    pub fn zero_copy_ops(&self) -> u64 {
-        self.zero_copy_ops
+    /// The peers as cross-memory attach reads them (cma.rs), where every rank can read every
+    /// peer: the same on every rank.
+    pub fn cma(&self) -> Option<&CmaPeers> {
+        self.cma.as_ref()
     }
 
-    /// Counts the op of sequence number `seq` as zero-copy, once however many pipeline chunks
-    /// of it run zero-copy (they share the op's number).
-    pub fn count_zero_copy_op(&mut self, seq: u64) {
-        if self.last_zero_copy_seq != Some(seq) {
-            self.last_zero_copy_seq = Some(seq);
-            self.zero_copy_ops += 1;
-        }
-    }
-
-    /// Whether collectives may read peers' buffers by cross-memory attach: the same on every
-    /// rank.
-    pub fn cma(&self) -> bool {
-        self.cma.is_some()
-    }
-
-    /// Operations that ran by cross-memory attach so far (diagnostics and tests).
-    pub fn cma_ops(&self) -> u64 {
-        self.cma_ops
-    }
-
-    pub fn count_cma_op(&mut self) {
-        self.cma_ops += 1;
-    }
-
-    /// After rank `r`'s `Produced` ≥ g: its pid and the address, in its own memory, of the
-    /// first buffer of the op (`describe_heap` publishes it with the heap offset).
-    pub fn cma_peer(&self, g: u64, r: usize) -> (i32, u64) {
-        let pids = self.cma.as_ref().expect("cross-memory attach was agreed");
-        (pids[r], self.header(r).line.0.cma_addr[(g % 2) as usize].load(Ordering::Relaxed))
-    }
-
-    /// Records, with the description of the op starting at block `g`, where this rank's
-    /// `views` of the op lie in its heap: the first one's offset and their spacing, when all
-    /// lie in the heap, have equal lengths and are evenly spaced without overlapping; else
-    /// "not in the heap". Also the first view's address in this process, for peers that read
-    /// it by cross-memory attach.
-    pub fn describe_heap(&self, g: u64, views: &[RawBuf]) {
-        let placed = || -> Option<(u64, u64)> {
-            let heap = self.heap.as_ref()?;
-            let first = *views.first()?;
-            let at = heap.offset_of(first)?;
-            let stride = views.get(1).map_or(first.len(), |v| (v.ptr() as usize).wrapping_sub(first.ptr() as usize));
-            let evenly = views.iter().enumerate().all(|(k, v)| {
-                v.len() == first.len()
-                    && heap.offset_of(*v).is_some()
-                    && (v.ptr() as usize).wrapping_sub(first.ptr() as usize) == k.wrapping_mul(stride)
-            });
-            (evenly && (views.len() == 1 || stride >= first.len())).then_some((at as u64 + 1, stride as u64))
-        };
-        let (at, stride) = placed().unwrap_or((0, 0));
-        let line = &self.header(self.rank).line.0;
-        line.heap_at[(g % 2) as usize].store(at, Ordering::Relaxed);
-        line.heap_stride[(g % 2) as usize].store(stride, Ordering::Relaxed);
-        line.cma_addr[(g % 2) as usize].store(views.first().map_or(0, |v| v.ptr() as u64), Ordering::Relaxed);
-    }
-
-    /// After every rank's `Produced` ≥ g (with `describe_heap`): whether every rank's views of
-    /// the op lie in its heap. Every rank reads the same published values, so all decide alike.
-    pub fn all_in_heap(&self, g: u64) -> bool {
-        (0..self.size).all(|r| self.in_heap(g, r))
-    }
-
-    /// After rank `r`'s `Produced` ≥ g: whether `r` said its views of the op lie in its heap.
-    pub fn in_heap(&self, g: u64, r: usize) -> bool {
-        self.zero_copy && self.header(r).line.0.heap_at[(g % 2) as usize].load(Ordering::Relaxed) != 0
-    }
-
-    /// After every rank's `Produced` ≥ g: peer `r`'s `count` views of `len` bytes, read in
-    /// place in its heap, or None if it said they are not there. A peer's ranges are used only
-    /// once they lie inside its heap; one outside is an error (a corrupt or hostile peer), not
-    /// a read.
-    pub fn heap_views(&self, g: u64, r: usize, count: usize, len: usize) -> Result<Option<Vec<RawBuf>>> {
-        debug_assert!(r != self.rank, "a rank's own views are its op's buffers");
-        let line = &self.header(r).line.0;
-        let at = line.heap_at[(g % 2) as usize].load(Ordering::Relaxed);
-        if at == 0 || !self.zero_copy {
-            return Ok(None);
-        }
-        let stride = line.heap_stride[(g % 2) as usize].load(Ordering::Relaxed);
-        let outside = || {
-            CommError::io(format!(
-                "xccl_rs: rank {} published {count} buffers of {len} bytes at offset {} (spacing {stride}) of its heap, which lie outside it",
-                self.members[r],
-                at - 1
-            ))
-        };
-        let heap = self.peer_heaps[r].as_ref().ok_or_else(outside)?;
-        let offset = usize::try_from(at - 1).map_err(|_| outside())?;
-        let stride = usize::try_from(stride).map_err(|_| outside())?;
-        (0..count)
-            .map(|k| k.checked_mul(stride).and_then(|d| d.checked_add(offset)).and_then(|o| heap.range(o, len)).ok_or_else(outside))
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
-    }
-
-    /// This rank's threads for the copies and reductions of a block step.
-    pub fn par(&self) -> &Par {
-        &self.par
+    pub fn cma_mut(&mut self) -> Option<&mut CmaPeers> {
+        self.cma.as_mut()
     }
 
     /// Bytes of one data slot.
     pub fn chunk(&self) -> usize {
-        self.chunk
+        self.settings.slot_bytes
     }
 
     /// What each rank of a one-shot all-reduce may read (`ShmSettings::oneshot_bytes`).
     pub fn oneshot_bytes(&self) -> usize {
-        self.oneshot_bytes
+        self.settings.oneshot_bytes
     }
 
     /// log2 of the pipeline's chunk size, part of every op's description.
     pub fn pipeline_chunk_log(&self) -> u8 {
-        self.pipeline_chunk_log
+        self.settings.pipeline_chunk_log
     }
 
     /// Reserves `blocks` consecutive block numbers for one operation; returns the first.
@@ -431,32 +174,30 @@ impl ShmGroup {
         // who reads it when is governed by the counter protocol above, which every algorithm
         // follows (a slot is written only by its owner, between `Consumed` ≥ g − 2 everywhere
         // and its `Produced`/`Reduced` for g; read by peers only after those).
-        unsafe { RawBuf::new(self.segments[rank].slot_ptr((g % 2) as usize), self.chunk) }
+        unsafe { RawBuf::new(self.segments[rank].slot_ptr((g % 2) as usize), self.chunk()) }
     }
 
     fn header(&self, rank: usize) -> &RankHeader {
         self.segments[rank].header()
     }
 
-    fn counter(&self, rank: usize, c: Counter) -> u64 {
+    /// Rank `rank`'s word of counter `c`.
+    fn counter_word(&self, rank: usize, c: Counter) -> &AtomicU64 {
         let h = self.header(rank);
-        let a = match c {
+        match c {
             Counter::Produced => &h.line.0.produced,
             Counter::Reduced => &h.reduced.0,
             Counter::Consumed => &h.consumed.0,
-        };
-        a.load(Ordering::Acquire)
+        }
+    }
+
+    fn counter(&self, rank: usize, c: Counter) -> u64 {
+        self.counter_word(rank, c).load(Ordering::Acquire)
     }
 
     /// Announces that this rank finished step `c` of block `g`.
     pub fn publish(&self, c: Counter, g: u64) {
-        let h = self.header(self.rank);
-        let a = match c {
-            Counter::Produced => &h.line.0.produced,
-            Counter::Reduced => &h.reduced.0,
-            Counter::Consumed => &h.consumed.0,
-        };
-        a.store(g, Ordering::Release);
+        self.counter_word(self.rank, c).store(g, Ordering::Release);
         self.wake();
     }
 
@@ -484,33 +225,32 @@ impl ShmGroup {
         self.header(self.rank).line.0.desc[(g % 2) as usize].store(desc);
     }
 
+    /// Records, with the description of the op starting at block `g`, where this rank's
+    /// buffers of it lie.
+    pub fn place(&self, g: u64, placement: Placement) {
+        self.header(self.rank).line.0.store_placement((g % 2) as usize, placement);
+    }
+
+    /// After rank `r`'s `Produced` ≥ g: where `r` said its buffers of the op lie.
+    pub fn placement(&self, g: u64, r: usize) -> Placement {
+        self.header(r).line.0.load_placement((g % 2) as usize)
+    }
+
     /// After every rank's `Produced` ≥ g: checks that all ranks described the same operation.
     /// Every rank runs the same comparison, so a mismatch fails every rank at once.
     pub fn check_descs(&self, g: u64, ctx: &OpCtx) -> Result<()> {
         let mine = self.header(self.rank).line.0.desc[(g % 2) as usize].load();
-        for peer in (0..self.size).filter(|&p| p != self.rank) {
+        for peer in (0..self.size()).filter(|&p| p != self.rank) {
             let theirs = self.header(peer).line.0.desc[(g % 2) as usize].load();
             if theirs != mine {
-                let what = if theirs.seq != mine.seq || theirs.kind != mine.kind {
-                    "ranks must call the same collectives in the same order"
-                } else if theirs.dtype != mine.dtype {
-                    "dtype mismatch"
-                } else if theirs.chunk_log != mine.chunk_log {
-                    "XCCL_RS_PIPELINE_CHUNK_BYTES differs between the ranks"
-                } else if theirs.reduce != mine.reduce {
-                    "reduce op mismatch"
-                } else if theirs.count != mine.count {
-                    "size mismatch"
-                } else {
-                    "root mismatch"
-                };
                 return Err(CommError::mismatch(format!(
-                    "{}: rank {} called {}, rank {} called {} ({what})",
+                    "{}: rank {} called {}, rank {} called {} ({})",
                     ctx.describe(),
                     self.members[peer],
-                    describe_desc(&theirs),
+                    theirs.describe(),
                     self.members[self.rank],
-                    describe_desc(&mine)
+                    mine.describe(),
+                    mine.mismatch(&theirs)
                 )));
             }
         }
@@ -550,10 +290,10 @@ impl ShmGroup {
             if all_done() {
                 return Ok(());
             }
-            if n % 64 == 0 || n > SPIN_TURNS {
+            if n.is_multiple_of(64) || n > SPIN_TURNS {
                 let now = Instant::now();
                 match spin_until {
-                    None => spin_until = Some(now + self.spin),
+                    None => spin_until = Some(now + self.settings.spin),
                     Some(until) if now >= until => break,
                     Some(_) => {}
                 }
@@ -624,7 +364,7 @@ impl ShmGroup {
     }
 
     pub fn wait_all(&self, c: Counter, g: u64, ctx: &OpCtx) -> Result<()> {
-        self.wait_for(c, g, 0..self.size, ctx)
+        self.wait_for(c, g, 0..self.size(), ctx)
     }
 
     /// Any rank that failed (and so aborted the group: a failure on any rank revokes it, also
@@ -633,7 +373,7 @@ impl ShmGroup {
     /// Only lagging ranks count for those: a rank that already did its part of this operation
     /// may legitimately have moved on, or exited.
     fn check_peers(&self, lagging: impl Iterator<Item = usize>, ctx: &OpCtx) -> Result<()> {
-        for local in (0..self.size).filter(|&r| r != self.rank) {
+        for local in (0..self.size()).filter(|&r| r != self.rank) {
             let h = self.header(local);
             if h.aborted.0.load(Ordering::Acquire) == ABORT_FAILED {
                 return Err(CommError::peer(format!(
@@ -647,15 +387,12 @@ impl ShmGroup {
         for local in lagging {
             let h = self.header(local);
             let peer = self.members[local];
-            match h.aborted.0.load(Ordering::Acquire) {
-                ABORT_CLOSED => {
-                    return Err(CommError::peer(format!(
-                        "{}: rank {peer} closed its communicator while rank {} waited for it in this collective",
-                        ctx.describe(),
-                        self.members[self.rank]
-                    )));
-                }
-                _ => {}
+            if h.aborted.0.load(Ordering::Acquire) == ABORT_CLOSED {
+                return Err(CommError::peer(format!(
+                    "{}: rank {peer} closed its communicator while rank {} waited for it in this collective",
+                    ctx.describe(),
+                    self.members[self.rank]
+                )));
             }
             let pid = h.pid.0.load(Ordering::Relaxed);
             if self.pids_visible && !pid_alive(pid) {
@@ -675,23 +412,6 @@ impl ShmGroup {
         self.header(self.rank).set_aborted(ABORT_FAILED, message);
         self.wake();
     }
-}
-
-/// "allreduce of 1000 float32 (SUM) #5 root 0" for mismatch messages.
-fn describe_desc(d: &Desc) -> String {
-    let op = match d.op() {
-        Code::Known(k) => k.name().to_string(),
-        Code::Unknown(c) => format!("an unknown op (code {c})"),
-    };
-    let dtype = match d.dtype() {
-        Code::Known(t) => t.name().to_string(),
-        Code::Unknown(c) => format!("an unknown dtype (code {c})"),
-    };
-    let reduce = match d.reduce() {
-        Code::Known(r) => r.name().to_string(),
-        Code::Unknown(c) => format!("code {c}"),
-    };
-    format!("{op} #{} with {} elements of {dtype} (op {reduce}, root {})", d.seq, d.count, d.root as i64)
 }
 
 impl Drop for ShmGroup {

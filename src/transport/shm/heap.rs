@@ -15,18 +15,20 @@
 //! `PeerHeap::range` bounds both by the size the file really has.
 
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::Mutex;
 
-use super::segment::SHM_DIR;
+use super::files;
 use crate::buf::RawBuf;
 use crate::error::{CommError, Result};
+
+/// What every heap's name starts with.
+const PREFIX: &str = "xccl_rs-heap-";
 
 /// Allocations are whole pages: punching a hole frees only whole pages, and page alignment
 /// is more than any dtype (or SIMD load) needs.
@@ -34,12 +36,7 @@ pub const HEAP_PAGE: usize = 4096;
 
 /// Whether `name` is what [`Heap::create`] makes: `xccl_rs-heap-<pid>-<32 hex digits>`.
 pub fn is_heap_name(name: &str) -> bool {
-    let Some(rest) = name.strip_prefix("xccl_rs-heap-") else { return false };
-    let Some((pid, token)) = rest.split_once('-') else { return false };
-    (1..=10).contains(&pid.len())
-        && pid.bytes().all(|b| b.is_ascii_digit())
-        && token.len() == 32
-        && token.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    files::is_name(PREFIX, name)
 }
 
 /// This rank's heap. Shared (`Arc`) by the group and by every tensor allocated from it, so a
@@ -64,18 +61,7 @@ impl Heap {
     /// Creates this rank's heap of `len` bytes (rounded down to pages); returns it and its name.
     pub fn create(len: usize) -> Result<(Heap, String)> {
         let len = len / HEAP_PAGE * HEAP_PAGE;
-        let mut token = [0u8; 16];
-        getrandom::fill(&mut token).map_err(|e| CommError::io(format!("getrandom failed: {e}")))?;
-        let name = format!("xccl_rs-heap-{}-{}", std::process::id(), token.iter().map(|b| format!("{b:02x}")).collect::<String>());
-        let path = PathBuf::from(SHM_DIR).join(&name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot create {}: {e}", path.display())))?;
+        let (file, path, name) = files::create(PREFIX)?;
         let mapped = file.set_len(len as u64).map_err(|e| format!("cannot size {} to {len} bytes: {e}", path.display())).and_then(|_| {
             MmapOptions::new().len(len).map_raw(&file).map_err(|e| format!("cannot map {} ({len} bytes): {e}", path.display()))
         });
@@ -111,6 +97,20 @@ impl Heap {
         let base = self.map.as_ptr() as usize;
         let at = (buf.ptr() as usize).checked_sub(base)?;
         (at.checked_add(buf.len())? <= self.len).then_some(at)
+    }
+
+    /// Where `views` lie in this heap: the first one's offset and their spacing, when all lie
+    /// in it, have equal lengths and are evenly spaced without overlapping.
+    pub fn placement(&self, views: &[RawBuf]) -> Option<(usize, usize)> {
+        let first = *views.first()?;
+        let offset = self.offset_of(first)?;
+        let stride = views.get(1).map_or(first.len(), |v| (v.ptr() as usize).wrapping_sub(first.ptr() as usize));
+        let evenly = views.iter().enumerate().all(|(k, v)| {
+            v.len() == first.len()
+                && self.offset_of(*v).is_some()
+                && (v.ptr() as usize).wrapping_sub(first.ptr() as usize) == k.wrapping_mul(stride)
+        });
+        (evenly && (views.len() == 1 || stride >= first.len())).then_some((offset, stride))
     }
 
     /// Allocates `bytes` (at least one page), with its pages reserved in /dev/shm.
@@ -234,17 +234,7 @@ impl PeerHeap {
     /// Maps a peer's heap by name; the name must be one of ours (checked) and a symbolic link
     /// is not followed. Its size is whatever the file has (ranks may configure different sizes).
     pub fn open(name: &str) -> Result<PeerHeap> {
-        if !is_heap_name(name) {
-            let shown: String = name.chars().take(80).collect();
-            return Err(CommError::io(format!("xccl_rs: refusing to map shared-memory heap '{shown}': not a heap name")));
-        }
-        let path = PathBuf::from(SHM_DIR).join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot open {}: {e}", path.display())))?;
+        let (file, path) = files::open(PREFIX, name, "heap")?;
         let len = file.metadata().map_err(|e| CommError::io(e.to_string()))?.len();
         let len = usize::try_from(len).map_err(|_| CommError::io(format!("xccl_rs: heap {name} is too large to map")))?;
         let map = MmapOptions::new()
@@ -263,11 +253,68 @@ impl PeerHeap {
         // `self`; the peer published it as its buffer of the current op (counter protocol).
         Some(unsafe { RawBuf::new(self.map.as_mut_ptr().add(offset), len) })
     }
+
+    /// The peer's `count` buffers of `len` bytes, the first at `offset`, `stride` bytes apart
+    /// (as it published them for an op), if every one lies inside its heap.
+    pub fn views(&self, offset: u64, stride: u64, count: usize, len: usize) -> Option<Vec<RawBuf>> {
+        let offset = usize::try_from(offset).ok()?;
+        let stride = usize::try_from(stride).ok()?;
+        (0..count).map(|k| k.checked_mul(stride).and_then(|d| d.checked_add(offset)).and_then(|o| self.range(o, len))).collect()
+    }
+}
+
+/// A host group's heaps as one rank has them, set up with the group (setup.rs): its own, which
+/// tensors are allocated from, and, where the group agreed on zero-copy, every peer's mapped
+/// here; and how many ops read them in place.
+pub struct Heaps {
+    own: Arc<Heap>,
+    /// Every peer's heap (None at this rank's index), present where every rank has a heap and
+    /// mapped every peer's: the same on every rank (agreed at set-up), so every rank takes the
+    /// same path through a collective.
+    peers: Option<Vec<Option<PeerHeap>>>,
+    zero_copy_ops: u64,
+    last_zero_copy_seq: Option<u64>,
+}
+
+impl Heaps {
+    pub fn new(own: Arc<Heap>, peers: Option<Vec<Option<PeerHeap>>>) -> Heaps {
+        Heaps { own, peers, zero_copy_ops: 0, last_zero_copy_seq: None }
+    }
+
+    /// This rank's heap.
+    pub fn own(&self) -> &Arc<Heap> {
+        &self.own
+    }
+
+    /// Whether collectives may read peers' buffers in their heaps: the same on every rank.
+    pub fn zero_copy(&self) -> bool {
+        self.peers.is_some()
+    }
+
+    /// Local rank `r`'s heap, mapped here, where the group agreed on zero-copy.
+    pub fn peer(&self, r: usize) -> Option<&PeerHeap> {
+        self.peers.as_ref()?.get(r)?.as_ref()
+    }
+
+    /// Operations that ran zero-copy so far (diagnostics and tests).
+    pub fn zero_copy_ops(&self) -> u64 {
+        self.zero_copy_ops
+    }
+
+    /// Counts the op of sequence number `seq` as zero-copy, once however many pipeline chunks
+    /// of it run zero-copy (they share the op's number).
+    pub fn count_zero_copy_op(&mut self, seq: u64) {
+        if self.last_zero_copy_seq != Some(seq) {
+            self.last_zero_copy_seq = Some(seq);
+            self.zero_copy_ops += 1;
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::shm::files::SHM_DIR;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     fn reserved_bytes(name: &str) -> u64 {
@@ -305,6 +352,31 @@ mod tests {
         drop(whole);
         heap.unlink();
         assert!(!PathBuf::from(SHM_DIR).join(&name).exists());
+    }
+
+    #[test]
+    fn peers_find_evenly_spaced_views_where_they_were_placed() {
+        let (heap, name) = Heap::create(16 * HEAP_PAGE).unwrap();
+        let heap = Arc::new(heap);
+        let block = heap.alloc(4 * HEAP_PAGE).unwrap();
+        let whole = block.buf();
+        let base = heap.offset_of(whole).unwrap();
+        // Four views of 1000 bytes, 1024 apart (a reduce-scatter's input views).
+        let views: Vec<RawBuf> = (0..4).map(|k| whole.sub(k * 1024, 1000)).collect();
+        assert_eq!(heap.placement(&views), Some((base, 1024)));
+        assert_eq!(heap.placement(&views[..1]), Some((base, 1000)));
+        assert_eq!(heap.placement(&[views[0], views[2], views[1]]), None, "views out of order");
+        assert_eq!(heap.placement(&[whole.sub(0, 1000), whole.sub(500, 1000)]), None, "overlapping views");
+        let mut outside = vec![0u8; 1000];
+        assert_eq!(heap.placement(&[views[0], RawBuf::from_slice(&mut outside)]), None, "a view outside the heap");
+        let peer = PeerHeap::open(&name).unwrap();
+        let seen = peer.views(base as u64, 1024, 4, 1000).unwrap();
+        assert!(seen.iter().zip(&views).all(|(s, v)| heap.offset_of(*v) == Some(s.ptr() as usize - peer.map.as_ptr() as usize)));
+        let last = (16 * HEAP_PAGE - 1000) as u64;
+        assert!(peer.views(last, 0, 3, 1000).is_some());
+        assert!(peer.views(last, 1024, 2, 1000).is_none(), "a view past the end was accepted");
+        assert!(peer.views(0, u64::MAX / 2, 3, 8).is_none(), "an overflowing spacing was accepted");
+        drop(block);
     }
 
     #[test]

@@ -7,10 +7,11 @@
 //!   the data they announce is in place; read by peers with Acquire before they touch that data.
 //!   They count blocks: "I have finished step X of block g" is the value g (monotonic for the
 //!   life of the group).
-//! - `desc[slot]`, `heap_at[slot]`, `heap_stride[slot]`: written by the owner before it publishes `produced` for the
-//!   first block of an operation (which uses that slot); read by peers after they see that
-//!   `produced`. They live on `produced`'s cache line (`ProducedLine`). A peer's `heap_at` is
-//!   used as an offset only after bounds checks against that peer's heap (heap.rs).
+//! - `desc[slot]`, and `heap_at[slot]`, `heap_stride[slot]`, `cma_addr[slot]` (a [`Placement`]):
+//!   written by the owner before it publishes `produced` for the first block of an operation
+//!   (which uses that slot); read by peers after they see that `produced`. They live on
+//!   `produced`'s cache line (`ProducedLine`). A peer's `heap_at` is used as an offset only
+//!   after bounds checks against that peer's heap (heap.rs).
 //! - `aborted`: set (Release) by the owner when it fails (`ABORT_FAILED`, after writing
 //!   `abort_message`) or when it closes its communicator (`ABORT_CLOSED`); peers check it while
 //!   waiting on that rank.
@@ -18,7 +19,7 @@
 //!   and the number of ranks asleep on it (SeqCst, Dekker-style: see group.rs).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use crate::types::{DType, OpKind, ReduceOp};
+use super::desc::Desc;
 
 pub const HEADER_BYTES: usize = 4096;
 pub const ABORT_FAILED: u32 = 1;
@@ -42,50 +43,6 @@ pub struct OpDesc {
     pub codes: AtomicU64,
     pub count: AtomicU64,
     pub root: AtomicU64,
-}
-
-/// What a rank says about an op, as it lies in shared memory: the codes are the core's
-/// (types.rs); a peer's are read with [`Desc::op`] and the others, which say `Unknown` for a
-/// code this build does not know rather than trusting it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Desc {
-    pub seq: u64,
-    /// `OpKind`'s code.
-    pub kind: u8,
-    /// `DType`'s code.
-    pub dtype: u8,
-    /// `ReduceOp`'s code for a reduction, else 0.
-    pub reduce: u8,
-    /// log2 of the pipeline's chunk size (pipeline.rs): ranks configured differently would
-    /// exchange different ranges.
-    pub chunk_log: u8,
-    pub count: u64,
-    pub root: u64,
-}
-
-/// A code read from a peer: one this build knows, or the raw byte.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Code<T> {
-    Known(T),
-    Unknown(u8),
-}
-
-impl<T> Code<T> {
-    fn of(code: u8, decode: impl Fn(u8) -> Option<T>) -> Code<T> {
-        decode(code).map_or(Code::Unknown(code), Code::Known)
-    }
-}
-
-impl Desc {
-    pub fn op(&self) -> Code<OpKind> {
-        Code::of(self.kind, OpKind::from_code)
-    }
-    pub fn dtype(&self) -> Code<DType> {
-        Code::of(self.dtype, DType::from_code)
-    }
-    pub fn reduce(&self) -> Code<ReduceOp> {
-        Code::of(self.reduce, ReduceOp::from_code)
-    }
 }
 
 impl OpDesc {
@@ -128,6 +85,32 @@ pub struct ProducedLine {
 }
 
 const _: () = assert!(std::mem::size_of::<ProducedLine>() <= 128);
+
+/// Where a rank's buffers of an op lie, published with its description (`heap_at`,
+/// `heap_stride`, `cma_addr` of `ProducedLine`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// In its heap: the first buffer's offset and the spacing of the buffers; None when they
+    /// are not all there.
+    pub heap: Option<(u64, u64)>,
+    /// The first buffer's address in the rank's own process, for cross-memory attach.
+    pub addr: u64,
+}
+
+impl ProducedLine {
+    pub fn store_placement(&self, slot: usize, p: Placement) {
+        let (at, stride) = p.heap.map_or((0, 0), |(offset, stride)| (offset + 1, stride));
+        self.heap_at[slot].store(at, Ordering::Relaxed);
+        self.heap_stride[slot].store(stride, Ordering::Relaxed);
+        self.cma_addr[slot].store(p.addr, Ordering::Relaxed);
+    }
+
+    pub fn load_placement(&self, slot: usize) -> Placement {
+        let at = self.heap_at[slot].load(Ordering::Relaxed);
+        let heap = (at != 0).then(|| (at - 1, self.heap_stride[slot].load(Ordering::Relaxed)));
+        Placement { heap, addr: self.cma_addr[slot].load(Ordering::Relaxed) }
+    }
+}
 
 #[repr(C)]
 pub struct RankHeader {

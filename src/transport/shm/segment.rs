@@ -1,5 +1,5 @@
 //! One rank's shared-memory segment: a file in /dev/shm created with O_EXCL and mode 0600
-//! under an unguessable name, mapped by every rank of the group, and unlinked by its creator as
+//! under an unguessable name (files.rs), mapped by every rank of the group, and unlinked by its creator as
 //! soon as every rank has mapped it — from then on nothing of ours is visible in /dev/shm, even
 //! if a process is killed. Until then, `Drop` unlinks it on every path out of set-up.
 //!
@@ -10,17 +10,17 @@
 //! 4096+c  slot 1        `chunk` bytes of data
 //! ```
 
-use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
 use memmap2::{MmapOptions, MmapRaw};
 
+use super::files;
 use super::layout::{HEADER_BYTES, RankHeader};
 use crate::error::{CommError, Result};
 
-pub const SHM_DIR: &str = "/dev/shm";
+/// What every segment's name starts with.
+const PREFIX: &str = "xccl_rs-";
 
 pub struct Segment {
     map: MmapRaw,
@@ -41,29 +41,13 @@ fn total_bytes(chunk: usize) -> usize {
 
 /// Whether `name` is what [`Segment::create`] makes: `xccl_rs-<pid>-<32 hex digits>`.
 pub fn is_segment_name(name: &str) -> bool {
-    let Some(rest) = name.strip_prefix("xccl_rs-") else { return false };
-    let Some((pid, token)) = rest.split_once('-') else { return false };
-    (1..=10).contains(&pid.len())
-        && pid.bytes().all(|b| b.is_ascii_digit())
-        && token.len() == 32
-        && token.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    files::is_name(PREFIX, name)
 }
 
 impl Segment {
     /// Creates this rank's segment; returns it and its name (a file name in /dev/shm).
     pub fn create(chunk: usize) -> Result<(Segment, String)> {
-        let mut token = [0u8; 16];
-        getrandom::fill(&mut token).map_err(|e| CommError::io(format!("getrandom failed: {e}")))?;
-        let name = format!("xccl_rs-{}-{}", std::process::id(), token.iter().map(|b| format!("{b:02x}")).collect::<String>());
-        let path = PathBuf::from(SHM_DIR).join(&name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot create {}: {e}", path.display())))?;
+        let (file, path, name) = files::create(PREFIX)?;
         let size = total_bytes(chunk);
         let mapped = file
             .set_len(size as u64)
@@ -101,17 +85,7 @@ impl Segment {
     /// Maps a peer's segment by name. The name must be one of ours (checked), so a peer cannot
     /// make us open an arbitrary file, and a symbolic link is not followed.
     pub fn open(name: &str, chunk: usize) -> Result<Segment> {
-        if !is_segment_name(name) {
-            let shown: String = name.chars().take(80).collect();
-            return Err(CommError::io(format!("xccl_rs: refusing to map shared-memory segment '{shown}': not a segment name")));
-        }
-        let path = PathBuf::from(SHM_DIR).join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot open {}: {e}", path.display())))?;
+        let (file, path) = files::open(PREFIX, name, "segment")?;
         let size = total_bytes(chunk);
         let actual = file.metadata().map_err(|e| CommError::io(e.to_string()))?.len();
         if actual != size as u64 {
@@ -158,6 +132,7 @@ impl Drop for Segment {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::shm::files::SHM_DIR;
     use std::os::unix::fs::PermissionsExt;
 
     #[test]

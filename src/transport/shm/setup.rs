@@ -1,0 +1,192 @@
+//! Setting up a shared-memory group: every rank creates its segment (and its heap, where the
+//! group has heaps), publishes their names through the store, maps every peer's, probes
+//! cross-memory attach, and agrees with every rank on what the group can do beyond the slots,
+//! so that every rank takes the same path through a collective. Then each rank unlinks its
+//! files: from then on nothing of the group is visible in /dev/shm.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::group::ShmGroup;
+use super::cma::{self, CmaPeers};
+use super::heap::{HEAP_PAGE, Heap, Heaps, PeerHeap};
+use super::layout::RankHeader;
+use super::segment::Segment;
+use super::settings::ShmSettings;
+use crate::error::{CommError, Result};
+use crate::keys::Key;
+use crate::rendezvous::{Store, rendezvous_error};
+
+impl ShmGroup {
+    /// Creates this rank's segment, maps every peer's, and unlinks ours once all ranks have
+    /// mapped everything. `members` are the group ranks of the local indices (`rank` is this
+    /// rank's local index); `namespace` keeps the store keys of different hosts' groups apart
+    /// (empty for a single-host group, whose keys are then `xccl_rs/shm/<rank>`).
+    pub fn setup(store: &dyn Store, members: &[usize], rank: usize, namespace: &str, settings: ShmSettings) -> Result<ShmGroup> {
+        let ShmSettings { slot_bytes: chunk, timeout, heap_bytes, .. } = settings;
+        let me = members[rank];
+        let (own, name) = Segment::create(chunk)?;
+        store.set(&Key::ShmSegment { namespace, rank }.text(), name.as_bytes())?;
+        // Where this process sees its own header: peers probe cross-memory attach with it.
+        let own_header = own.header() as *const RankHeader as u64;
+        store.set(&Key::ShmCma { namespace, rank }.text(), own_header.to_string().as_bytes())?;
+        let heap = create_heap(heap_bytes, me);
+        let heap_name = heap.as_ref().map_or(String::new(), |(_, name)| name.clone());
+        store.set(&Key::ShmHeap { namespace, rank }.text(), heap_name.as_bytes())?;
+        let heap = heap.map(|(heap, _)| heap);
+        let mut segments = map_segments(store, members, rank, namespace, own, chunk, timeout)?;
+        let peer_heaps = match heap {
+            Some(_) => Some(map_peer_heaps(store, members, rank, namespace, timeout)?),
+            None => None,
+        };
+        let all_heaps = peer_heaps.as_ref().is_some_and(|p| p.iter().enumerate().all(|(peer, h)| peer == rank || h.is_some()));
+        let reads_peers = settings.cma && cma::probe_peers(store, members, rank, namespace, &segments, timeout)?;
+        let (zero_copy, all_read) = agree(store, members, rank, namespace, all_heaps, reads_peers, timeout)?;
+        segments[rank].unlink();
+        if let Some(heap) = &heap {
+            heap.unlink();
+        }
+        for (peer, seg) in segments.iter().enumerate() {
+            if !seg.header().is_valid() {
+                return Err(CommError::io(format!("xccl_rs: rank {}'s shared-memory segment is not initialized", members[peer])));
+            }
+        }
+        let heaps = heap.map(|own| Heaps::new(own, peer_heaps.filter(|_| zero_copy)));
+        let cma = all_read.then(|| CmaPeers::of(&segments)).flatten();
+        Ok(ShmGroup::new(rank, members, settings, segments, heaps, cma))
+    }
+}
+
+/// This rank's heap of `heap_bytes` (none below a page) and its name. A heap that cannot be
+/// made (address space limits, say) leaves the group without zero-copy, not without shared
+/// memory.
+fn create_heap(heap_bytes: usize, me: usize) -> Option<(Arc<Heap>, String)> {
+    match (heap_bytes >= HEAP_PAGE).then(|| Heap::create(heap_bytes)).transpose() {
+        Ok(heap) => heap.map(|(heap, name)| (Arc::new(heap), name)),
+        Err(e) => {
+            tracing::warn!("rank {me}: no shared-memory heap, so no zero-copy collectives: {}", e.message);
+            None
+        }
+    }
+}
+
+/// Every rank's segment, mapped here (index = local rank), this rank's `own` among them.
+fn map_segments(
+    store: &dyn Store,
+    members: &[usize],
+    rank: usize,
+    namespace: &str,
+    own: Segment,
+    chunk: usize,
+    timeout: Duration,
+) -> Result<Vec<Segment>> {
+    let me = members[rank];
+    let mut segments = Vec::with_capacity(members.len());
+    let mut own = Some(own);
+    for (peer, &member) in members.iter().enumerate() {
+        if peer == rank {
+            segments.push(own.take().expect("own segment placed once"));
+            continue;
+        }
+        let peer_name = store.get(&Key::ShmSegment { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+        segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), chunk)?);
+    }
+    Ok(segments)
+}
+
+/// Every peer's heap, mapped here where it can be (None at this rank's index, and for a peer
+/// without a heap or whose heap cannot be mapped).
+fn map_peer_heaps(store: &dyn Store, members: &[usize], rank: usize, namespace: &str, timeout: Duration) -> Result<Vec<Option<PeerHeap>>> {
+    let me = members[rank];
+    let mut peer_heaps = Vec::with_capacity(members.len());
+    for (peer, &member) in members.iter().enumerate() {
+        if peer == rank {
+            peer_heaps.push(None);
+            continue;
+        }
+        let name = store.get(&Key::ShmHeap { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+        let name = String::from_utf8_lossy(&name);
+        // A peer's heap that cannot be mapped here (an address-space limit, say) leaves the
+        // group without zero-copy: this rank then says so in `agree`, and every rank agrees.
+        peer_heaps.push(match name.is_empty() {
+            true => None,
+            false => PeerHeap::open(&name)
+                .map_err(|e| tracing::warn!("rank {me}: rank {member}'s heap is not mapped, so no zero-copy collectives: {}", e.message))
+                .ok(),
+        });
+    }
+    Ok(peer_heaps)
+}
+
+/// Publishes what this rank can do (`all_heaps`: it has a heap and mapped every peer's;
+/// `reads_peers`: it can read every peer by cross-memory attach) and reads every rank's:
+/// returns whether all can, for each, the same on every rank.
+fn agree(
+    store: &dyn Store,
+    members: &[usize],
+    rank: usize,
+    namespace: &str,
+    all_heaps: bool,
+    reads_peers: bool,
+    timeout: Duration,
+) -> Result<(bool, bool)> {
+    let me = members[rank];
+    // "h": this rank can take part in zero-copy collectives; "c": it can read every peer by
+    // cross-memory attach.
+    let mut said = vec![if all_heaps { b'h' } else { b'1' }];
+    if reads_peers {
+        said.push(b'c');
+    }
+    store.set(&Key::ShmMapped { namespace, rank }.text(), &said)?;
+    let (mut zero_copy, mut all_read) = (true, true);
+    for (peer, &member) in members.iter().enumerate() {
+        let mapped = store.get(&Key::ShmMapped { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
+        zero_copy &= mapped.first() == Some(&b'h');
+        all_read &= mapped.get(1) == Some(&b'c');
+    }
+    Ok((zero_copy, all_read))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rendezvous::MemoryStore;
+
+    /// Sets up a group of as many ranks as `heap_bytes` has entries (threads of this process),
+    /// rank r with a heap of `heap_bytes[r]`; returns, per rank, whether it has a heap and
+    /// whether it reads its peers' heaps.
+    fn heaps_of(heap_bytes: &[usize]) -> Vec<(bool, bool)> {
+        let store = Arc::new(MemoryStore::default());
+        let members: Vec<usize> = (0..heap_bytes.len()).collect();
+        let ranks: Vec<_> = heap_bytes
+            .iter()
+            .enumerate()
+            .map(|(rank, &heap_bytes)| {
+                let (store, members) = (store.clone(), members.clone());
+                std::thread::spawn(move || {
+                    let settings = ShmSettings {
+                        slot_bytes: 4096,
+                        spin: Duration::ZERO,
+                        timeout: Duration::from_secs(20),
+                        heap_bytes,
+                        cma: false,
+                        oneshot_bytes: 0,
+                        pipeline_chunk_log: 20,
+                    };
+                    let group = ShmGroup::setup(store.as_ref(), &members, rank, "/test", settings).unwrap();
+                    assert!(group.cma().is_none(), "cross-memory attach without XCCL_RS_CMA");
+                    (group.heaps().is_some(), group.heaps().is_some_and(|h| h.zero_copy()))
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn zero_copy_only_where_every_rank_has_a_heap() {
+        assert_eq!(heaps_of(&[16 * HEAP_PAGE, 16 * HEAP_PAGE, 16 * HEAP_PAGE]), vec![(true, true); 3]);
+        // A rank without a heap leaves the others theirs (to allocate from), but no rank reads
+        // a peer's.
+        assert_eq!(heaps_of(&[16 * HEAP_PAGE, 0, 16 * HEAP_PAGE]), vec![(true, false), (false, false), (true, false)]);
+    }
+}
