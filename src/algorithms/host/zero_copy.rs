@@ -34,7 +34,7 @@ pub fn presync(shm: &mut ShmGroup, ctx: &OpCtx, desc: Desc, views: &[RawBuf]) ->
 /// Peer `r`'s `count` views of `len` bytes in its heap, once `shm.in_heap(g, r)` said they are
 /// there (bounds-checked by `heap_views`).
 pub fn peer_views(shm: &ShmGroup, g: u64, r: usize, count: usize, len: usize) -> Result<Vec<RawBuf>> {
-    shm.heap_views(g, r, count, len)?.ok_or_else(|| CommError::io(format!("xccl_rs: local rank {r}'s buffers are not in its heap")))
+    shm.heap_views(g, r, count, len)?.ok_or_else(|| CommError::io(format!("local rank {r}'s buffers are not in its heap")))
 }
 
 /// Whether `a` and `b` share a byte.

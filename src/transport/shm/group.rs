@@ -206,7 +206,7 @@ impl ShmGroup {
         }
         for (peer, seg) in segments.iter().enumerate() {
             if !seg.header().is_valid() {
-                return Err(CommError::io(format!("xccl_rs: rank {}'s shared-memory segment is not initialized", members[peer])));
+                return Err(CommError::io(format!("rank {}'s shared-memory segment is not initialized", members[peer])));
             }
         }
         let pids_visible = segments.iter().all(|s| pid_alive(s.header().pid.0.load(Ordering::Relaxed)));
@@ -254,7 +254,7 @@ impl ShmGroup {
             let header = segments[peer].header();
             let pid = header.pid.0.load(Ordering::Relaxed);
             let Some(addr) = std::str::from_utf8(&raw).ok().and_then(|v| v.parse::<u64>().ok()) else {
-                return Err(CommError::io(format!("xccl_rs: rank {member} published an unusable header address for cross-memory attach")));
+                return Err(CommError::io(format!("rank {member} published an unusable header address for cross-memory attach")));
             };
             // The magic word and the pid, as this rank's mapping shows them.
             let mut expect = [0u8; 16];
@@ -384,7 +384,7 @@ impl ShmGroup {
         let stride = line.heap_stride[(g % 2) as usize].load(Ordering::Relaxed);
         let outside = || {
             CommError::io(format!(
-                "xccl_rs: rank {} published {count} buffers of {len} bytes at offset {} (spacing {stride}) of its heap, which lie outside it",
+                "rank {} published {count} buffers of {len} bytes at offset {} (spacing {stride}) of its heap, which lie outside it",
                 self.members[r],
                 at - 1
             ))

@@ -63,7 +63,7 @@ impl Segment {
             .mode(0o600)
             .custom_flags(libc::O_CLOEXEC)
             .open(&path)
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot create {}: {e}", path.display())))?;
+            .map_err(|e| CommError::io(format!("cannot create {}: {e}", path.display())))?;
         let size = total_bytes(chunk);
         let mapped = file
             .set_len(size as u64)
@@ -87,7 +87,7 @@ impl Segment {
             Ok(map) => map,
             Err(message) => {
                 let _ = std::fs::remove_file(&path);
-                return Err(CommError::io(format!("xccl_rs: {message}")));
+                return Err(CommError::io(message));
             }
         };
         let seg = Segment { map, chunk, owned_path: Some(path) };
@@ -103,7 +103,7 @@ impl Segment {
     pub fn open(name: &str, chunk: usize) -> Result<Segment> {
         if !is_segment_name(name) {
             let shown: String = name.chars().take(80).collect();
-            return Err(CommError::io(format!("xccl_rs: refusing to map shared-memory segment '{shown}': not a segment name")));
+            return Err(CommError::io(format!("refusing to map shared-memory segment '{shown}': not a segment name")));
         }
         let path = PathBuf::from(SHM_DIR).join(name);
         let file = OpenOptions::new()
@@ -111,19 +111,19 @@ impl Segment {
             .write(true)
             .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
             .open(&path)
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot open {}: {e}", path.display())))?;
+            .map_err(|e| CommError::io(format!("cannot open {}: {e}", path.display())))?;
         let size = total_bytes(chunk);
         let actual = file.metadata().map_err(|e| CommError::io(e.to_string()))?.len();
         if actual != size as u64 {
             return Err(CommError::io(format!(
-                "xccl_rs: segment {name} has {actual} bytes, expected {size} (XCCL_RS_SHM_CHUNK_BYTES differs between ranks?)"
+                "segment {name} has {actual} bytes, expected {size} (XCCL_RS_SHM_CHUNK_BYTES differs between ranks?)"
             )));
         }
         let map = MmapOptions::new()
             .len(size)
             .populate()
             .map_raw(&file)
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot map {}: {e}", path.display())))?;
+            .map_err(|e| CommError::io(format!("cannot map {}: {e}", path.display())))?;
         Ok(Segment { map, chunk, owned_path: None })
     }
 
