@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::error::{CommError, ErrorKind, Result};
+use crate::error::{CommError, Result};
 
 #[derive(Debug)]
 pub struct AbortSwitch {
@@ -41,7 +41,7 @@ impl AbortSwitch {
         // that nothing else owns, so OwnedFd may take it.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
-            return Err(CommError::io(format!("xccl_rs: eventfd failed: {}", std::io::Error::last_os_error())));
+            return Err(CommError::io(format!("eventfd failed: {}", std::io::Error::last_os_error())));
         }
         // SAFETY: see above: `fd` is a fresh descriptor owned by no one else.
         let wake = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -84,7 +84,7 @@ impl AbortSwitch {
 
     /// The error of an op that the switch stopped; `what` says which ("allreduce #3 on rank 1").
     pub fn error(&self, what: &str) -> CommError {
-        CommError::new(ErrorKind::Aborted, format!("{what}: aborted: {}", self.reason.lock()))
+        CommError::aborted(format!("aborted: {}", self.reason.lock())).within(what)
     }
 }
 
@@ -207,6 +207,7 @@ impl ListenersRunning {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ErrorKind;
 
     #[test]
     fn raised_switch_polls_readable_and_keeps_the_first_reason() {
@@ -219,7 +220,7 @@ mod tests {
         // SAFETY: as above.
         assert_eq!(unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) }, 1, "readable after");
         assert!(s.is_raised());
-        assert_eq!(s.error("xccl_rs: barrier #0 on rank 0").message, "xccl_rs: barrier #0 on rank 0: aborted: abort() was called");
+        assert_eq!(s.error("barrier #0 on rank 0").to_string(), "xccl_rs: barrier #0 on rank 0: aborted: abort() was called");
     }
 
     #[test]

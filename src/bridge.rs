@@ -4,13 +4,13 @@
 //! symbol linked into a Rust cdylib is not exported); the C++ library of the CMake package
 //! (feature `cpp` alone) has no Python and must not reference it.
 
-use std::cell::Cell;
 use std::time::Duration;
 
 use crate::buf::{Buf, RawBuf};
+use crate::bridge_error::{BridgeError, catch, shared_error_kind};
 use crate::comm::{Communicator, Staged};
 use crate::config::Config;
-use crate::error::{CommError, ErrorKind, Result};
+use crate::error::{CommError, Result};
 use crate::ffi::ffi::{self, BufferView, FailureListener, OpRequest, StagingHandle, StoreRef, WorkDone};
 use crate::op::Op;
 use crate::rendezvous::Store;
@@ -83,18 +83,18 @@ impl Store for BridgeStore {
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let store = self.0.as_ref().ok_or_else(|| CommError::io("null store"))?;
         ffi::store_get(store, key, timeout.as_millis() as u64)
-            .map_err(|e| CommError::new(crate::ErrorKind::Timeout, format!("store get '{key}' failed: {e}")))
+            .map_err(|e| CommError::timeout(format!("store get '{key}' failed: {e}")))
     }
 }
 
 pub struct RustComm(Communicator);
 
-pub fn new_comm(store: cxx::UniquePtr<StoreRef>, rank: i32, size: i32, timeout_ms: u64) -> std::result::Result<Box<RustComm>, String> {
+pub fn new_comm(store: cxx::UniquePtr<StoreRef>, rank: i32, size: i32, timeout_ms: u64) -> std::result::Result<Box<RustComm>, BridgeError> {
     catch(|| {
         if rank < 0 || size <= 0 {
-            return Err(CommError::invalid(format!("xccl_rs: invalid rank {rank} / size {size}")));
+            return Err(CommError::invalid(format!("invalid rank {rank} / size {size}")));
         }
-        let config = Config::from_env(Duration::from_millis(timeout_ms)).map_err(|e| CommError::invalid(e.to_string()))?;
+        let config = Config::from_env(Duration::from_millis(timeout_ms))?;
         let store = BridgeStore(store);
         Communicator::new(&store, rank as usize, size as usize, config).map(|c| Box::new(RustComm(c)))
     })
@@ -129,25 +129,6 @@ fn core_kind(k: ffi::OpKind) -> Result<OpKind> {
 /// The op's name as torch spells it (stats.rs), for C++'s profiler ranges.
 pub fn op_label(kind: ffi::OpKind) -> &'static str {
     core_kind(kind).map_or("op", crate::stats::op_label)
-}
-
-/// How a core error reads in torch's terms (`c10d::ErrorType`, and the Python exception).
-fn shared_error_kind(kind: &ErrorKind) -> ffi::ErrorKind {
-    match kind {
-        ErrorKind::InvalidArgument => ffi::ErrorKind::InvalidArgument,
-        ErrorKind::Timeout => ffi::ErrorKind::Timeout,
-        ErrorKind::PeerFailure => ffi::ErrorKind::Remote,
-        ErrorKind::Mismatch | ErrorKind::Io | ErrorKind::Aborted => ffi::ErrorKind::Communication,
-    }
-}
-
-thread_local! {
-    /// The kind of the last error a bridge function returned on this thread (`take_error_kind`).
-    static LAST_ERROR_KIND: Cell<u8> = const { Cell::new(0) };
-}
-
-pub fn take_error_kind() -> ffi::ErrorKind {
-    ffi::ErrorKind { repr: LAST_ERROR_KIND.with(|k| k.replace(ffi::ErrorKind::Success.repr)) }
 }
 
 fn to_op(r: &OpRequest) -> Result<Op<Buf>> {
@@ -187,7 +168,7 @@ impl SharedBlock {
 }
 
 impl RustComm {
-    pub fn alloc_shared(&self, bytes: usize) -> std::result::Result<Box<SharedBlock>, String> {
+    pub fn alloc_shared(&self, bytes: usize) -> std::result::Result<Box<SharedBlock>, BridgeError> {
         catch(|| self.0.alloc_shared(bytes).map(|b| Box::new(SharedBlock(b))))
     }
 
@@ -224,7 +205,7 @@ impl RustComm {
         staging: cxx::UniquePtr<StagingHandle>,
         done: cxx::UniquePtr<WorkDone>,
         caller_waits: bool,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), BridgeError> {
         catch(|| {
             let ops = ops.iter().map(to_op).collect::<Result<Vec<_>>>()?;
             let tensors = staged.iter().map(|t| StagedTensor { bytes: t.bytes, contiguous: t.contiguous, read: t.read, write: t.write });
@@ -236,7 +217,7 @@ impl RustComm {
                     let started = unix_micros(started);
                     match result {
                         Ok(c) => ffi::work_done(done, ffi::ErrorKind::Success, "", c.source_rank, started),
-                        Err(e) => ffi::work_done(done, shared_error_kind(&e.kind), &e.message, -1, started),
+                        Err(e) => ffi::work_done(done, shared_error_kind(e.kind), &e.to_string(), -1, started),
                     }
                 }),
                 caller_waits,
@@ -255,14 +236,14 @@ impl RustComm {
     }
 
     pub fn error_kind(&self) -> ffi::ErrorKind {
-        self.0.error().map_or(ffi::ErrorKind::Success, |e| shared_error_kind(&e.kind))
+        self.0.error().map_or(ffi::ErrorKind::Success, |e| shared_error_kind(e.kind))
     }
 
     pub fn listen_for_failure(&self, listener: cxx::UniquePtr<FailureListener>) {
         let listener = std::sync::Arc::new(listener);
         self.0.on_failure(std::sync::Arc::new(move |e: &CommError| {
             if let Some(l) = listener.as_ref().as_ref() {
-                ffi::group_failed(l, shared_error_kind(&e.kind), &e.message);
+                ffi::group_failed(l, shared_error_kind(e.kind), &e.to_string());
             }
         }));
     }
@@ -280,36 +261,21 @@ impl RustComm {
     }
 }
 
-/// This host's identity by the core's rule (comm.rs `this_host`), for Python's weight sync.
-pub fn host_identity() -> std::result::Result<String, String> {
+/// This host's identity by the core's rule (hosts.rs `this_host`), for Python's weight sync.
+pub fn host_identity() -> std::result::Result<String, BridgeError> {
     catch(|| {
-        let config = Config::from_env(Duration::from_secs(1)).map_err(|e| CommError::invalid(e.to_string()))?;
-        Ok(crate::comm::this_host(&config))
+        let config = Config::from_env(Duration::from_secs(1))?;
+        Ok(crate::hosts::this_host(&config))
     })
 }
 
 /// Waits, at most `XCCL_RS_FAILURE_HOOKS_WAIT_MS`, until no group's abort hooks are running in
 /// this process (abort.rs); true when none are. Python's exit calls it.
-pub fn wait_for_failure_hooks() -> std::result::Result<bool, String> {
+pub fn wait_for_failure_hooks() -> std::result::Result<bool, BridgeError> {
     catch(|| {
-        let config = Config::from_env(Duration::from_secs(1)).map_err(|e| CommError::invalid(e.to_string()))?;
+        let config = Config::from_env(Duration::from_secs(1))?;
         Ok(crate::abort::wait_for_listeners(config.failure_hooks_wait))
     })
-}
-
-/// Runs `f`, turning errors and panics into the message C++ will raise.
-fn catch<T>(f: impl FnOnce() -> Result<T>) -> std::result::Result<T, String> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => {
-            LAST_ERROR_KIND.with(|k| k.set(shared_error_kind(&e.kind).repr));
-            Err(e.message)
-        }
-        Err(_) => {
-            LAST_ERROR_KIND.with(|k| k.set(ffi::ErrorKind::Communication.repr));
-            Err("xccl_rs: internal error (a panic in the Rust core; please report it)".into())
-        }
-    }
 }
 
 #[cfg(feature = "bridge")]

@@ -28,9 +28,8 @@ use crate::stats::{GroupStats, OpSample, Totals, fabric_name};
 use crate::algorithms::{Step, run_collective};
 use crate::buf::{Buf, Extent};
 use crate::config::Config;
-use crate::error::{CommError, ErrorKind, Result};
+use crate::error::{CommError, Result};
 use crate::fabric::Fabric;
-pub use crate::hosts::this_host;
 use crate::op::{Completion, Op};
 use crate::pipeline;
 use crate::rendezvous::{Store, agree_on_secret};
@@ -85,7 +84,7 @@ impl Communicator {
     pub fn new(store: &dyn Store, rank: usize, size: usize, config: Config) -> Result<Communicator> {
         crate::config::init_logging();
         if size == 0 || rank >= size {
-            return Err(CommError::invalid(format!("xccl_rs: rank {rank} is not in a group of size {size}")));
+            return Err(CommError::invalid(format!("rank {rank} is not in a group of size {size}")));
         }
         let secret = agree_on_secret(store, rank, config.timeout)?;
         let fabric = Fabric::build(store, rank, size, &secret, &config)?;
@@ -116,7 +115,7 @@ impl Communicator {
         let thread = std::thread::Builder::new()
             .name(format!("xccl_rs-r{rank}"))
             .spawn(move || thread_shared.serve(rx))
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot start the progress thread: {e}")))?;
+            .map_err(|e| CommError::io(format!("cannot start the progress thread: {e}")))?;
         Ok(Communicator {
             rank,
             size,
@@ -189,7 +188,7 @@ impl Communicator {
         match self.heap.lock().as_ref() {
             Some(heap) => heap.alloc(bytes),
             None => Err(CommError::invalid(format!(
-                "xccl_rs: rank {}: this group has no shared-memory heap (its ranks are not all on one host, XCCL_RS_TRANSPORT=tcp or XCCL_RS_SHM_HEAP_BYTES=0), or it was shut down",
+                "rank {}: this group has no shared-memory heap (its ranks are not all on one host, XCCL_RS_TRANSPORT=tcp or XCCL_RS_SHM_HEAP_BYTES=0), or it was shut down",
                 self.rank
             ))),
         }
@@ -213,9 +212,9 @@ impl Communicator {
     pub fn submit_with(&self, ops: Vec<Op<Buf>>, staged: Option<Staged>, done: OnRan, caller_waits: bool) -> Result<()> {
         if let Some(first) = self.failure.first() {
             let what = ops.first().map_or("job", |o| o.kind.name());
-            return Err(CommError::new(first.kind, format!("xccl_rs: rank {}: {what}: {}", self.rank, failed_earlier(&first))));
+            return Err(CommError::new(first.kind, failed_earlier(&first)).within(format!("rank {}: {what}", self.rank)));
         }
-        let local = |e: CommError| CommError::new(e.kind, format!("xccl_rs: rank {}: {}", self.rank, e.message));
+        let local = |e: CommError| e.within(format!("rank {}", self.rank));
         for op in &ops {
             op.validate(self.rank, self.size).map_err(local)?;
         }
@@ -233,7 +232,7 @@ impl Communicator {
         let collectives = ops.iter().filter(|op| !op.kind.is_p2p()).count() as u64;
         let queue = self.queue.lock();
         if queue.is_none() {
-            return Err(CommError::new(ErrorKind::Aborted, "xccl_rs: the communicator was shut down"));
+            return Err(CommError::aborted("the communicator was shut down"));
         }
         self.submitted.fetch_add(collectives, Ordering::Relaxed);
         if caller_waits && self.shared.pending.load(Ordering::Acquire) == 0 {
@@ -251,7 +250,7 @@ impl Communicator {
         let sent = queue.as_ref().map(|tx| tx.send(Job::Run { ops, staging, done }).is_ok()).unwrap_or(false);
         if !sent {
             self.shared.pending.fetch_sub(1, Ordering::AcqRel);
-            return Err(CommError::new(ErrorKind::Aborted, "xccl_rs: the progress thread has exited"));
+            return Err(CommError::aborted("the progress thread has exited"));
         }
         Ok(())
     }
@@ -268,9 +267,9 @@ impl Communicator {
     /// The group counts as failed when this returns: `error()` says so and the failure
     /// listeners have run.
     pub fn abort_now(&self, reason: &str) {
-        let message = format!("xccl_rs: rank {}: {reason}", self.rank);
+        let message = format!("rank {}: {reason}", self.rank);
         self.abort_switch.raise(reason);
-        if self.failure.record(&CommError::new(ErrorKind::Aborted, message.clone())) {
+        if self.failure.record(&CommError::aborted(message.clone())) {
             self.failure.wait_for_listeners(Duration::MAX);
         }
         let _ = self.send(Job::Abort { op: OpKind::Barrier, message });
@@ -288,11 +287,11 @@ impl Communicator {
 
     fn send(&self, job: Job) -> Result<()> {
         let queue = self.queue.lock();
-        let tx = queue.as_ref().ok_or_else(|| CommError::new(ErrorKind::Aborted, "xccl_rs: the communicator was shut down"))?;
+        let tx = queue.as_ref().ok_or_else(|| CommError::aborted("the communicator was shut down"))?;
         self.shared.pending.fetch_add(1, Ordering::AcqRel);
         tx.send(job).map_err(|_| {
             self.shared.pending.fetch_sub(1, Ordering::AcqRel);
-            CommError::new(ErrorKind::Aborted, "xccl_rs: the progress thread has exited")
+            CommError::aborted("the progress thread has exited")
         })
     }
 
@@ -302,7 +301,7 @@ impl Communicator {
     /// `XCCL_RS_FAILURE_HOOKS_WAIT_MS`: torch lets go of a group's hooks once it is shut down.
     pub fn shutdown(&self) {
         if !self.failure.wait_for_listeners(self.failure_hooks_wait) {
-            tracing::warn!(rank = self.rank, "xccl_rs: shutting the group down while its abort hooks still run");
+            tracing::warn!(rank = self.rank, "shutting the group down while its abort hooks still run");
         }
         drop(self.queue.lock().take());
         if let Some(t) = self.thread.lock().take() {
@@ -342,7 +341,7 @@ impl Shared {
                 Job::Abort { op, message } => {
                     let mut worker = self.worker.lock();
                     let ctx = worker.ctx(op, worker.seq);
-                    worker.fail(&ctx, CommError::new(ErrorKind::Aborted, message));
+                    worker.fail(&ctx, CommError::aborted(message));
                     drop(worker);
                     self.pending.fetch_sub(1, Ordering::AcqRel);
                 }
@@ -371,7 +370,7 @@ struct Worker {
 impl Worker {
     fn close(&mut self) {
         if self.failed.is_none() {
-            self.failed = Some(CommError::new(ErrorKind::Aborted, "xccl_rs: the group was destroyed"));
+            self.failed = Some(CommError::aborted("the group was destroyed"));
         }
         self.fabric.close();
         self.abort_switch.close();
@@ -389,7 +388,7 @@ impl Worker {
                     .map(|s| s.to_string())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_else(|| "unknown panic".into());
-                let e = CommError::io(format!("xccl_rs: internal error (please report): {what}"));
+                let e = CommError::io(format!("internal error (please report): {what}"));
                 let ctx = self.ctx(OpKind::Barrier, self.seq);
                 self.fail(&ctx, e.clone());
                 Err(e)
@@ -411,7 +410,7 @@ impl Worker {
 
     fn fail(&mut self, ctx: &OpCtx, e: CommError) {
         if self.failed.is_none() {
-            tracing::error!(error = %e.message, "xccl_rs communicator failed");
+            tracing::error!(error = %e, "xccl_rs communicator failed");
             self.fabric.abort(ctx, &e.message);
             // The listeners run on: the caller hears of `e` now, and the interpreter's exit
             // waits for them (abort.rs `wait_for_listeners`).
@@ -428,7 +427,7 @@ impl Worker {
     /// back, after every op succeeded) fails only this job.
     fn run_job(&mut self, ops: &[Op<Buf>], mut staging: Option<&mut StagedJob>) -> Result<Completion> {
         if let Some(e) = &self.failed {
-            return Err(CommError::new(ErrorKind::Aborted, failed_earlier(e)));
+            return Err(CommError::aborted(failed_earlier(e)));
         }
         if let Some(s) = staging.as_deref_mut() {
             if let Err(e) = s.start() {
@@ -554,5 +553,5 @@ impl Worker {
 
 /// The error of a job on a group that failed with `first`.
 fn failed_earlier(first: &CommError) -> String {
-    format!("xccl_rs: this group failed earlier and cannot be used any more; the first error was: {}", first.message)
+    format!("this group failed earlier and cannot be used any more; the first error was: {}", first.message)
 }

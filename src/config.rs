@@ -31,11 +31,17 @@ pub struct InvalidSetting {
 
 impl std::fmt::Display for InvalidSetting {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "xccl_rs: {}={:?} is not valid: expected {}", self.name, self.value, self.allowed)
+        write!(f, "{}={:?} is not valid: expected {}", self.name, self.value, self.allowed)
     }
 }
 
 impl std::error::Error for InvalidSetting {}
+
+impl From<InvalidSetting> for crate::error::CommError {
+    fn from(e: InvalidSetting) -> Self {
+        crate::error::CommError::invalid(e.to_string())
+    }
+}
 
 /// A parser turns a variable's trimmed text into the setting's value, or says what is allowed.
 type Parse<T> = fn(&str) -> Result<T, String>;

@@ -5,12 +5,12 @@
 //! The vocabulary both languages use is declared here once, as shared enums: op kinds, element
 //! types, reduce ops and error kinds (cxx generates the C++ `enum class`es; `bridge.rs` checks at
 //! compile time that every code equals the core's own enum's). Errors cross one way: a Rust
-//! function that can fail returns `Result`; its message becomes the C++ exception's text and its
-//! kind is kept for the same thread (`take_error_kind`), which `csrc/errors.cc` maps, in one
-//! place, to a Python `ValueError` or `torch.distributed.DistBackendError`. No panic crosses
-//! (the Rust side catches them).
+//! function that can fail returns `Result`, whose error carries its kind in its text
+//! (`bridge_error.rs` encodes it, `csrc/errors.cc` decodes it), and `csrc/errors.cc` maps the
+//! kind, in one place, to a Python `ValueError` or `torch.distributed.DistBackendError`. No
+//! panic crosses (the Rust side catches them).
 
-use crate::bridge::{RustComm, SharedBlock, host_identity, new_comm, op_label, take_error_kind, wait_for_failure_hooks};
+use crate::bridge::{RustComm, SharedBlock, host_identity, new_comm, op_label, wait_for_failure_hooks};
 
 #[cxx::bridge(namespace = "xccl_rs")]
 pub mod ffi {
@@ -184,9 +184,6 @@ pub mod ffi {
         /// The op's name as torch's flight recorder and profiler ranges spell it ("all_reduce").
         fn op_label(kind: OpKind) -> &'static str;
         fn address(self: &SharedBlock) -> usize;
-        /// The kind of the last error a function of this bridge returned to this thread (then
-        /// `Success` until the next one).
-        fn take_error_kind() -> ErrorKind;
         /// Which ranks share memory: equal identities (XCCL_RS_HOST_ID, else host and /dev/shm).
         fn host_identity() -> Result<String>;
         /// Waits (at most XCCL_RS_FAILURE_HOOKS_WAIT_MS) until no abort hooks are running; true

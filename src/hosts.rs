@@ -77,7 +77,7 @@ impl HostMap {
             let id = store.get(&Key::Host(peer).text(), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
             if id.len() > MAX_HOST_ID_LEN {
                 return Err(CommError::io(format!(
-                    "xccl_rs: rank {peer} published a host identity of {} bytes (at most {MAX_HOST_ID_LEN})",
+                    "rank {peer} published a host identity of {} bytes (at most {MAX_HOST_ID_LEN})",
                     id.len()
                 )));
             }

@@ -43,4 +43,6 @@ pub(crate) mod failures;
 #[cfg(feature = "cpp")]
 mod bridge;
 #[cfg(feature = "cpp")]
+mod bridge_error;
+#[cfg(feature = "cpp")]
 mod ffi;

@@ -56,7 +56,7 @@ impl Par {
                     .num_threads(threads - 1)
                     .thread_name(|i| format!("xccl_rs-copy-{i}"))
                     .build()
-                    .map_err(|e| tracing::warn!(threads, error = %e, "xccl_rs: no helper threads; copying on one"))
+                    .map_err(|e| tracing::warn!(threads, error = %e, "no helper threads; copying on one"))
                     .ok()
             })
             .flatten();

@@ -7,7 +7,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{CommError, ErrorKind, Result};
+use crate::error::{CommError, Result};
 use crate::keys::Key;
 use crate::transport::tcp::handshake::{SECRET_LEN, Secret};
 
@@ -48,7 +48,7 @@ impl Store for MemoryStore {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(CommError::new(ErrorKind::Timeout, format!("timed out after {timeout:?} waiting for store key '{key}'")));
+                return Err(CommError::timeout(format!("timed out after {timeout:?} waiting for store key '{key}'")));
             }
             map = self.changed.wait_timeout(map, deadline - now).map_err(|_| CommError::io("store lock poisoned"))?.0;
         }
@@ -83,7 +83,7 @@ pub fn agree_on_secret(store: &dyn Store, rank: usize, timeout: Duration) -> Res
 /// The secret as read from the store: exactly SECRET_LEN bytes.
 pub fn parse_secret(value: &[u8]) -> std::result::Result<Secret, String> {
     let bytes: [u8; SECRET_LEN] =
-        value.try_into().map_err(|_| format!("xccl_rs: the group secret in the store has {} bytes, expected {SECRET_LEN}", value.len()))?;
+        value.try_into().map_err(|_| format!("the group secret in the store has {} bytes, expected {SECRET_LEN}", value.len()))?;
     Ok(Secret(bytes))
 }
 
@@ -107,12 +107,5 @@ pub fn parse_address(value: &[u8]) -> std::result::Result<SocketAddr, String> {
 
 /// A store error during set-up, reworded to say which rank never showed up.
 pub fn rendezvous_error(rank: usize, waiting_for: usize, e: CommError) -> CommError {
-    CommError::new(
-        e.kind.clone(),
-        format!(
-            "xccl_rs: rank {rank} could not reach rank {waiting_for} during connection set-up \
-             (did every rank create the group?): {}",
-            e.message
-        ),
-    )
+    e.within(format_args!("rank {rank} could not reach rank {waiting_for} during connection set-up (did every rank create the group?)"))
 }

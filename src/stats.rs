@@ -224,7 +224,7 @@ impl StatsFile {
                 Some(file)
             }
             Err(e) => {
-                tracing::warn!(%path, error = %e, "xccl_rs: XCCL_RS_STATS: cannot open the statistics file; no statistics are written");
+                tracing::warn!(%path, error = %e, "XCCL_RS_STATS: cannot open the statistics file; no statistics are written");
                 None
             }
         }

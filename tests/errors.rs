@@ -420,8 +420,8 @@ fn submit_validates_layout() {
             let desc = format!("case {i} ({:?} {} {:?} root {}, expecting {needles:?}) rank {rank}", o.kind, o.dtype, o.reduce_op, o.root);
             let Some(e) = expect_err(f, run(&comm, vec![o]), &desc) else { continue };
             f.check(e.kind == ErrorKind::InvalidArgument, || format!("{desc}: kind {:?}, expected InvalidArgument: {}", e.kind, e.message));
-            f.check(e.message.starts_with(&format!("xccl_rs: rank {rank}: ")), || {
-                format!("{desc}: the message should start by naming the rank: {}", e.message)
+            f.check(e.to_string().starts_with(&format!("xccl_rs: rank {rank}: ")), || {
+                format!("{desc}: the message should start by naming the rank: {e}")
             });
             mentions(f, &e, needles, &desc);
         }

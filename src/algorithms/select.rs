@@ -279,7 +279,7 @@ impl FirstUses {
         if self.0.insert((op, path, class)) {
             let up_to = if class >= usize::BITS { "any size".to_string() } else { format!("< {} B", 1usize << class) };
             let algorithm = algorithm(op, shape);
-            tracing::debug!(rank, ?op, ?shape, ?algorithm, %path, size = %up_to, "xccl_rs: first use of a path");
+            tracing::debug!(rank, ?op, ?shape, ?algorithm, %path, size = %up_to, "first use of a path");
         }
     }
 }

@@ -69,9 +69,9 @@ pub struct OpCtx {
 }
 
 impl OpCtx {
-    /// "allreduce #17 on rank 0": how every error message starts.
+    /// "allreduce #17 on rank 0": how every error of an op says where it happened.
     pub fn describe(&self) -> String {
-        format!("xccl_rs: {} #{} on rank {}", self.op.name(), self.seq, self.rank)
+        format!("{} #{} on rank {}", self.op.name(), self.seq, self.rank)
     }
 
     /// The error to stop with when the group's abort switch was raised.
@@ -79,9 +79,9 @@ impl OpCtx {
         self.abort.as_ref().filter(|a| a.is_raised()).map(|a| a.error(&self.describe()))
     }
 
-    /// `e` with its message prefixed by [`describe`](Self::describe).
+    /// `e` with its message led by [`describe`](Self::describe).
     pub fn annotate(&self, e: CommError) -> CommError {
-        CommError::new(e.kind, format!("{}: {}", self.describe(), e.message))
+        e.within(self.describe())
     }
 }
 

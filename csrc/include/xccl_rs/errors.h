@@ -1,6 +1,6 @@
 // How errors of the Rust core become torch's exceptions, in one place: the bridge's ErrorKind
 // (src/ffi.rs) decides the exception, for the errors Rust functions return (a rust::Error,
-// whose kind take_error_kind() keeps for this thread) and for the errors of finished work.
+// whose text carries the kind: src/bridge_error.rs) and for the errors of finished work.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +19,8 @@ std::exception_ptr make_error(ErrorKind kind, const std::string& message);
 
 [[noreturn]] void raise_error(ErrorKind kind, const std::string& message);
 
-// For the rust::Error a bridge function just threw on this thread.
+// For the rust::Error a bridge function threw: raises the exception of the kind its text
+// names, with the text after the kind tag as the message.
 [[noreturn]] void raise_core_error(const rust::Error& e);
 
 } // namespace xccl_rs

@@ -63,11 +63,11 @@ pub fn peer_views(shm: &ShmGroup, g: u64, r: usize, count: usize, len: usize) ->
     debug_assert!(r != shm.rank(), "a rank's own views are its op's buffers");
     let heaps = shm.heaps().filter(|h| h.zero_copy());
     let (Some(heaps), Some((offset, stride))) = (heaps, shm.placement(g, r).heap) else {
-        return Err(CommError::io(format!("xccl_rs: local rank {r}'s buffers are not in its heap")));
+        return Err(CommError::io(format!("local rank {r}'s buffers are not in its heap")));
     };
     heaps.peer(r).and_then(|heap| heap.views(offset, stride, count, len)).ok_or_else(|| {
         CommError::io(format!(
-            "xccl_rs: rank {} published {count} buffers of {len} bytes at offset {offset} (spacing {stride}) of its heap, which lie outside it",
+            "rank {} published {count} buffers of {len} bytes at offset {offset} (spacing {stride}) of its heap, which lie outside it",
             shm.group_rank(r)
         ))
     })

@@ -68,7 +68,7 @@ pub fn probe_peers(store: &dyn Store, members: &[usize], rank: usize, namespace:
         let header = segments[peer].header();
         let pid = header.pid.0.load(Ordering::Relaxed);
         let Some(addr) = std::str::from_utf8(&raw).ok().and_then(|v| v.parse::<u64>().ok()) else {
-            return Err(CommError::io(format!("xccl_rs: rank {member} published an unusable header address for cross-memory attach")));
+            return Err(CommError::io(format!("rank {member} published an unusable header address for cross-memory attach")));
         };
         // The magic word and the pid, as this rank's mapping shows them.
         let mut expect = [0u8; 16];

@@ -36,7 +36,7 @@ pub fn create(prefix: &str) -> Result<(File, PathBuf, String)> {
         .mode(0o600)
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)
-        .map_err(|e| CommError::io(format!("xccl_rs: cannot create {}: {e}", path.display())))?;
+        .map_err(|e| CommError::io(format!("cannot create {}: {e}", path.display())))?;
     Ok((file, path, name))
 }
 
@@ -45,7 +45,7 @@ pub fn create(prefix: &str) -> Result<(File, PathBuf, String)> {
 pub fn open(prefix: &str, name: &str, what: &str) -> Result<(File, PathBuf)> {
     if !is_name(prefix, name) {
         let shown: String = name.chars().take(80).collect();
-        return Err(CommError::io(format!("xccl_rs: refusing to map shared-memory {what} '{shown}': not a {what} name")));
+        return Err(CommError::io(format!("refusing to map shared-memory {what} '{shown}': not a {what} name")));
     }
     let path = PathBuf::from(SHM_DIR).join(name);
     let file = OpenOptions::new()
@@ -53,6 +53,6 @@ pub fn open(prefix: &str, name: &str, what: &str) -> Result<(File, PathBuf)> {
         .write(true)
         .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
         .open(&path)
-        .map_err(|e| CommError::io(format!("xccl_rs: cannot open {}: {e}", path.display())))?;
+        .map_err(|e| CommError::io(format!("cannot open {}: {e}", path.display())))?;
     Ok((file, path))
 }

@@ -72,7 +72,7 @@ impl Heap {
             }
             Err(message) => {
                 let _ = std::fs::remove_file(&path);
-                Err(CommError::io(format!("xccl_rs: {message} (lower XCCL_RS_SHM_HEAP_BYTES, or 0 for no heap)")))
+                Err(CommError::io(format!("{message} (lower XCCL_RS_SHM_HEAP_BYTES, or 0 for no heap)")))
             }
         }
     }
@@ -119,13 +119,13 @@ impl Heap {
             .max(1)
             .div_ceil(HEAP_PAGE)
             .checked_mul(HEAP_PAGE)
-            .ok_or_else(|| CommError::invalid("xccl_rs: allocation size overflows"))?;
+            .ok_or_else(|| CommError::invalid("allocation size overflows"))?;
         let offset = {
             let mut free = self.free.lock();
             let Some((&at, &len)) = free.iter().find(|&(_, &len)| len >= want) else {
                 let largest = free.values().max().copied().unwrap_or(0);
                 return Err(CommError::io(format!(
-                    "xccl_rs: the shared-memory heap has no free range of {want} bytes (heap {} bytes, largest free range {largest}); raise XCCL_RS_SHM_HEAP_BYTES",
+                    "the shared-memory heap has no free range of {want} bytes (heap {} bytes, largest free range {largest}); raise XCCL_RS_SHM_HEAP_BYTES",
                     self.len
                 )));
             };
@@ -140,7 +140,7 @@ impl Heap {
         if rc != 0 {
             self.release(offset, want);
             return Err(CommError::io(format!(
-                "xccl_rs: cannot reserve {want} bytes in /dev/shm for a tensor: {} (is /dev/shm full?)",
+                "cannot reserve {want} bytes in /dev/shm for a tensor: {} (is /dev/shm full?)",
                 std::io::Error::from_raw_os_error(rc)
             )));
         }
@@ -236,11 +236,11 @@ impl PeerHeap {
     pub fn open(name: &str) -> Result<PeerHeap> {
         let (file, path) = files::open(PREFIX, name, "heap")?;
         let len = file.metadata().map_err(|e| CommError::io(e.to_string()))?.len();
-        let len = usize::try_from(len).map_err(|_| CommError::io(format!("xccl_rs: heap {name} is too large to map")))?;
+        let len = usize::try_from(len).map_err(|_| CommError::io(format!("heap {name} is too large to map")))?;
         let map = MmapOptions::new()
             .len(len)
             .map_raw(&file)
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot map {}: {e}", path.display())))?;
+            .map_err(|e| CommError::io(format!("cannot map {}: {e}", path.display())))?;
         Ok(PeerHeap { map, len })
     }
 

@@ -71,7 +71,7 @@ impl Segment {
             Ok(map) => map,
             Err(message) => {
                 let _ = std::fs::remove_file(&path);
-                return Err(CommError::io(format!("xccl_rs: {message}")));
+                return Err(CommError::io(message));
             }
         };
         let seg = Segment { map, chunk, owned_path: Some(path) };
@@ -90,14 +90,14 @@ impl Segment {
         let actual = file.metadata().map_err(|e| CommError::io(e.to_string()))?.len();
         if actual != size as u64 {
             return Err(CommError::io(format!(
-                "xccl_rs: segment {name} has {actual} bytes, expected {size} (XCCL_RS_SHM_CHUNK_BYTES differs between ranks?)"
+                "segment {name} has {actual} bytes, expected {size} (XCCL_RS_SHM_CHUNK_BYTES differs between ranks?)"
             )));
         }
         let map = MmapOptions::new()
             .len(size)
             .populate()
             .map_raw(&file)
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot map {}: {e}", path.display())))?;
+            .map_err(|e| CommError::io(format!("cannot map {}: {e}", path.display())))?;
         Ok(Segment { map, chunk, owned_path: None })
     }
 

@@ -48,7 +48,7 @@ impl ShmGroup {
         }
         for (peer, seg) in segments.iter().enumerate() {
             if !seg.header().is_valid() {
-                return Err(CommError::io(format!("xccl_rs: rank {}'s shared-memory segment is not initialized", members[peer])));
+                return Err(CommError::io(format!("rank {}'s shared-memory segment is not initialized", members[peer])));
             }
         }
         let heaps = heap.map(|own| Heaps::new(own, peer_heaps.filter(|_| zero_copy)));

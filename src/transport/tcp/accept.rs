@@ -16,7 +16,7 @@ use super::handshake::{
     CHALLENGE_LEN, Challenge, HELLO_LEN, Hello, Link, PROOF_LEN, Secret, Transcript, decode_proof, flags_mismatch, random_nonce,
 };
 use super::socket;
-use crate::error::{CommError, ErrorKind, Result};
+use crate::error::{CommError, Result};
 
 /// At most this many handshakes are in progress; a new connection beyond it pushes out the
 /// oldest (a real peer that loses its place reconnects: connect.rs).
@@ -73,15 +73,12 @@ pub fn accept_peers(listener: &TcpListener, spec: &AcceptSpec<'_>) -> Result<Vec
     let mut fds: Vec<libc::pollfd> = Vec::new();
     while missing > 0 {
         if spec.stop.load(Ordering::Acquire) {
-            return Err(CommError::io("xccl_rs: connection set-up cancelled"));
+            return Err(CommError::io("connection set-up cancelled"));
         }
         let now = Instant::now();
         if now >= deadline {
             let absent: Vec<usize> = (rank + 1..size).filter(|&r| links[r].is_none()).collect();
-            return Err(CommError::new(
-                ErrorKind::Timeout,
-                format!("xccl_rs: rank {rank} timed out waiting for ranks {absent:?} to connect and authenticate"),
-            ));
+            return Err(CommError::timeout(format!("rank {rank} timed out waiting for ranks {absent:?} to connect and authenticate")));
         }
         pending.retain(|p| {
             let alive = now < p.until;
@@ -101,7 +98,7 @@ pub fn accept_peers(listener: &TcpListener, spec: &AcceptSpec<'_>) -> Result<Vec
         // Wake at least every 50 ms to see the stop flag.
         let wait = next_expiry.saturating_duration_since(now).min(Duration::from_millis(50));
         socket::poll(&mut fds, wait.as_millis().max(1) as i32)
-            .map_err(|e| CommError::io(format!("xccl_rs: poll failed while rank {rank} accepted connections: {e}")))?;
+            .map_err(|e| CommError::io(format!("poll failed while rank {rank} accepted connections: {e}")))?;
 
         // Handshakes first (their fds line up with `pending` from index 1), then new arrivals.
         let mut keep = Vec::with_capacity(pending.len());
@@ -116,7 +113,7 @@ pub fn accept_peers(listener: &TcpListener, spec: &AcceptSpec<'_>) -> Result<Vec
                 Progress::Mismatch(why) => return Err(CommError::invalid(why)),
                 Progress::Authenticated { from, frame_key } => {
                     if links[from].is_some() {
-                        return Err(CommError::io(format!("xccl_rs: rank {from} connected to rank {rank} twice")));
+                        return Err(CommError::io(format!("rank {from} connected to rank {rank} twice")));
                     }
                     tracing::debug!(rank, from, addr = %p.addr, "authenticated");
                     links[from] = Some(Link { stream: p.stream, frame_key });
@@ -133,7 +130,7 @@ pub fn accept_peers(listener: &TcpListener, spec: &AcceptSpec<'_>) -> Result<Vec
 }
 
 fn refuse(rank: usize, addr: SocketAddr, why: &str) {
-    tracing::warn!("xccl_rs: rank {rank} refused a connection from {addr}: {why}");
+    tracing::warn!("rank {rank} refused a connection from {addr}: {why}");
 }
 
 /// Takes every connection waiting on the listener into `pending`.
@@ -163,7 +160,7 @@ fn accept_new(listener: &TcpListener, pending: &mut Vec<Pending>, spec: &AcceptS
             }
             // The peer reset the connection before we took it, and the like: not ours to fail on.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNABORTED | libc::EPROTO | libc::EPERM | libc::EINTR)) => {}
-            Err(e) => return Err(CommError::io(format!("xccl_rs: accept failed on rank {}: {e}", spec.rank))),
+            Err(e) => return Err(CommError::io(format!("accept failed on rank {}: {e}", spec.rank))),
         }
     }
 }

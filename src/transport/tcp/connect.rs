@@ -14,7 +14,7 @@ use super::accept::{AcceptSpec, accept_peers};
 use super::handshake::{
     CHALLENGE_LEN, Challenge, FLAG_TLS, Hello, Link, Secret, Transcript, encode_proof, flags_mismatch, random_nonce,
 };
-use crate::error::{CommError, ErrorKind, Result};
+use crate::error::{CommError, Result};
 use crate::keys::Key;
 use crate::rendezvous::{Store, parse_address, rendezvous_error};
 
@@ -51,10 +51,10 @@ fn listen_on(host: &str) -> Result<TcpListener> {
     if let Some(ip) = ip {
         match TcpListener::bind((ip, 0)) {
             Ok(l) => return Ok(l),
-            Err(e) => tracing::warn!("xccl_rs: cannot listen on the advertised address {ip} ({e}); listening on all interfaces"),
+            Err(e) => tracing::warn!("cannot listen on the advertised address {ip} ({e}); listening on all interfaces"),
         }
     }
-    TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| CommError::io(format!("xccl_rs: bind failed: {e}")))
+    TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| CommError::io(format!("bind failed: {e}")))
 }
 
 /// What a rank needs to join its group's mesh.
@@ -103,7 +103,7 @@ pub fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<Link>>> {
             stop.store(true, Ordering::Release);
         }
         let incoming = match acceptor {
-            Some(handle) => handle.join().unwrap_or_else(|_| Err(CommError::io("xccl_rs: the accepting thread panicked"))),
+            Some(handle) => handle.join().unwrap_or_else(|_| Err(CommError::io("the accepting thread panicked"))),
             None => Ok((0..size).map(|_| None).collect()),
         };
         (outgoing, incoming)
@@ -134,7 +134,7 @@ fn remaining(deadline: Instant) -> Duration {
 fn connect_to(spec: &MeshSpec<'_>, peer: usize, deadline: Instant, handshake_timeout: Duration) -> Result<Link> {
     let rank = spec.rank;
     let raw = spec.store.get(&Key::Address(peer).text(), remaining(deadline)).map_err(|e| rendezvous_error(rank, peer, e))?;
-    let addr = parse_address(&raw).map_err(|m| CommError::io(format!("xccl_rs: rank {peer} published an unusable address: {m}")))?;
+    let addr = parse_address(&raw).map_err(|m| CommError::io(format!("rank {peer} published an unusable address: {m}")))?;
     let mut backoff = Duration::from_millis(1);
     loop {
         let left = remaining(deadline);
@@ -144,7 +144,7 @@ fn connect_to(spec: &MeshSpec<'_>, peer: usize, deadline: Instant, handshake_tim
         match attempt {
             Ok(Ok(link)) => return Ok(link),
             Ok(Err(Refusal::NotThePeer(why))) => {
-                return Err(CommError::io(format!("xccl_rs: rank {rank} could not authenticate rank {peer} at {addr}: {why}")));
+                return Err(CommError::io(format!("rank {rank} could not authenticate rank {peer} at {addr}: {why}")));
             }
             Ok(Err(Refusal::Mismatch(why))) => return Err(CommError::invalid(why)),
             Err(e) if Instant::now() < deadline => {
@@ -153,10 +153,7 @@ fn connect_to(spec: &MeshSpec<'_>, peer: usize, deadline: Instant, handshake_tim
                 backoff = (backoff * 2).min(Duration::from_millis(100));
             }
             Err(e) => {
-                return Err(CommError::new(
-                    ErrorKind::Timeout,
-                    format!("xccl_rs: rank {rank} could not connect to rank {peer} at {addr}: {e}"),
-                ));
+                return Err(CommError::timeout(format!("rank {rank} could not connect to rank {peer} at {addr}: {e}")));
             }
         }
     }

@@ -21,7 +21,7 @@ use std::time::Instant;
 use super::frame::{FrameKind, HEADER_LEN, Header, MAX_ABORT_MESSAGE, decode_waits, encode_waits, max_waits_len};
 use super::timeout_round::TimeoutRound;
 use super::{Peer, TcpTransport, socket};
-use crate::error::{CommError, ErrorKind, Result};
+use crate::error::{CommError, Result};
 use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
 use crate::types::{dtype_code_name, op_code_name};
 
@@ -603,10 +603,11 @@ impl Transport for TcpTransport {
                 return Err(e);
             }
             let Some(wait_ms) = Self::poll_timeout_ms(ctx.deadline) else {
-                return Err(CommError::new(
-                    ErrorKind::Timeout,
-                    format!("{}: timed out after {} ms: no rank sent a matching message", ctx.describe(), ctx.timeout.as_millis()),
-                ));
+                return Err(CommError::timeout(format!(
+                    "{}: timed out after {} ms: no rank sent a matching message",
+                    ctx.describe(),
+                    ctx.timeout.as_millis()
+                )));
             };
             if fds.is_empty() {
                 // Nobody can still send us a match; sleep out the deadline to report it.

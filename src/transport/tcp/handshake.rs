@@ -163,7 +163,7 @@ pub fn decode_proof(b: &[u8; PROOF_LEN]) -> Result<[u8; MAC_LEN], String> {
 pub fn flags_mismatch(rank: usize, flags: u16, peer: usize, peer_flags: u16) -> String {
     let tls = |f: u16| if f & FLAG_TLS != 0 { "XCCL_RS_TLS=1" } else { "no TLS" };
     format!(
-        "xccl_rs: rank {peer} wants {} on its link to rank {rank}, which has {}: set XCCL_RS_TLS alike on every rank",
+        "rank {peer} wants {} on its link to rank {rank}, which has {}: set XCCL_RS_TLS alike on every rank",
         tls(peer_flags),
         tls(flags)
     )

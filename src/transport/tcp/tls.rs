@@ -41,7 +41,7 @@ impl Identity {
     /// A fresh ECDSA P-256 key pair and a self-signed certificate for it.
     pub fn generate() -> Result<Identity> {
         let certified = rcgen::generate_simple_self_signed(vec![NAME.to_string()])
-            .map_err(|e| CommError::io(format!("xccl_rs: cannot make a TLS certificate: {e}")))?;
+            .map_err(|e| CommError::io(format!("cannot make a TLS certificate: {e}")))?;
         Ok(Identity { cert: certified.cert.der().clone(), key: PrivatePkcs8KeyDer::from(certified.signing_key.serialize_der()) })
     }
 
@@ -68,7 +68,7 @@ pub fn parse_cert(value: &[u8]) -> std::result::Result<CertificateDer<'static>, 
 /// Reads `peer`'s certificate from the store.
 pub fn peer_cert(store: &dyn Store, rank: usize, peer: usize, timeout: std::time::Duration) -> Result<CertificateDer<'static>> {
     let raw = store.get(&Key::TlsCert(peer).text(), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
-    parse_cert(&raw).map_err(|m| CommError::io(format!("xccl_rs: rank {peer} published an unusable certificate: {m}")))
+    parse_cert(&raw).map_err(|m| CommError::io(format!("rank {peer} published an unusable certificate: {m}")))
 }
 
 fn provider() -> Arc<CryptoProvider> {
@@ -158,7 +158,7 @@ impl ClientCertVerifier for Pinned {
 }
 
 fn tls_error(e: rustls::Error) -> CommError {
-    CommError::io(format!("xccl_rs: TLS set-up failed: {e}"))
+    CommError::io(format!("TLS set-up failed: {e}"))
 }
 
 /// The TLS side this rank takes on its link to `peer`: server towards higher ranks (it

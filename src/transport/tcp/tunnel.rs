@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use rustls::Connection;
 
 use super::socket;
-use crate::error::{CommError, ErrorKind, Result};
+use crate::error::{CommError, Result};
 
 /// Plain bytes moved per read on either side, and the cap on what rustls buffers. Small enough
 /// to stay in the core's cache, where encryption runs fastest (`tunnel_speed` below measures
@@ -85,9 +85,9 @@ impl Opening {
         let Opening { tunnel, ready, rank, peer, deadline } = self;
         match ready.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
             Ok(Ok(())) => Ok(tunnel),
-            Ok(Err(why)) => Err(CommError::io(format!("xccl_rs: rank {rank}: TLS with rank {peer} failed: {why}"))),
+            Ok(Err(why)) => Err(CommError::io(format!("rank {rank}: TLS with rank {peer} failed: {why}"))),
             Err(_) => {
-                Err(CommError::new(ErrorKind::Timeout, format!("xccl_rs: rank {rank}: the TLS handshake with rank {peer} timed out")))
+                Err(CommError::timeout(format!("rank {rank}: the TLS handshake with rank {peer} timed out")))
             }
         }
     }
@@ -96,7 +96,7 @@ impl Opening {
 /// Starts the tunnel's thread, which runs the TLS handshake with `peer` (at most until
 /// `deadline`), then moves the link's bytes. The TCP stream must be non-blocking.
 pub fn open(tcp: TcpStream, conn: Connection, rank: usize, peer: usize, deadline: Instant) -> Result<Opening> {
-    let (local, remote) = UnixStream::pair().map_err(|e| CommError::io(format!("xccl_rs: socketpair failed: {e}")))?;
+    let (local, remote) = UnixStream::pair().map_err(|e| CommError::io(format!("socketpair failed: {e}")))?;
     set_buffers(&local);
     set_buffers(&remote);
     remote.set_nonblocking(true).map_err(|e| CommError::io(e.to_string()))?;
@@ -106,7 +106,7 @@ pub fn open(tcp: TcpStream, conn: Connection, rank: usize, peer: usize, deadline
     let pump = std::thread::Builder::new()
         .name(format!("xccl_rs-tls-{peer}"))
         .spawn(move || Pump::new(tcp, remote, conn, ready_tx, deadline).run(rank, peer, &failed))
-        .map_err(|e| CommError::io(format!("xccl_rs: cannot start a TLS thread: {e}")))?;
+        .map_err(|e| CommError::io(format!("cannot start a TLS thread: {e}")))?;
     Ok(Opening { tunnel: Tunnel { local, pump: Some(pump), failure }, ready: ready_rx, rank, peer, deadline })
 }
 
@@ -177,14 +177,14 @@ impl Pump {
             }
             Stop::PeerGone(why) => {
                 if let Some(why) = &why {
-                    tracing::debug!("xccl_rs: rank {rank}: the connection under the TLS link to rank {peer} failed: {why}");
+                    tracing::debug!("rank {rank}: the connection under the TLS link to rank {peer} failed: {why}");
                 }
                 if let Some(ready) = self.ready.take() {
                     let _ = ready.send(Err(why.unwrap_or_else(|| "the peer closed the connection".into())));
                 }
             }
             Stop::Broken(why) => {
-                tracing::warn!("xccl_rs: rank {rank}: TLS link to rank {peer} failed: {why}");
+                tracing::warn!("rank {rank}: TLS link to rank {peer} failed: {why}");
                 let _ = failure.set(why.clone());
                 if let Some(ready) = self.ready.take() {
                     let _ = ready.send(Err(why));
