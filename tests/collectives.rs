@@ -340,8 +340,7 @@ fn gather_every_root(net: Net) {
             let mut input = Guarded::new(&pattern(rank, salt, p.len), 1);
             let mut out = Guarded::new(&vec![0x5Au8; if rank == p.root { size * p.len } else { 0 }], 2);
             let mut pieces = vec![];
-            let mut o = op_with(OpKind::Gather, p.dtype, vec![input.raw()], p.root_list(rank, size, &mut out, &mut pieces));
-            o.root = p.root as i64;
+            let o = rooted_op(OpKind::Gather, p.dtype, vec![input.raw()], p.root_list(rank, size, &mut out, &mut pieces), p.root);
             f.op(run(&comm, vec![o]), &what)?;
             if rank == p.root {
                 let got = p.root_list_bytes(f, &out, &pieces, &what);
@@ -363,8 +362,7 @@ fn scatter_every_root(net: Net) {
             let mut input = Guarded::new(if rank == p.root { &whole } else { &[] }, 1);
             let mut out = Guarded::new(&vec![0x5Au8; p.len], 3);
             let mut pieces = vec![];
-            let mut o = op_with(OpKind::Scatter, p.dtype, p.root_list(rank, size, &mut input, &mut pieces), vec![out.raw()]);
-            o.root = p.root as i64;
+            let o = rooted_op(OpKind::Scatter, p.dtype, p.root_list(rank, size, &mut input, &mut pieces), vec![out.raw()], p.root);
             f.op(run(&comm, vec![o]), &what)?;
             let bytes = out.data(f, &what);
             f.result(same_bytes(bytes, &whole[rank * p.len..(rank + 1) * p.len]), format!("{what}: wrong block"));

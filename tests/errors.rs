@@ -121,20 +121,24 @@ fn reduce_op_mismatch(net: Net) {
     failures.finish(&format!("reduce op mismatch over {net:?}"));
 }
 
+/// Collectives that do not match: rank 0's broadcast of the 64 bytes `data` from `root`, or
+/// another rank's all-gather of 64 bytes each into `gathered` (64 bytes per rank).
+fn broadcast_on_rank_0(rank: usize, root: usize, data: &mut [u8], gathered: &mut [u8]) -> Op {
+    if rank == 0 {
+        rooted_op(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(data)], root)
+    } else {
+        let ranks = gathered.len() / 64;
+        op_with(OpKind::AllGather, DType::UInt8, vec![buf(data)], views(gathered, ranks, 64))
+    }
+}
+
 /// Rank 0 in a broadcast it receives in (root 1), rank 1 in an all-gather: both fail, naming
 /// both collectives.
 fn different_collectives_on_different_ranks(net: Net) {
     let test = format!("different collectives on different ranks over {net:?}");
     one_case(&test, "broadcast vs allgather", 2, cfg(net, 3), move |rank, comm, barrier, f| {
-        let mut a = vec![0u8; 64];
-        let mut b = vec![0u8; 128];
-        let o = if rank == 0 {
-            let mut o = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)]);
-            o.root = 1;
-            o
-        } else {
-            op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 2, 64))
-        };
+        let (mut a, mut b) = ([0u8; 64], [0u8; 128]);
+        let o = broadcast_on_rank_0(rank, 1, &mut a, &mut b);
         fails_within_then_next_job(f, &comm, vec![o], &["broadcast", "allgather"], SECOND, &format!("rank {rank}"));
         barrier.wait();
         Ok(())
@@ -147,13 +151,8 @@ fn different_collectives_on_different_ranks(net: Net) {
 fn different_collectives_sending_root(net: Net) {
     let test = format!("different collectives, sending root, over {net:?}");
     one_case(&test, "sending root vs allgather", 3, cfg(net, 3), move |rank, comm, barrier, f| {
-        let mut a = vec![0u8; 64];
-        let mut b = vec![0u8; 192];
-        let o = if rank == 0 {
-            op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)])
-        } else {
-            op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 3, 64))
-        };
+        let (mut a, mut b) = ([0u8; 64], [0u8; 192]);
+        let o = broadcast_on_rank_0(rank, 0, &mut a, &mut b);
         let what = format!("rank {rank}");
         let (r, took) = timed(&comm, vec![o]);
         within(f, took, SECOND, &what);
@@ -414,11 +413,9 @@ both_nets!(
 fn sender_fails_with_its_receiver(net: Net, what: Which) {
     let test = format!("sender fails with its receiver ({what:?}) over {net:?}");
     one_case(&test, &format!("{what:?}"), 2, cfg(net, 3), move |rank, comm, barrier, f| {
-        let mut a = vec![0u8; 64];
-        let mut b = vec![0u8; 128];
-        let o = match (what, rank) {
-            (Which::BroadcastRoot, 0) => op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)]),
-            (Which::BroadcastRoot, _) => op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 2, 64)),
+        let (mut a, mut b) = ([0u8; 64], [0u8; 128]);
+        let o = match what {
+            Which::BroadcastRoot => broadcast_on_rank_0(rank, 0, &mut a, &mut b),
         };
         let (r, took) = timed(&comm, vec![o]);
         barrier.wait();

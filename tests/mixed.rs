@@ -291,9 +291,7 @@ fn direct_collectives() {
                 let mut input = pattern(rank, salt, n);
                 let mut out = vec![0u8; if rank == root { size * n } else { 0 }];
                 let outs = if rank == root { views(&mut out, size, n) } else { vec![] };
-                let mut o = op_with(OpKind::Gather, DType::UInt8, vec![buf(&mut input)], outs);
-                o.root = root as i64;
-                f.op(run(comm, vec![o]), &what)?;
+                f.op(run(comm, vec![rooted_op(OpKind::Gather, DType::UInt8, vec![buf(&mut input)], outs, root)]), &what)?;
                 if rank == root {
                     check_blocks(f, &out, size, salt, n, &what);
                 }
@@ -303,9 +301,7 @@ fn direct_collectives() {
                 let mut input = if rank == root { whole.clone() } else { vec![] };
                 let ins = if rank == root { views(&mut input, size, n) } else { vec![] };
                 let mut out = vec![0u8; n];
-                let mut o = op_with(OpKind::Scatter, DType::UInt8, ins, vec![buf(&mut out)]);
-                o.root = root as i64;
-                f.op(run(comm, vec![o]), &what)?;
+                f.op(run(comm, vec![rooted_op(OpKind::Scatter, DType::UInt8, ins, vec![buf(&mut out)], root)]), &what)?;
                 f.result(same_bytes(&out, &whole[rank * n..(rank + 1) * n]), &what);
             }
 

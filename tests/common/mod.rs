@@ -422,6 +422,13 @@ pub fn op_with(kind: OpKind, dtype: DType, inputs: Vec<RawBuf>, outputs: Vec<Raw
     o
 }
 
+/// [`op_with`] for a rooted collective (broadcast, reduce, gather, scatter) with root `root`.
+pub fn rooted_op(kind: OpKind, dtype: DType, inputs: Vec<RawBuf>, outputs: Vec<RawBuf>, root: usize) -> Op {
+    let mut o = op_with(kind, dtype, inputs, outputs);
+    o.root = root as i64;
+    o
+}
+
 /// The PREMUL_SUM factor of the reduction tests (references use the same).
 pub const FACTOR: f64 = 0.25;
 

@@ -22,9 +22,7 @@ pub const VIEW_LAYOUTS: [Layout; 3] = [Layout::Contiguous, Layout::InPlace, Layo
 pub fn broadcast_point(f: &mut Failures, comm: &Communicator, rank: usize, dtype: DType, n: usize, root: usize, salt: u64, what: &str) -> Result<(), Stop> {
     let len = n * dtype.size();
     let mut data = Guarded::new(&pattern(if rank == root { root } else { rank + 100 }, salt, len), n % 4);
-    let mut o = op_with(OpKind::Broadcast, dtype, vec![], vec![data.raw()]);
-    o.root = root as i64;
-    f.op(run(comm, vec![o]), what)?;
+    f.op(run(comm, vec![rooted_op(OpKind::Broadcast, dtype, vec![], vec![data.raw()], root)]), what)?;
     let bytes = data.data(f, what);
     f.result(same_bytes(bytes, &pattern(root, salt, len)), format!("{what}: wrong data"));
     Ok(())
