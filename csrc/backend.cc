@@ -188,6 +188,22 @@ class XcclRsBackend::Job {
     }
   }
 
+  // `list` (one tensor per rank, each like the call's input `in`) as the outputs of `r`.
+  void outputs_like(OpRequest& r, std::vector<at::Tensor>& list, const at::Tensor& in) {
+    for (auto& out : list) {
+      like_other(out, in, "an output tensor", "the input");
+      r.outputs.push_back(output_only(out));
+    }
+  }
+
+  // `list` (one tensor per rank, each like the call's output `out`) as the inputs of `r`.
+  void inputs_like(OpRequest& r, std::vector<at::Tensor>& list, const at::Tensor& out) {
+    for (auto& in : list) {
+      like_other(in, out, "an input tensor", "the output");
+      r.inputs.push_back(input(in));
+    }
+  }
+
   // `whole` holds one `part` per rank (all_gather_into_tensor's output, reduce_scatter_tensor's
   // input): the same dtype and the group's size times the elements. `part_name` names the part
   // in the message ("the input's").
@@ -534,10 +550,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather(
   job.one_per_rank(outputs[0].size(), "the output list");
   auto r = request(OpKind::AllGather, &in);
   r.inputs.push_back(job.input(in));
-  for (auto& out : outputs[0]) {
-    job.like_other(out, in, "an output tensor", "the input");
-    r.outputs.push_back(job.output_only(out));
-  }
+  job.outputs_like(r, outputs[0], in);
   job.add(std::move(r));
   return launch(job, c10d::OpType::ALLGATHER, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -627,10 +640,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather(
   r.root = opts.rootRank;
   r.inputs.push_back(job.input(in));
   if (job.root_list(outputs, opts.rootRank, "output")) {
-    for (auto& out : outputs[0]) {
-      job.like_other(out, in, "an output tensor", "the input");
-      r.outputs.push_back(job.output_only(out));
-    }
+    job.outputs_like(r, outputs[0], in);
   }
   job.add(std::move(r));
   return launch(job, c10d::OpType::GATHER, XCCL_RS_CALLER_WAITS(opts));
@@ -666,10 +676,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::scatter(
   auto r = request(OpKind::Scatter, &out);
   r.root = opts.rootRank;
   if (job.root_list(inputs, opts.rootRank, "input")) {
-    for (auto& in : inputs[0]) {
-      job.like_other(in, out, "an input tensor", "the output");
-      r.inputs.push_back(job.input(in));
-    }
+    job.inputs_like(r, inputs[0], out);
   }
   r.outputs.push_back(job.output_only(out));
   job.add(std::move(r));
@@ -690,10 +697,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter(
   auto r = request(OpKind::ReduceScatter, &out);
   job.set_reduction(r, opts.reduceOp);
   job.one_per_rank(inputs[0].size(), "the input list");
-  for (auto& in : inputs[0]) {
-    job.like_other(in, out, "an input tensor", "the output");
-    r.inputs.push_back(job.input(in));
-  }
+  job.inputs_like(r, inputs[0], out);
   r.outputs.push_back(job.output_only(out));
   job.add(std::move(r));
   return launch(job, c10d::OpType::REDUCE_SCATTER, XCCL_RS_CALLER_WAITS(opts));
