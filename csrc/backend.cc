@@ -173,11 +173,78 @@ class XcclRsBackend::Job {
     return *state_->staging;
   }
 
-  void same_kind(const at::Tensor& t, const at::Tensor& like, const char* role) const {
+  void same_kind(const at::Tensor& t, const at::Tensor& like, const std::string& role) const {
     if (t.scalar_type() != like.scalar_type()) {
-      reject_and_abort(std::string(role) + " has dtype " + c10::toString(t.scalar_type()) + ", expected " +
-                       c10::toString(like.scalar_type()));
+      reject_and_abort(role + " has dtype " + c10::toString(t.scalar_type()) + ", expected " + c10::toString(like.scalar_type()));
     }
+  }
+
+  // `t`, one tensor of a list with one per rank, must match `like` (the call's other tensor,
+  // named `like_name`) in dtype and element count.
+  void like_other(const at::Tensor& t, const at::Tensor& like, const char* role, const char* like_name) const {
+    same_kind(t, like, role);
+    if (t.numel() != like.numel()) {
+      reject_and_abort(std::string(role) + " has shape " + shape_of(t) + " but " + like_name + " has " + shape_of(like));
+    }
+  }
+
+  // `list` (one tensor per rank, each like the call's input `in`) as the outputs of `r`.
+  void outputs_like(OpRequest& r, std::vector<at::Tensor>& list, const at::Tensor& in) {
+    for (auto& out : list) {
+      like_other(out, in, "an output tensor", "the input");
+      r.outputs.push_back(output_only(out));
+    }
+  }
+
+  // `list` (one tensor per rank, each like the call's output `out`) as the inputs of `r`.
+  void inputs_like(OpRequest& r, std::vector<at::Tensor>& list, const at::Tensor& out) {
+    for (auto& in : list) {
+      like_other(in, out, "an input tensor", "the output");
+      r.inputs.push_back(input(in));
+    }
+  }
+
+  // `whole` holds one `part` per rank (all_gather_into_tensor's output, reduce_scatter_tensor's
+  // input): the same dtype and the group's size times the elements. `part_name` names the part
+  // in the message ("the input's").
+  void stacked(const at::Tensor& whole, const at::Tensor& part, const std::string& whole_name, const char* part_name) const {
+    same_kind(whole, part, whole_name);
+    const int size = backend_.getSize();
+    if (whole.numel() != part.numel() * size) {
+      reject_and_abort(whole_name + " has shape " + shape_of(whole) + ", expected " + std::to_string(size) + " times " +
+                       part_name + " " + std::to_string(part.numel()) + " elements");
+    }
+  }
+
+  // A list of `n` tensors (`name`) that must hold one per rank.
+  void one_per_rank(size_t n, const char* name) const {
+    if (static_cast<int>(n) != backend_.getSize()) {
+      reject_and_abort(std::string(name) + " has " + std::to_string(n) + " tensors, expected " +
+                       std::to_string(backend_.getSize()) + " (one per rank)");
+    }
+  }
+
+  // A coalesced call's lists of outputs and inputs, which pair up.
+  void paired(size_t outputs, size_t inputs) const {
+    if (outputs != inputs) {
+      reject_and_abort("got " + std::to_string(outputs) + " outputs for " + std::to_string(inputs) + " inputs");
+    }
+  }
+
+  // A rooted call's list of lists (`lists`, whose tensors are `role`s): on the root, one list of
+  // one tensor per rank; elsewhere none. Whether this rank is the root.
+  bool root_list(const std::vector<std::vector<at::Tensor>>& lists, int root, const char* role) const {
+    if (root == backend_.getRank()) {
+      if (lists.size() != 1 || static_cast<int>(lists[0].size()) != backend_.getSize()) {
+        reject_and_abort(std::string("the root needs one ") + role + " list of " + std::to_string(backend_.getSize()) +
+                         " tensors");
+      }
+      return true;
+    }
+    if (!lists.empty() && !lists[0].empty()) {
+      reject_and_abort("only the root (rank " + std::to_string(root) + ") passes " + role + " tensors");
+    }
+    return false;
   }
 
   // The bytes of a tensor the op only reads: the tensor's own when contiguous, else a
@@ -272,6 +339,9 @@ class XcclRsBackend::Job {
   }
   OpKind kind() const {
     return kind_;
+  }
+  int group_size() const {
+    return backend_.getSize();
   }
 
  private:
@@ -477,37 +547,44 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather(
     job.reject("takes one input tensor and one output list per rank");
   }
   const at::Tensor& in = inputs[0];
-  if (static_cast<int>(outputs[0].size()) != getSize()) {
-    job.reject_and_abort("the output list has " + std::to_string(outputs[0].size()) + " tensors, expected " +
-                         std::to_string(getSize()) + " (one per rank)");
-  }
+  job.one_per_rank(outputs[0].size(), "the output list");
   auto r = request(OpKind::AllGather, &in);
   r.inputs.push_back(job.input(in));
-  for (auto& out : outputs[0]) {
-    job.same_kind(out, in, "an output tensor");
-    if (out.numel() != in.numel()) {
-      job.reject_and_abort("an output tensor has shape " + shape_of(out) + " but the input has " + shape_of(in));
-    }
-    r.outputs.push_back(job.output_only(out));
-  }
+  job.outputs_like(r, outputs[0], in);
   job.add(std::move(r));
   return launch(job, c10d::OpType::ALLGATHER, XCCL_RS_CALLER_WAITS(opts));
 }
+
+namespace {
+// An all-gather into one tensor, `output` holding every rank's `input` in rank order; the
+// names say which tensors they are in a message.
+void add_allgather_into(XcclRsBackend::Job& job, at::Tensor& output, at::Tensor& input, const std::string& output_name,
+                        const char* input_name) {
+  job.stacked(output, input, output_name, input_name);
+  auto r = request(OpKind::AllGather, &input);
+  r.inputs.push_back(job.input(input));
+  r.outputs = split_views(job.output_only(output), job.group_size());
+  job.add(std::move(r));
+}
+
+// A reduce-scatter of one tensor, `input` holding one `output` per rank in rank order.
+void add_reduce_scatter_of(XcclRsBackend::Job& job, at::Tensor& output, at::Tensor& input, const c10d::ReduceOp& op,
+                           const std::string& input_name, const char* output_name) {
+  auto r = request(OpKind::ReduceScatter, &output);
+  job.set_reduction(r, op);
+  job.stacked(input, output, input_name, output_name);
+  r.inputs = split_views(job.input(input), job.group_size());
+  r.outputs.push_back(job.output_only(output));
+  job.add(std::move(r));
+}
+} // namespace
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
   auto job = begin("all_gather_into_tensor", OpKind::AllGather);
-  job.same_kind(output, input, "the output tensor");
-  if (output.numel() != input.numel() * getSize()) {
-    job.reject_and_abort("the output has shape " + shape_of(output) + ", expected " + std::to_string(getSize()) +
-                         " times the input's " + std::to_string(input.numel()) + " elements");
-  }
-  auto r = request(OpKind::AllGather, &input);
-  r.inputs.push_back(job.input(input));
-  r.outputs = split_views(job.output_only(output), getSize());
-  job.add(std::move(r));
+  add_allgather_into(job, output, input, "the output", "the input's");
   return launch(job, c10d::OpType::_ALLGATHER_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
 
@@ -516,20 +593,9 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   auto job = begin("allgather_into_tensor_coalesced", OpKind::AllGather);
-  if (outputs.size() != inputs.size()) {
-    job.reject_and_abort("got " + std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) + " inputs");
-  }
+  job.paired(outputs.size(), inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
-    job.same_kind(outputs[i], inputs[i], "an output tensor");
-    if (outputs[i].numel() != inputs[i].numel() * getSize()) {
-      job.reject_and_abort("output " + std::to_string(i) + " has shape " + shape_of(outputs[i]) + ", expected " +
-                           std::to_string(getSize()) + " times its input's " + std::to_string(inputs[i].numel()) +
-                           " elements");
-    }
-    auto r = request(OpKind::AllGather, &inputs[i]);
-    r.inputs.push_back(job.input(inputs[i]));
-    r.outputs = split_views(job.output_only(outputs[i]), getSize());
-    job.add(std::move(r));
+    add_allgather_into(job, outputs[i], inputs[i], "output " + std::to_string(i), "its input's");
   }
   return launch(job, c10d::OpType::COALESCED, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -573,19 +639,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather(
   auto r = request(OpKind::Gather, &in);
   r.root = opts.rootRank;
   r.inputs.push_back(job.input(in));
-  if (opts.rootRank == getRank()) {
-    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize()) {
-      job.reject_and_abort("the root needs one output list of " + std::to_string(getSize()) + " tensors");
-    }
-    for (auto& out : outputs[0]) {
-      job.same_kind(out, in, "an output tensor");
-      if (out.numel() != in.numel()) {
-        job.reject_and_abort("an output tensor has shape " + shape_of(out) + " but the input has " + shape_of(in));
-      }
-      r.outputs.push_back(job.output_only(out));
-    }
-  } else if (!outputs.empty() && !outputs[0].empty()) {
-    job.reject_and_abort("only the root (rank " + std::to_string(opts.rootRank) + ") passes output tensors");
+  if (job.root_list(outputs, opts.rootRank, "output")) {
+    job.outputs_like(r, outputs[0], in);
   }
   job.add(std::move(r));
   return launch(job, c10d::OpType::GATHER, XCCL_RS_CALLER_WAITS(opts));
@@ -601,11 +656,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::gather_single(
   r.root = opts.rootRank;
   r.inputs.push_back(job.input(input));
   if (opts.rootRank == getRank()) {
-    job.same_kind(output, input, "the output tensor");
-    if (output.numel() != input.numel() * getSize()) {
-      job.reject_and_abort("the output has shape " + shape_of(output) + ", expected " + std::to_string(getSize()) +
-                           " times the input's " + std::to_string(input.numel()) + " elements");
-    }
+    job.stacked(output, input, "the output", "the input's");
     r.outputs = split_views(job.output_only(output), getSize());
   }
   job.add(std::move(r));
@@ -624,19 +675,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::scatter(
   const at::Tensor& out = outputs[0];
   auto r = request(OpKind::Scatter, &out);
   r.root = opts.rootRank;
-  if (opts.rootRank == getRank()) {
-    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize()) {
-      job.reject_and_abort("the root needs one input list of " + std::to_string(getSize()) + " tensors");
-    }
-    for (auto& in : inputs[0]) {
-      job.same_kind(in, out, "an input tensor");
-      if (in.numel() != out.numel()) {
-        job.reject_and_abort("an input tensor has shape " + shape_of(in) + " but the output has " + shape_of(out));
-      }
-      r.inputs.push_back(job.input(in));
-    }
-  } else if (!inputs.empty() && !inputs[0].empty()) {
-    job.reject_and_abort("only the root (rank " + std::to_string(opts.rootRank) + ") passes input tensors");
+  if (job.root_list(inputs, opts.rootRank, "input")) {
+    job.inputs_like(r, inputs[0], out);
   }
   r.outputs.push_back(job.output_only(out));
   job.add(std::move(r));
@@ -656,17 +696,8 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter(
   const at::Tensor& out = outputs[0];
   auto r = request(OpKind::ReduceScatter, &out);
   job.set_reduction(r, opts.reduceOp);
-  if (static_cast<int>(inputs[0].size()) != getSize()) {
-    job.reject_and_abort("the input list has " + std::to_string(inputs[0].size()) + " tensors, expected " +
-                         std::to_string(getSize()) + " (one per rank)");
-  }
-  for (auto& in : inputs[0]) {
-    job.same_kind(in, out, "an input tensor");
-    if (in.numel() != out.numel()) {
-      job.reject_and_abort("an input tensor has shape " + shape_of(in) + " but the output has " + shape_of(out));
-    }
-    r.inputs.push_back(job.input(in));
-  }
+  job.one_per_rank(inputs[0].size(), "the input list");
+  job.inputs_like(r, inputs[0], out);
   r.outputs.push_back(job.output_only(out));
   job.add(std::move(r));
   return launch(job, c10d::OpType::REDUCE_SCATTER, XCCL_RS_CALLER_WAITS(opts));
@@ -677,16 +708,7 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::_reduce_scatter_base(
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
   auto job = begin("reduce_scatter_tensor", OpKind::ReduceScatter);
-  auto r = request(OpKind::ReduceScatter, &output);
-  job.set_reduction(r, opts.reduceOp);
-  job.same_kind(input, output, "the input tensor");
-  if (input.numel() != output.numel() * getSize()) {
-    job.reject_and_abort("the input has shape " + shape_of(input) + ", expected " + std::to_string(getSize()) +
-                         " times the output's " + std::to_string(output.numel()) + " elements");
-  }
-  r.inputs = split_views(job.input(input), getSize());
-  r.outputs.push_back(job.output_only(output));
-  job.add(std::move(r));
+  add_reduce_scatter_of(job, output, input, opts.reduceOp, "the input", "the output's");
   return launch(job, c10d::OpType::_REDUCE_SCATTER_BASE, XCCL_RS_CALLER_WAITS(opts));
 }
 
@@ -695,21 +717,9 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   auto job = begin("reduce_scatter_tensor_coalesced", OpKind::ReduceScatter);
-  if (outputs.size() != inputs.size()) {
-    job.reject_and_abort("got " + std::to_string(outputs.size()) + " outputs for " + std::to_string(inputs.size()) + " inputs");
-  }
+  job.paired(outputs.size(), inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
-    auto r = request(OpKind::ReduceScatter, &outputs[i]);
-    job.set_reduction(r, opts.reduceOp);
-    job.same_kind(inputs[i], outputs[i], "an input tensor");
-    if (inputs[i].numel() != outputs[i].numel() * getSize()) {
-      job.reject_and_abort("input " + std::to_string(i) + " has shape " + shape_of(inputs[i]) + ", expected " +
-                           std::to_string(getSize()) + " times its output's " + std::to_string(outputs[i].numel()) +
-                           " elements");
-    }
-    r.inputs = split_views(job.input(inputs[i]), getSize());
-    r.outputs.push_back(job.output_only(outputs[i]));
-    job.add(std::move(r));
+    add_reduce_scatter_of(job, outputs[i], inputs[i], opts.reduceOp, "input " + std::to_string(i), "its output's");
   }
   return launch(job, c10d::OpType::COALESCED, XCCL_RS_CALLER_WAITS(opts));
 }
@@ -798,43 +808,38 @@ c10::intrusive_ptr<c10d::Work> XcclRsBackend::alltoall(
 
 // ---- point-to-point, barrier ----
 
-c10::intrusive_ptr<c10d::Work> XcclRsBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  auto job = begin("send", OpKind::Send);
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::point_to_point(
+    OpKind kind,
+    c10d::OpType type,
+    std::vector<at::Tensor>& tensors,
+    int peer,
+    int tag) {
+  auto job = begin(kind == OpKind::Send ? "send" : "recv", kind);
   if (tensors.size() != 1) {
     job.reject("takes exactly one tensor");
   }
-  auto r = request(OpKind::Send, &tensors[0]);
-  r.root = dstRank;
+  auto r = request(kind, &tensors[0]);
+  r.root = peer;
   r.tag = tag;
-  r.inputs.push_back(job.input(tensors[0]));
+  if (kind == OpKind::Send) {
+    r.inputs.push_back(job.input(tensors[0]));
+  } else {
+    r.outputs.push_back(job.output_only(tensors[0]));
+  }
   job.add(std::move(r));
-  return launch(job, c10d::OpType::SEND);
+  return launch(job, type);
+}
+
+c10::intrusive_ptr<c10d::Work> XcclRsBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  return point_to_point(OpKind::Send, c10d::OpType::SEND, tensors, dstRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  auto job = begin("recv", OpKind::Recv);
-  if (tensors.size() != 1) {
-    job.reject("takes exactly one tensor");
-  }
-  auto r = request(OpKind::Recv, &tensors[0]);
-  r.root = srcRank;
-  r.tag = tag;
-  r.outputs.push_back(job.output_only(tensors[0]));
-  job.add(std::move(r));
-  return launch(job, c10d::OpType::RECV);
+  return point_to_point(OpKind::Recv, c10d::OpType::RECV, tensors, srcRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  auto job = begin("recv", OpKind::RecvAnySource);
-  if (tensors.size() != 1) {
-    job.reject("takes exactly one tensor");
-  }
-  auto r = request(OpKind::RecvAnySource, &tensors[0]);
-  r.root = -1;
-  r.tag = tag;
-  r.outputs.push_back(job.output_only(tensors[0]));
-  job.add(std::move(r));
-  return launch(job, c10d::OpType::RECVANYSOURCE);
+  return point_to_point(OpKind::RecvAnySource, c10d::OpType::RECVANYSOURCE, tensors, -1, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> XcclRsBackend::barrier(const c10d::BarrierOptions& opts) {

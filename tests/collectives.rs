@@ -11,7 +11,7 @@ mod common;
 use common::*;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use xccl_rs::{Config, DType, OpKind, ReduceOp};
+use xccl_rs::{Communicator, Config, DType, OpKind, RawBuf, ReduceOp};
 
 const SEGMENT: usize = 4096;
 const LIMIT: Duration = Duration::from_secs(60);
@@ -40,29 +40,44 @@ fn segment_counts(esz: usize) -> Vec<usize> {
     vec![0, 1, 1001, seg - 1, seg, seg + 1, 3 * seg + 7]
 }
 
-fn allreduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
+/// The sweep `f(size, rank, comm, failures)` at world sizes 1..=5 (a fresh group each, see
+/// `sweep_ranks`), named `what` and its size; its failing points.
+fn sizes_swept(
+    net: Net,
+    what: &str,
+    f: impl Fn(usize, usize, Communicator, &mut Failures) -> Result<(), Stop> + Send + Sync + Clone + 'static,
+) -> Failures {
     let mut failures = Failures::new();
     for size in 1..=5 {
-        let group = format!("allreduce {} size {size}", T::DTYPE);
-        sweep_ranks(&mut failures, &group, size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            for (k, &rop) in ops.iter().enumerate() {
-                for n in allreduce_counts(T::DTYPE.size(), size) {
-                    let what = format!("allreduce {} {rop:?} size {size} n {n} rank {rank}", T::DTYPE);
-                    let salt = (k * 100_000 + n) as u64;
-                    // Misaligned for odd n (the kernels must not assume alignment), guarded.
-                    let mut data = Guarded::new(&T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop)), n % 3);
-                    let o = reduction_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()], rop);
-                    f.op(run(&comm, vec![o]), &what)?;
-                    let got = data.data(f, &what);
-                    if f.eq(got.len(), n * T::DTYPE.size(), format!("{what}: result bytes")) {
-                        f.result(check_reduced::<T>(got, size, 0, salt, rop, FACTOR), &what);
-                    }
+        let f = f.clone();
+        sweep_ranks(&mut failures, &format!("{what} size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, fl| f(size, rank, comm, fl));
+    }
+    failures
+}
+
+/// A test of [`sizes_swept`]: the report of `what`.
+fn sweep_sizes(
+    net: Net,
+    what: &str,
+    f: impl Fn(usize, usize, Communicator, &mut Failures) -> Result<(), Stop> + Send + Sync + Clone + 'static,
+) {
+    sizes_swept(net, what, f).finish(&format!("{what} over {net:?}"));
+}
+
+fn allreduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
+    sweep_sizes(net, &format!("allreduce {}", T::DTYPE), move |size, rank, comm, f| {
+        for (k, &rop) in ops.iter().enumerate() {
+            for n in allreduce_counts(T::DTYPE.size(), size) {
+                let what = format!("allreduce {} {rop:?} size {size} n {n} rank {rank}", T::DTYPE);
+                let salt = (k * 100_000 + n) as u64;
+                let got = allreduce_point::<T>(f, &comm, rank, n, salt, rop, &what)?;
+                if f.eq(got.len(), n * T::DTYPE.size(), format!("{what}: result bytes")) {
+                    f.result(check_reduced::<T>(&got, size, 0, salt, rop, FACTOR), &what);
                 }
             }
-            Ok(())
-        });
-    }
-    failures.finish(&format!("allreduce {} over {net:?}", T::DTYPE));
+        }
+        Ok(())
+    });
 }
 
 use ReduceOp::*;
@@ -161,34 +176,29 @@ fn allreduce_min_max_propagate_nan(net: Net) {
 }
 
 fn reduce_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
-    let mut failures = Failures::new();
-    for size in 1..=5 {
-        let group = format!("reduce {} size {size}", T::DTYPE);
-        sweep_ranks(&mut failures, &group, size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            for root in 0..size {
-                for (k, &rop) in ops.iter().enumerate() {
-                    for n in segment_counts(T::DTYPE.size()) {
-                        let what = format!("reduce {} {rop:?} size {size} root {root} n {n} rank {rank}", T::DTYPE);
-                        let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
-                        let before = T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop));
-                        let mut data = Guarded::new(&before, n % 2);
-                        let mut o = reduction_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()], rop);
-                        o.root = root as i64;
-                        f.op(run(&comm, vec![o]), &what)?;
-                        if rank == root {
-                            let bytes = data.data(f, &what);
-                            f.result(check_reduced::<T>(bytes, size, 0, salt, rop, FACTOR), &what);
-                        } else {
-                            let bytes = data.data(f, &what);
-                            f.result(same_bytes(bytes, &before), format!("{what}: a non-root buffer changed"));
-                        }
+    sweep_sizes(net, &format!("reduce {}", T::DTYPE), move |size, rank, comm, f| {
+        for root in 0..size {
+            for (k, &rop) in ops.iter().enumerate() {
+                for n in segment_counts(T::DTYPE.size()) {
+                    let what = format!("reduce {} {rop:?} size {size} root {root} n {n} rank {rank}", T::DTYPE);
+                    let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
+                    let before = T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop));
+                    let mut data = Guarded::new(&before, n % 2);
+                    let mut o = reduction_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()], rop);
+                    o.root = root as i64;
+                    f.op(run(&comm, vec![o]), &what)?;
+                    if rank == root {
+                        let bytes = data.data(f, &what);
+                        f.result(check_reduced::<T>(bytes, size, 0, salt, rop, FACTOR), &what);
+                    } else {
+                        let bytes = data.data(f, &what);
+                        f.result(same_bytes(bytes, &before), format!("{what}: a non-root buffer changed"));
                     }
                 }
             }
-            Ok(())
-        });
-    }
-    failures.finish(&format!("reduce {} over {net:?}", T::DTYPE));
+        }
+        Ok(())
+    });
 }
 
 fn reduce_every_root_f32(net: Net) {
@@ -201,40 +211,35 @@ fn reduce_every_root_int_and_bf16(net: Net) {
 }
 
 fn reduce_scatter_all<T: TestElem>(net: Net, ops: &'static [ReduceOp]) {
-    let mut failures = Failures::new();
-    for size in 1..=5 {
-        let group = format!("reduce_scatter {} size {size}", T::DTYPE);
-        sweep_ranks(&mut failures, &group, size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            for (k, &rop) in ops.iter().enumerate() {
-                for per in segment_counts(T::DTYPE.size()) {
-                    for layout in [Layout::Contiguous, Layout::InPlace, Layout::Separate] {
-                        let what = format!("reduce_scatter {} {rop:?} size {size} per {per} {layout:?} rank {rank}", T::DTYPE);
-                        let salt = (k * 100_000 + per) as u64;
-                        let esz = T::DTYPE.size();
-                        let whole = T::to_bytes(&inputs::<T>(rank, 0, per * size, salt, rop));
-                        let mut input = Guarded::new(&whole, 1);
-                        let mut pieces = separate(&whole, size, per * esz);
-                        let mut out = Guarded::new(&vec![0xA5u8; per * esz], 2);
-                        let blocks = match layout {
-                            Layout::Separate => raws(&mut pieces),
-                            _ => (0..size).map(|r| input.raw().sub(r * per * esz, per * esz)).collect::<Vec<_>>(),
-                        };
-                        let output = if layout == Layout::InPlace { blocks[rank] } else { out.raw() };
-                        let o = reduction_with(OpKind::ReduceScatter, T::DTYPE, blocks, vec![output], rop);
-                        f.op(run(&comm, vec![o]), &what)?;
-                        let got = match layout {
-                            Layout::InPlace => &input.data(f, &what)[rank * per * esz..(rank + 1) * per * esz],
-                            _ => out.data(f, &what),
-                        };
-                        f.result(check_reduced::<T>(got, size, rank * per, salt, rop, FACTOR), &what);
-                        let _ = joined(f, &pieces, &what);
-                    }
+    sweep_sizes(net, &format!("reduce_scatter {}", T::DTYPE), move |size, rank, comm, f| {
+        for (k, &rop) in ops.iter().enumerate() {
+            for per in segment_counts(T::DTYPE.size()) {
+                for layout in VIEW_LAYOUTS {
+                    let what = format!("reduce_scatter {} {rop:?} size {size} per {per} {layout:?} rank {rank}", T::DTYPE);
+                    let salt = (k * 100_000 + per) as u64;
+                    let esz = T::DTYPE.size();
+                    let whole = T::to_bytes(&inputs::<T>(rank, 0, per * size, salt, rop));
+                    let mut input = Guarded::new(&whole, 1);
+                    let mut pieces = separate(&whole, size, per * esz);
+                    let mut out = Guarded::new(&vec![0xA5u8; per * esz], 2);
+                    let blocks = match layout {
+                        Layout::Separate => raws(&mut pieces),
+                        _ => (0..size).map(|r| input.raw().sub(r * per * esz, per * esz)).collect::<Vec<_>>(),
+                    };
+                    let output = if layout == Layout::InPlace { blocks[rank] } else { out.raw() };
+                    let o = reduction_with(OpKind::ReduceScatter, T::DTYPE, blocks, vec![output], rop);
+                    f.op(run(&comm, vec![o]), &what)?;
+                    let got = match layout {
+                        Layout::InPlace => &input.data(f, &what)[rank * per * esz..(rank + 1) * per * esz],
+                        _ => out.data(f, &what),
+                    };
+                    f.result(check_reduced::<T>(got, size, rank * per, salt, rop, FACTOR), &what);
+                    let _ = joined(f, &pieces, &what);
                 }
             }
-            Ok(())
-        });
-    }
-    failures.finish(&format!("reduce_scatter {} over {net:?}", T::DTYPE));
+        }
+        Ok(())
+    });
 }
 
 fn reduce_scatter_f32_i32_bf16(net: Net) {
@@ -245,17 +250,6 @@ fn reduce_scatter_f32_i32_bf16(net: Net) {
 
 /// Dtypes for the data-movement collectives: several element sizes, and types that are moved
 /// but never reduced.
-/// How the per-rank views of a list collective are laid out.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Layout {
-    /// Views of one buffer (`*_into_tensor`, `*_base`).
-    Contiguous,
-    /// Contiguous, and this rank's view is also its input or output.
-    InPlace,
-    /// Separate, differently misaligned allocations (c10d's list APIs).
-    Separate,
-}
-
 const MOVE_DTYPES: [DType; 6] = [DType::Float32, DType::BFloat16, DType::Int64, DType::UInt8, DType::Float8E4M3FN, DType::Bytes];
 const MOVE_COUNTS: [usize; 4] = [0, 1, 1001, 5000];
 
@@ -263,152 +257,122 @@ fn salt_of(parts: &[usize]) -> u64 {
     parts.iter().fold(0u64, |a, &p| mix(a ^ p as u64))
 }
 
-fn broadcast_every_root(net: Net) {
-    let mut failures = Failures::new();
-    for size in 1..=5 {
-        sweep_ranks(&mut failures, &format!("broadcast size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
-                for n in MOVE_COUNTS.into_iter().chain([100_003]) {
-                    for root in 0..size {
-                        let what = format!("broadcast {dtype} size {size} root {root} n {n} rank {rank}");
-                        let salt = salt_of(&[1, d, n, root]);
-                        let len = n * dtype.size();
-                        let mut data =
-                            Guarded::new(&if rank == root { pattern(root, salt, len) } else { pattern(rank + 100, salt, len) }, n % 4);
-                        let mut o = op_with(OpKind::Broadcast, dtype, vec![], vec![data.raw()]);
-                        o.root = root as i64;
-                        f.op(run(&comm, vec![o]), &what)?;
-                        let bytes = data.data(f, &what);
-                        f.result(same_bytes(bytes, &pattern(root, salt, len)), format!("{what}: wrong data"));
-                    }
-                }
+/// A point of a rooted data-movement sweep.
+struct Rooted {
+    /// The dtype's index in MOVE_DTYPES.
+    d: usize,
+    dtype: DType,
+    n: usize,
+    root: usize,
+    /// Bytes per rank.
+    len: usize,
+    /// Whether the root's list of tensors is separate allocations (else views of one).
+    separate: bool,
+}
+
+/// Every dtype of MOVE_DTYPES × count of `counts` × root of a group of `size`.
+fn rooted_points(size: usize, counts: &[usize]) -> Vec<Rooted> {
+    let mut points = Vec::new();
+    for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
+        for &n in counts {
+            for root in 0..size {
+                points.push(Rooted { d, dtype, n, root, len: n * dtype.size(), separate: (n + root) % 2 == 1 });
             }
-            Ok(())
-        });
+        }
     }
-    failures.finish(&format!("broadcast over {net:?}"));
+    points
+}
+
+impl Rooted {
+    /// The point's name in a group of `size`.
+    fn describe(&self, size: usize) -> String {
+        format!("{} size {size} root {} n {} separate {}", self.dtype, self.root, self.n, self.separate)
+    }
+
+    /// The root's list of `size` tensors over the bytes of `whole`: separate copies (made into
+    /// `pieces`) or views of `whole`; none on the other ranks.
+    fn root_list(&self, rank: usize, size: usize, whole: &mut Guarded, pieces: &mut Vec<Guarded>) -> Vec<RawBuf> {
+        match (rank == self.root, self.separate) {
+            (false, _) => vec![],
+            (true, true) => {
+                *pieces = separate(whole.bytes(), size, self.len);
+                raws(pieces)
+            }
+            (true, false) => (0..size).map(|r| whole.raw().sub(r * self.len, self.len)).collect(),
+        }
+    }
+
+    /// What the root's list (see [`Rooted::root_list`]) holds now, with the guards checked.
+    fn root_list_bytes(&self, f: &mut Failures, whole: &Guarded, pieces: &[Guarded], what: &str) -> Vec<u8> {
+        if self.separate { joined(f, pieces, what) } else { whole.data(f, what).to_vec() }
+    }
+}
+
+fn broadcast_every_root(net: Net) {
+    sweep_sizes(net, "broadcast", move |size, rank, comm, f| {
+        for Rooted { d, dtype, n, root, .. } in rooted_points(size, &[&MOVE_COUNTS[..], &[100_003]].concat()) {
+            let what = format!("broadcast {dtype} size {size} root {root} n {n} rank {rank}");
+            broadcast_point(f, &comm, rank, dtype, n, root, salt_of(&[1, d, n, root]), &what)?;
+        }
+        Ok(())
+    });
 }
 
 fn allgather_out_of_place_and_in_place(net: Net) {
-    let mut failures = Failures::new();
-    for size in 1..=5 {
-        sweep_ranks(&mut failures, &format!("allgather size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
-                for n in MOVE_COUNTS {
-                    for layout in [Layout::Contiguous, Layout::InPlace, Layout::Separate] {
-                        let what = format!("allgather {dtype} size {size} n {n} {layout:?} rank {rank}");
-                        let salt = salt_of(&[2, d, n]);
-                        let len = n * dtype.size();
-                        let mut input = Guarded::new(&pattern(rank, salt, len), 3);
-                        let mut init = vec![0x5Au8; size * len];
-                        if layout == Layout::InPlace {
-                            init[rank * len..(rank + 1) * len].copy_from_slice(input.bytes());
-                        }
-                        let mut out = Guarded::new(&init, 0);
-                        let mut pieces = separate(&init, size, len);
-                        let outs = match layout {
-                            Layout::Separate => raws(&mut pieces),
-                            _ => (0..size).map(|r| out.raw().sub(r * len, len)).collect::<Vec<_>>(),
-                        };
-                        let inp = if layout == Layout::InPlace { outs[rank] } else { input.raw() };
-                        f.op(run(&comm, vec![op_with(OpKind::AllGather, dtype, vec![inp], outs)]), &what)?;
-                        let got = if layout == Layout::Separate { joined(f, &pieces, &what) } else { out.data(f, &what).to_vec() };
-                        for r in 0..size {
-                            f.result(
-                                same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)),
-                                format!("{what}: wrong block from rank {r}"),
-                            );
-                        }
-                        let bytes = input.data(f, &what);
-                        f.result(same_bytes(bytes, &pattern(rank, salt, len)), format!("{what}: input changed"));
-                    }
+    sweep_sizes(net, "allgather", move |size, rank, comm, f| {
+        for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
+            for n in MOVE_COUNTS {
+                for layout in VIEW_LAYOUTS {
+                    let what = format!("allgather {dtype} size {size} n {n} {layout:?} rank {rank}");
+                    allgather_point(f, &comm, rank, size, dtype, n, layout, salt_of(&[2, d, n]), &what)?;
                 }
             }
-            Ok(())
-        });
-    }
-    failures.finish(&format!("allgather over {net:?}"));
+        }
+        Ok(())
+    });
 }
 
 fn gather_every_root(net: Net) {
-    let mut failures = Failures::new();
-    for size in 1..=5 {
-        sweep_ranks(&mut failures, &format!("gather size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
-                for n in MOVE_COUNTS {
-                    for root in 0..size {
-                        let sep = (n + root) % 2 == 1;
-                        let what = format!("gather {dtype} size {size} root {root} n {n} separate {sep} rank {rank}");
-                        let salt = salt_of(&[3, d, n, root]);
-                        let len = n * dtype.size();
-                        let mut input = Guarded::new(&pattern(rank, salt, len), 1);
-                        let init = vec![0x5Au8; if rank == root { size * len } else { 0 }];
-                        let mut out = Guarded::new(&init, 2);
-                        let mut pieces = if rank == root { separate(&init, size, len) } else { vec![] };
-                        let outs = match (rank == root, sep) {
-                            (false, _) => vec![],
-                            (true, true) => raws(&mut pieces),
-                            (true, false) => (0..size).map(|r| out.raw().sub(r * len, len)).collect(),
-                        };
-                        let mut o = op_with(OpKind::Gather, dtype, vec![input.raw()], outs);
-                        o.root = root as i64;
-                        f.op(run(&comm, vec![o]), &what)?;
-                        let got = if sep { joined(f, &pieces, &what) } else { out.data(f, &what).to_vec() };
-                        if rank == root {
-                            for r in 0..size {
-                                f.result(
-                                    same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)),
-                                    format!("{what}: wrong block from rank {r}"),
-                                );
-                            }
-                        }
-                        let bytes = input.data(f, &what);
-                        f.result(same_bytes(bytes, &pattern(rank, salt, len)), format!("{what}: input changed"));
-                    }
-                }
+    sweep_sizes(net, "gather", move |size, rank, comm, f| {
+        for p in rooted_points(size, &MOVE_COUNTS) {
+            let what = format!("gather {} rank {rank}", p.describe(size));
+            let salt = salt_of(&[3, p.d, p.n, p.root]);
+            let mut input = Guarded::new(&pattern(rank, salt, p.len), 1);
+            let mut out = Guarded::new(&vec![0x5Au8; if rank == p.root { size * p.len } else { 0 }], 2);
+            let mut pieces = vec![];
+            let o = rooted_op(OpKind::Gather, p.dtype, vec![input.raw()], p.root_list(rank, size, &mut out, &mut pieces), p.root);
+            f.op(run(&comm, vec![o]), &what)?;
+            if rank == p.root {
+                let got = p.root_list_bytes(f, &out, &pieces, &what);
+                check_blocks(f, &got, size, salt, p.len, &what);
             }
-            Ok(())
-        });
-    }
-    failures.finish(&format!("gather over {net:?}"));
+            let bytes = input.data(f, &what);
+            f.result(same_bytes(bytes, &pattern(rank, salt, p.len)), format!("{what}: input changed"));
+        }
+        Ok(())
+    });
 }
 
 fn scatter_every_root(net: Net) {
-    let mut failures = Failures::new();
-    for size in 1..=5 {
-        sweep_ranks(&mut failures, &format!("scatter size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            for (d, dtype) in MOVE_DTYPES.into_iter().enumerate() {
-                for n in MOVE_COUNTS {
-                    for root in 0..size {
-                        let sep = (n + root) % 2 == 1;
-                        let what = format!("scatter {dtype} size {size} root {root} n {n} separate {sep} rank {rank}");
-                        let salt = salt_of(&[4, d, n, root]);
-                        let len = n * dtype.size();
-                        let whole = pattern(root, salt, size * len);
-                        let mut input = Guarded::new(if rank == root { &whole } else { &[] }, 1);
-                        let mut pieces = if rank == root { separate(&whole, size, len) } else { vec![] };
-                        let mut out = Guarded::new(&vec![0x5Au8; len], 3);
-                        let ins = match (rank == root, sep) {
-                            (false, _) => vec![],
-                            (true, true) => raws(&mut pieces),
-                            (true, false) => (0..size).map(|r| input.raw().sub(r * len, len)).collect(),
-                        };
-                        let mut o = op_with(OpKind::Scatter, dtype, ins, vec![out.raw()]);
-                        o.root = root as i64;
-                        f.op(run(&comm, vec![o]), &what)?;
-                        let bytes = out.data(f, &what);
-                        f.result(same_bytes(bytes, &whole[rank * len..(rank + 1) * len]), format!("{what}: wrong block"));
-                        if rank == root {
-                            let after = if sep { joined(f, &pieces, &what) } else { input.data(f, &what).to_vec() };
-                            f.result(same_bytes(&after, &whole), format!("{what}: root input changed"));
-                        }
-                    }
-                }
+    sweep_sizes(net, "scatter", move |size, rank, comm, f| {
+        for p in rooted_points(size, &MOVE_COUNTS) {
+            let what = format!("scatter {} rank {rank}", p.describe(size));
+            let salt = salt_of(&[4, p.d, p.n, p.root]);
+            let whole = pattern(p.root, salt, size * p.len);
+            let mut input = Guarded::new(if rank == p.root { &whole } else { &[] }, 1);
+            let mut out = Guarded::new(&vec![0x5Au8; p.len], 3);
+            let mut pieces = vec![];
+            let o = rooted_op(OpKind::Scatter, p.dtype, p.root_list(rank, size, &mut input, &mut pieces), vec![out.raw()], p.root);
+            f.op(run(&comm, vec![o]), &what)?;
+            let bytes = out.data(f, &what);
+            f.result(same_bytes(bytes, &whole[rank * p.len..(rank + 1) * p.len]), format!("{what}: wrong block"));
+            if rank == p.root {
+                let after = p.root_list_bytes(f, &input, &pieces, &what);
+                f.result(same_bytes(&after, &whole), format!("{what}: root input changed"));
             }
-            Ok(())
-        });
-    }
-    failures.finish(&format!("scatter over {net:?}"));
+        }
+        Ok(())
+    });
 }
 
 /// Elements rank `src` sends rank `dst` in all-to-all case `case`.
@@ -436,39 +400,36 @@ fn a2a_len(case: usize, src: usize, dst: usize) -> usize {
 
 fn alltoall_unequal_and_empty_pairs(net: Net) {
     let zero_pairs_seen = Arc::new(Mutex::new(0usize));
-    let mut failures = Failures::new();
-    for size in 1..=5 {
-        let zero_pairs_seen = zero_pairs_seen.clone();
-        sweep_ranks(&mut failures, &format!("alltoall size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            for dtype in [DType::Float32, DType::UInt8, DType::Int64] {
-                for case in 0..5 {
-                    let what = format!("alltoall {dtype} size {size} case {case} rank {rank}");
-                    let esz = dtype.size();
-                    let salt = salt_of(&[5, case, esz]);
-                    let msg = |src: usize, dst: usize| pattern(src * 16 + dst, salt, a2a_len(case, src, dst) * esz);
-                    let mut ins: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
-                    let mut outs: Vec<Vec<u8>> = (0..size).map(|src| vec![0x5Au8; a2a_len(case, src, rank) * esz]).collect();
-                    let o = op_with(
-                        OpKind::AllToAll,
-                        dtype,
-                        ins.iter_mut().map(|v| buf(v)).collect(),
-                        outs.iter_mut().map(|v| buf(v)).collect(),
-                    );
-                    f.op(run(&comm, vec![o]), &what)?;
-                    for (src, got) in outs.iter().enumerate() {
-                        f.result(same_bytes(got, &msg(src, rank)), format!("{what}: wrong message from rank {src}"));
-                        if src != rank && got.is_empty() && case > 0 {
-                            *zero_pairs_seen.lock().unwrap() += 1;
-                        }
-                    }
-                    for (dst, sent) in ins.iter().enumerate() {
-                        f.result(same_bytes(sent, &msg(rank, dst)), format!("{what}: input for rank {dst} changed"));
+    let seen = zero_pairs_seen.clone();
+    let mut failures = sizes_swept(net, "alltoall", move |size, rank, comm, f| {
+        for dtype in [DType::Float32, DType::UInt8, DType::Int64] {
+            for case in 0..5 {
+                let what = format!("alltoall {dtype} size {size} case {case} rank {rank}");
+                let esz = dtype.size();
+                let salt = salt_of(&[5, case, esz]);
+                let msg = |src: usize, dst: usize| pattern(src * 16 + dst, salt, a2a_len(case, src, dst) * esz);
+                let mut ins: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
+                let mut outs: Vec<Vec<u8>> = (0..size).map(|src| vec![0x5Au8; a2a_len(case, src, rank) * esz]).collect();
+                let o = op_with(
+                    OpKind::AllToAll,
+                    dtype,
+                    ins.iter_mut().map(|v| buf(v)).collect(),
+                    outs.iter_mut().map(|v| buf(v)).collect(),
+                );
+                f.op(run(&comm, vec![o]), &what)?;
+                for (src, got) in outs.iter().enumerate() {
+                    f.result(same_bytes(got, &msg(src, rank)), format!("{what}: wrong message from rank {src}"));
+                    if src != rank && got.is_empty() && case > 0 {
+                        *seen.lock().unwrap() += 1;
                     }
                 }
+                for (dst, sent) in ins.iter().enumerate() {
+                    f.result(same_bytes(sent, &msg(rank, dst)), format!("{what}: input for rank {dst} changed"));
+                }
             }
-            Ok(())
-        });
-    }
+        }
+        Ok(())
+    });
     failures.check(*zero_pairs_seen.lock().unwrap() > 0, || "no zero-length pair among mixed lengths".into());
     failures.finish(&format!("alltoall over {net:?}"));
 }
@@ -486,7 +447,7 @@ fn barrier_waits_for_everyone(net: Net) {
                 }
                 let enter = Instant::now();
                 f.op(
-                    run(&comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]),
+                    run(&comm, vec![barrier_op()]),
                     format!("barrier size {size} barrier {it} rank {rank}"),
                 )?;
                 log2.lock().unwrap().push((it, enter, Instant::now()));
@@ -506,40 +467,34 @@ fn barrier_waits_for_everyone(net: Net) {
 
 /// One job with several collectives runs them in order; each takes a sequence number.
 fn coalesced_job_of_collectives(net: Net) {
-    let mut failures = Failures::new();
-    for size in 1..=5 {
-        sweep_ranks(&mut failures, &format!("coalesced size {size}"), size, cfg(net), LIMIT, move |rank, comm, _, f| {
-            let what = format!("coalesced size {size} rank {rank}");
-            let n = 1001;
-            let mut ar = f32::to_bytes(&inputs::<f32>(rank, 0, n, 21, Sum));
-            let root = size - 1;
-            let mut bc = if rank == root { pattern(root, 22, 300) } else { vec![0; 300] };
-            let mut ag_in = pattern(rank, 23, 64);
-            let mut ag_out = vec![0u8; 64 * size];
-            let mut rs_in = i32::to_bytes(&inputs::<i32>(rank, 0, 10 * size, 24, Sum));
-            let mut rs_out = vec![0u8; 40];
+    sweep_sizes(net, "coalesced", move |size, rank, comm, f| {
+        let what = format!("coalesced size {size} rank {rank}");
+        let n = 1001;
+        let mut ar = f32::to_bytes(&inputs::<f32>(rank, 0, n, 21, Sum));
+        let root = size - 1;
+        let mut bc = if rank == root { pattern(root, 22, 300) } else { vec![0; 300] };
+        let mut ag_in = pattern(rank, 23, 64);
+        let mut ag_out = vec![0u8; 64 * size];
+        let mut rs_in = i32::to_bytes(&inputs::<i32>(rank, 0, 10 * size, 24, Sum));
+        let mut rs_out = vec![0u8; 40];
 
-            let mut o_ar = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut ar)]);
-            o_ar.reduce_op = Sum;
-            let mut o_bc = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut bc)]);
-            o_bc.root = root as i64;
-            let o_ag = op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut ag_in)], views(&mut ag_out, size, 64));
-            let o_b = op_with(OpKind::Barrier, DType::Float32, vec![], vec![]);
-            let o_rs = op_with(OpKind::ReduceScatter, DType::Int32, views(&mut rs_in, size, 40), vec![buf(&mut rs_out)]);
-            f.eq(comm.next_seq(), 0, format!("{what}: sequence number before"));
-            f.op(run(&comm, vec![o_ar, o_bc, o_ag, o_b, o_rs]), &what)?;
-            f.eq(comm.next_seq(), 5, format!("{what}: five collectives submitted"));
+        let mut o_ar = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut ar)]);
+        o_ar.reduce_op = Sum;
+        let mut o_bc = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut bc)]);
+        o_bc.root = root as i64;
+        let o_ag = op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut ag_in)], views(&mut ag_out, size, 64));
+        let o_b = barrier_op();
+        let o_rs = op_with(OpKind::ReduceScatter, DType::Int32, views(&mut rs_in, size, 40), vec![buf(&mut rs_out)]);
+        f.eq(comm.next_seq(), 0, format!("{what}: sequence number before"));
+        f.op(run(&comm, vec![o_ar, o_bc, o_ag, o_b, o_rs]), &what)?;
+        f.eq(comm.next_seq(), 5, format!("{what}: five collectives submitted"));
 
-            f.result(check_reduced::<f32>(&ar, size, 0, 21, Sum, 1.0), format!("{what}: allreduce"));
-            f.result(same_bytes(&bc, &pattern(root, 22, 300)), format!("{what}: broadcast"));
-            for r in 0..size {
-                f.result(same_bytes(&ag_out[r * 64..(r + 1) * 64], &pattern(r, 23, 64)), format!("{what}: allgather block {r}"));
-            }
-            f.result(check_reduced::<i32>(&rs_out, size, rank * 10, 24, Sum, 1.0), format!("{what}: reduce_scatter"));
-            Ok(())
-        });
-    }
-    failures.finish(&format!("coalesced job over {net:?}"));
+        f.result(check_reduced::<f32>(&ar, size, 0, 21, Sum, 1.0), format!("{what}: allreduce"));
+        f.result(same_bytes(&bc, &pattern(root, 22, 300)), format!("{what}: broadcast"));
+        check_blocks(f, &ag_out, size, 23, 64, &format!("{what}: allgather"));
+        f.result(check_reduced::<i32>(&rs_out, size, rank * 10, 24, Sum, 1.0), format!("{what}: reduce_scatter"));
+        Ok(())
+    });
 }
 
 both_nets!(

@@ -32,16 +32,32 @@ fn wait(f: &mut Failures, rx: mpsc::Receiver<Result<Completion, CommError>>, wha
     Ok(())
 }
 
+/// A test on `size` threads, each in two groups (two stores): thread t is rank t of group A and
+/// rank `rank_in_b(t)` of group B. Runs `f(t, a, b, rank in b, failures)` on each thread, then
+/// reports every failing point under `what`.
+fn on_two_groups(
+    net: Net,
+    what: &str,
+    size: usize,
+    rank_in_b: fn(usize, usize) -> usize,
+    f: impl Fn(usize, &Communicator, &Communicator, usize, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
+) {
+    let (store_a, store_b) = (MemoryStore::new(), MemoryStore::new());
+    let mut failures = Failures::new();
+    sweep_threads(&mut failures, what, size, LIMIT, move |t, _, fl| {
+        let a = fl.op(Communicator::new(&store_a, t, size, cfg(net)), format!("thread {t}: group A"))?;
+        let rb = rank_in_b(t, size);
+        let b = fl.op(Communicator::new(&store_b, rb, size, cfg(net)), format!("thread {t}: group B"))?;
+        f(t, &a, &b, rb, fl)
+    });
+    failures.finish(&format!("{what} over {net:?}"));
+}
+
 /// Group A has thread t as rank t, group B as rank size-1-t. Each iteration submits two jobs
 /// to each group without waiting; even threads submit A's first, odd threads B's first.
 fn two_groups_from_the_same_threads(net: Net) {
     let size = 4;
-    let (store_a, store_b) = (MemoryStore::new(), MemoryStore::new());
-    let mut failures = Failures::new();
-    sweep_threads(&mut failures, "two groups", size, LIMIT, move |t, _, f| {
-        let a = f.op(Communicator::new(&store_a, t, size, cfg(net)), format!("thread {t}: group A"))?;
-        let rb = size - 1 - t;
-        let b = f.op(Communicator::new(&store_b, rb, size, cfg(net)), format!("thread {t}: group B"))?;
+    on_two_groups(net, "two groups from the same threads", size, |t, size| size - 1 - t, move |t, a, b, rb, f| {
         for it in 0..12 {
             let what = format!("thread {t} iteration {it}");
             let (n, salt, root) = (20_000 + 37 * it, it as u64, it % size);
@@ -58,11 +74,11 @@ fn two_groups_from_the_same_threads(net: Net) {
             let b_ops = [ag, allreduce::<i32>(&mut b_red, ReduceOp::Max)];
             let jobs = |c: &Communicator, ops: &[Op; 2]| (submit_async(c, vec![ops[0].clone()]), submit_async(c, vec![ops[1].clone()]));
             let (ra, rb_) = if t % 2 == 0 {
-                let ra = jobs(&a, &a_ops);
-                (ra, jobs(&b, &b_ops))
+                let ra = jobs(a, &a_ops);
+                (ra, jobs(b, &b_ops))
             } else {
-                let rb_ = jobs(&b, &b_ops);
-                (jobs(&a, &a_ops), rb_)
+                let rb_ = jobs(b, &b_ops);
+                (jobs(a, &a_ops), rb_)
             };
             wait(f, ra.0, &format!("{what}: A allreduce"))?;
             wait(f, ra.1, &format!("{what}: A broadcast"))?;
@@ -71,14 +87,11 @@ fn two_groups_from_the_same_threads(net: Net) {
 
             f.result(check_reduced::<f32>(&a_red, size, 0, salt, ReduceOp::Sum, 1.0), format!("{what}: A allreduce"));
             f.result(same_bytes(&a_bc, &pattern(root, salt, 30_000)), format!("{what}: A broadcast"));
-            for r in 0..size {
-                f.result(same_bytes(&b_out[r * 5000..(r + 1) * 5000], &pattern(r, salt, 5000)), format!("{what}: B allgather block {r}"));
-            }
+            check_blocks(f, &b_out, size, salt, 5000, &format!("{what}: B allgather"));
             f.result(check_reduced::<i32>(&b_red, size, 0, salt, ReduceOp::Max, 1.0), format!("{what}: B allreduce"));
         }
         Ok(())
     });
-    failures.finish(&format!("two groups from the same threads over {net:?}"));
 }
 
 /// 300 small jobs submitted without waiting: completions arrive in submission order and every
@@ -144,13 +157,8 @@ fn many_async_jobs_complete_in_order(net: Net) {
 /// Five ranks in two groups at once (10 communicators, 10 progress threads and 5 test threads
 /// on a 2-core machine): all-reduce, reduce-scatter, all-to-all and barriers stay correct.
 fn world_size_5_oversubscribed(net: Net) {
-    let size = 5;
-    let (store_a, store_b) = (MemoryStore::new(), MemoryStore::new());
-    let mut failures = Failures::new();
-    sweep_threads(&mut failures, "world size 5", size, LIMIT, move |t, _, f| {
-        let a = f.op(Communicator::new(&store_a, t, size, cfg(net)), format!("thread {t}: group A"))?;
-        let rb = (t + 2) % size;
-        let b = f.op(Communicator::new(&store_b, rb, size, cfg(net)), format!("thread {t}: group B"))?;
+    on_two_groups(net, "world size 5 oversubscribed", 5, |t, size| (t + 2) % size, move |t, a, b, rb, f| {
+        let size = 5;
         for it in 0..8 {
             let what = format!("thread {t} iteration {it}");
             let salt = 1000 + it as u64;
@@ -159,14 +167,14 @@ fn world_size_5_oversubscribed(net: Net) {
             let mut a_red = i64::to_bytes(&inputs::<i64>(t, 0, n, salt, ReduceOp::Sum));
             let mut b_in = f32::to_bytes(&inputs::<f32>(rb, 0, per * size, salt, ReduceOp::Avg));
             let mut b_out = vec![0u8; per * 4];
-            let ra = submit_async(&a, vec![allreduce::<i64>(&mut a_red, ReduceOp::Sum)]);
+            let ra = submit_async(a, vec![allreduce::<i64>(&mut a_red, ReduceOp::Sum)]);
             let rs = op_with(OpKind::ReduceScatter, DType::Float32, views(&mut b_in, size, per * 4), vec![buf(&mut b_out)]);
             let rs = {
                 let mut rs = rs;
                 rs.reduce_op = ReduceOp::Avg;
                 rs
             };
-            let rbj = submit_async(&b, vec![rs]);
+            let rbj = submit_async(b, vec![rs]);
             wait(f, ra, &format!("{what}: A allreduce"))?;
             wait(f, rbj, &format!("{what}: B reduce_scatter"))?;
             f.result(check_reduced::<i64>(&a_red, size, 0, salt, ReduceOp::Sum, 1.0), format!("{what}: A allreduce"));
@@ -177,8 +185,8 @@ fn world_size_5_oversubscribed(net: Net) {
             let mut ins: Vec<Vec<u8>> = (0..size).map(|d| pattern(rb * 8 + d, salt, len(rb, d))).collect();
             let mut outs: Vec<Vec<u8>> = (0..size).map(|s| vec![0u8; len(s, rb)]).collect();
             let a2a = op_with(OpKind::AllToAll, DType::UInt8, ins.iter_mut().map(|v| buf(v)).collect(), outs.iter_mut().map(|v| buf(v)).collect());
-            let rbj = submit_async(&b, vec![a2a]);
-            f.op(run(&a, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]), format!("{what}: A barrier"))?;
+            let rbj = submit_async(b, vec![a2a]);
+            f.op(run(a, vec![barrier_op()]), format!("{what}: A barrier"))?;
             wait(f, rbj, &format!("{what}: B alltoall"))?;
             for (s, got) in outs.iter().enumerate() {
                 f.result(same_bytes(got, &pattern(s * 8 + rb, salt, len(s, rb))), format!("{what}: B alltoall from rank {s}"));
@@ -186,7 +194,6 @@ fn world_size_5_oversubscribed(net: Net) {
         }
         Ok(())
     });
-    failures.finish(&format!("world size 5 oversubscribed over {net:?}"));
 }
 
 both_nets!(

@@ -10,7 +10,7 @@
 mod common;
 use common::*;
 use std::time::Duration;
-use xccl_rs::{CommError, Communicator, Config, DType, ErrorKind, MemoryStore, Op, OpKind, ReduceOp};
+use xccl_rs::{Communicator, Config, DType, ErrorKind, MemoryStore, Op, OpKind, ReduceOp};
 
 const LIMIT: Duration = Duration::from_secs(30);
 
@@ -20,19 +20,6 @@ fn cfg(net: Net, timeout_s: u64) -> Config {
 
 fn allreduce(dtype: DType, data: &mut [u8]) -> Op {
     op_with(OpKind::AllReduce, dtype, vec![], vec![buf(data)])
-}
-
-fn barrier_op() -> Op {
-    op_with(OpKind::Barrier, DType::Float32, vec![], vec![])
-}
-
-/// The next job after `first` must fail at once and carry `first`'s message.
-fn next_job_fails_at_once(f: &mut Failures, comm: &Communicator, first: &CommError, what: &str) {
-    let (r, took) = timed(comm, vec![barrier_op()]);
-    if let Some(e) = expect_err(f, r, &format!("{what}: the job after a failure")) {
-        f.check(e.message.contains(&first.message), || format!("{what}: {:?} should quote the first error {:?}", e.message, first.message));
-    }
-    f.check(took < Duration::from_millis(500), || format!("{what}: the job after a failure took {took:?}"));
 }
 
 /// Runs the failure case `f` on `size` ranks, adding its failing points to `failures`; `case`
@@ -47,6 +34,35 @@ fn case_on_ranks(
     sweep_ranks(failures, case, size, cfg, LIMIT, f)
 }
 
+/// A test of one case: [`case_on_ranks`], then the report of `test`.
+fn one_case(
+    test: &str,
+    case: &str,
+    size: usize,
+    cfg: Config,
+    f: impl Fn(usize, Communicator, &RankBarrier, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
+) {
+    let mut failures = Failures::new();
+    case_on_ranks(&mut failures, case, size, cfg, f);
+    failures.finish(test);
+}
+
+const SECOND: Duration = Duration::from_secs(1);
+
+/// A test of one case on 4 ranks with a 2 s timeout in which rank `away` takes no part:
+/// `f(rank, comm, timeout, failures)` runs on the others, then every rank meets at the thread
+/// barrier.
+fn without_rank(net: Net, test: &str, case: &str, away: usize, f: impl Fn(usize, &Communicator, Duration, &mut Failures) + Send + Sync + 'static) {
+    let timeout = Duration::from_secs(2);
+    one_case(test, case, 4, net_config(net, timeout, 4096), move |rank, comm, barrier, fl| {
+        if rank != away {
+            f(rank, &comm, timeout, fl);
+        }
+        barrier.wait();
+        Ok(())
+    });
+}
+
 fn allreduce_size_mismatch(net: Net) {
     let mut failures = Failures::new();
     for size in [2, 3] {
@@ -59,7 +75,7 @@ fn allreduce_size_mismatch(net: Net) {
                 f.check(e.message.contains("size mismatch") || e.message.contains("elements"), || format!("{what}: {}", e.message));
                 next_job_fails_at_once(f, &comm, &e, &what);
             }
-            f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
+            within(f, took, SECOND, &what);
             barrier.wait();
             Ok(())
         });
@@ -75,11 +91,7 @@ fn allreduce_dtype_mismatch(net: Net) {
             // The same 4000 bytes: 1000 float32, or 500 float64 on rank 1.
             let mut data = f32::to_bytes(&vec![1.0; 1000]);
             let dtype = if rank == 1 { DType::Float64 } else { DType::Float32 };
-            let (r, took) = timed(&comm, vec![allreduce(dtype, &mut data)]);
-            if let Some(e) = expect_err_mentioning(f, r, &["dtype"], &what) {
-                next_job_fails_at_once(f, &comm, &e, &what);
-            }
-            f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
+            fails_within_then_next_job(f, &comm, vec![allreduce(dtype, &mut data)], &["dtype"], SECOND, &what);
             barrier.wait();
             Ok(())
         });
@@ -101,9 +113,7 @@ fn reduce_op_mismatch(net: Net) {
                 _ => op_with(kind, DType::Float32, vec![], vec![buf(&mut data)]),
             };
             o.reduce_op = if rank == 1 { ReduceOp::Max } else { ReduceOp::Sum };
-            let (r, took) = timed(&comm, vec![o]);
-            expect_err_mentioning(f, r, &["reduce op"], &what);
-            f.check(took < Duration::from_secs(2), || format!("{what}: took {took:?}"));
+            fails_within(f, &comm, vec![o], &["reduce op"], 2 * SECOND, &what);
             barrier.wait();
             Ok(())
         });
@@ -111,94 +121,77 @@ fn reduce_op_mismatch(net: Net) {
     failures.finish(&format!("reduce op mismatch over {net:?}"));
 }
 
+/// Collectives that do not match: rank 0's broadcast of the 64 bytes `data` from `root`, or
+/// another rank's all-gather of 64 bytes each into `gathered` (64 bytes per rank).
+fn broadcast_on_rank_0(rank: usize, root: usize, data: &mut [u8], gathered: &mut [u8]) -> Op {
+    if rank == 0 {
+        rooted_op(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(data)], root)
+    } else {
+        let ranks = gathered.len() / 64;
+        op_with(OpKind::AllGather, DType::UInt8, vec![buf(data)], views(gathered, ranks, 64))
+    }
+}
+
 /// Rank 0 in a broadcast it receives in (root 1), rank 1 in an all-gather: both fail, naming
 /// both collectives.
 fn different_collectives_on_different_ranks(net: Net) {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "broadcast vs allgather", 2, cfg(net, 3), move |rank, comm, barrier, f| {
-        let mut a = vec![0u8; 64];
-        let mut b = vec![0u8; 128];
-        let o = if rank == 0 {
-            let mut o = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)]);
-            o.root = 1;
-            o
-        } else {
-            op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 2, 64))
-        };
-        let (r, took) = timed(&comm, vec![o]);
-        let what = format!("rank {rank}");
-        if let Some(e) = expect_err_mentioning(f, r, &["broadcast", "allgather"], &what) {
-            next_job_fails_at_once(f, &comm, &e, &what);
-        }
-        f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
+    let test = format!("different collectives on different ranks over {net:?}");
+    one_case(&test, "broadcast vs allgather", 2, cfg(net, 3), move |rank, comm, barrier, f| {
+        let (mut a, mut b) = ([0u8; 64], [0u8; 128]);
+        let o = broadcast_on_rank_0(rank, 1, &mut a, &mut b);
+        fails_within_then_next_job(f, &comm, vec![o], &["broadcast", "allgather"], SECOND, &format!("rank {rank}"));
         barrier.wait();
         Ok(())
     });
-    failures.finish(&format!("different collectives on different ranks over {net:?}"));
 }
 
 /// Rank 0 is the broadcast root (it only sends), ranks 1 and 2 are in an all-gather. The root's
 /// small sends may complete before anyone looks at them, so its broadcast may return Ok; it must
 /// learn of the failure no later than its next job. Ranks 1 and 2 fail at once.
 fn different_collectives_sending_root(net: Net) {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "sending root vs allgather", 3, cfg(net, 3), move |rank, comm, barrier, f| {
-        let mut a = vec![0u8; 64];
-        let mut b = vec![0u8; 192];
-        let o = if rank == 0 {
-            op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)])
-        } else {
-            op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 3, 64))
-        };
+    let test = format!("different collectives, sending root, over {net:?}");
+    one_case(&test, "sending root vs allgather", 3, cfg(net, 3), move |rank, comm, barrier, f| {
+        let (mut a, mut b) = ([0u8; 64], [0u8; 192]);
+        let o = broadcast_on_rank_0(rank, 0, &mut a, &mut b);
+        let what = format!("rank {rank}");
         let (r, took) = timed(&comm, vec![o]);
-        f.check(took < Duration::from_secs(1), || format!("rank {rank}: took {took:?}"));
+        within(f, took, SECOND, &what);
         if rank != 0 {
-            expect_err_mentioning(f, r, &["broadcast", "allgather"], &format!("rank {rank}"));
+            expect_err_mentioning(f, r, &["broadcast", "allgather"], &what);
         }
-        let (r, took) = timed(&comm, vec![barrier_op()]);
-        expect_err(f, r, &format!("rank {rank}: barrier after mismatched collectives"));
-        f.check(took < Duration::from_secs(1), || format!("rank {rank}: the barrier took {took:?}"));
+        fails_within(f, &comm, vec![barrier_op()], &[], SECOND, &format!("{what}: barrier after mismatched collectives"));
         barrier.wait();
         Ok(())
     });
-    failures.finish(&format!("different collectives, sending root, over {net:?}"));
 }
 
 /// A broadcast root still sending a large tensor learns of a receiver's size mismatch at once.
 fn large_broadcast_root_learns_of_receiver_failure(net: Net) {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "large broadcast", 2, cfg(net, 3), move |rank, comm, barrier, f| {
+    let test = format!("large broadcast root learns of receiver failure over {net:?}");
+    one_case(&test, "large broadcast", 2, cfg(net, 3), move |rank, comm, barrier, f| {
         let n = if rank == 0 { 8 << 20 } else { (8 << 20) + 1 };
         let mut a = vec![7u8; n];
-        let (r, took) = timed(&comm, vec![op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)])]);
-        expect_err_mentioning(f, r, &["size mismatch"], &format!("rank {rank}"));
-        f.check(took < Duration::from_secs(1), || format!("rank {rank}: took {took:?}"));
+        let o = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)]);
+        fails_within(f, &comm, vec![o], &["size mismatch"], SECOND, &format!("rank {rank}"));
         barrier.wait();
         Ok(())
     });
-    failures.finish(&format!("large broadcast root learns of receiver failure over {net:?}"));
 }
 
 /// Rank 2 never calls the all-reduce: the others time out naming it, and their next job fails
 /// at once. (Ranks 0, 1, 3 may report their own timeout or a peer's abort quoting it.)
 fn absent_rank_times_out_naming_it(net: Net) {
-    let timeout = Duration::from_secs(2);
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "rank 2 absent", 4, net_config(net, timeout, 4096), move |rank, comm, barrier, f| {
-        if rank != 2 {
-            let what = format!("rank {rank}");
-            let mut data = f32::to_bytes(&[1.0; 100]);
-            let (r, took) = timed(&comm, vec![allreduce(DType::Float32, &mut data)]);
-            if let Some(e) = expect_err_mentioning(f, r, &["timed out", "not heard from: [2]"], &what) {
-                next_job_fails_at_once(f, &comm, &e, &what);
-            }
-            f.check(took >= timeout - Duration::from_millis(100), || format!("{what}: gave up after {took:?}, before the timeout"));
-            f.check(took < timeout + Duration::from_millis(1500), || format!("{what}: took {took:?}"));
+    let test = format!("absent rank times out naming it over {net:?}");
+    without_rank(net, &test, "rank 2 absent", 2, |rank, comm, timeout, f| {
+        let what = format!("rank {rank}");
+        let mut data = f32::to_bytes(&[1.0; 100]);
+        let (r, took) = timed(comm, vec![allreduce(DType::Float32, &mut data)]);
+        if let Some(e) = expect_err_mentioning(f, r, &["timed out", "not heard from: [2]"], &what) {
+            next_job_fails_at_once(f, comm, &e, &what);
         }
-        barrier.wait();
-        Ok(())
+        f.check(took >= timeout - Duration::from_millis(100), || format!("{what}: gave up after {took:?}, before the timeout"));
+        within(f, took, timeout + Duration::from_millis(1500), &what);
     });
-    failures.finish(&format!("absent rank times out naming it over {net:?}"));
 }
 
 /// Rank 3 is stuck (alive, but it never calls the reduce); the root, rank 0, waits for it in the
@@ -207,33 +200,26 @@ fn absent_rank_times_out_naming_it(net: Net) {
 /// every rank must name rank 3, the stuck one, not the root (TCP: the timeout round; shared
 /// memory: the root is seen to wait for rank 3).
 fn stuck_rank_named_by_ranks_waiting_for_its_waiter(net: Net) {
-    let timeout = Duration::from_secs(2);
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "rank 3 stuck", 4, net_config(net, timeout, 4096), move |rank, comm, barrier, f| {
-        if rank != 3 {
-            let what = format!("rank {rank}");
-            if rank == 0 {
-                std::thread::sleep(Duration::from_millis(400));
-            }
-            let mut a = f32::to_bytes(&[1.0; 100]);
-            let mut b = f32::to_bytes(&[2.0; 100]);
-            let reduce = op_with(OpKind::Reduce, DType::Float32, vec![], vec![buf(&mut a)]);
-            let broadcast = op_with(OpKind::Broadcast, DType::Float32, vec![], vec![buf(&mut b)]);
-            let (r, took) = timed(&comm, vec![reduce]);
-            let r = if r.is_ok() { timed(&comm, vec![broadcast]).0 } else { r };
-            expect_err_mentioning(f, r, &["timed out", "[3]"], &what);
-            f.check(took < timeout + Duration::from_millis(2500), || format!("{what}: took {took:?}"));
+    let test = format!("stuck rank named by ranks waiting for its waiter over {net:?}");
+    without_rank(net, &test, "rank 3 stuck", 3, |rank, comm, timeout, f| {
+        if rank == 0 {
+            std::thread::sleep(Duration::from_millis(400));
         }
-        barrier.wait();
-        Ok(())
+        let mut a = f32::to_bytes(&[1.0; 100]);
+        let mut b = f32::to_bytes(&[2.0; 100]);
+        let reduce = op_with(OpKind::Reduce, DType::Float32, vec![], vec![buf(&mut a)]);
+        let broadcast = op_with(OpKind::Broadcast, DType::Float32, vec![], vec![buf(&mut b)]);
+        let (r, took) = timed(comm, vec![reduce]);
+        let r = if r.is_ok() { timed(comm, vec![broadcast]).0 } else { r };
+        let what = format!("rank {rank}");
+        expect_err_mentioning(f, r, &["timed out", "[3]"], &what);
+        within(f, took, timeout + Duration::from_millis(2500), &what);
     });
-    failures.finish(&format!("stuck rank named by ranks waiting for its waiter over {net:?}"));
 }
 
 /// `set_timeout` applies to the next operations.
 fn set_timeout_shortens_the_wait(net: Net) {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "set_timeout", 2, cfg(net, 20), move |rank, comm, barrier, f| {
+    one_case(&format!("set_timeout shortens the wait over {net:?}"), "set_timeout", 2, cfg(net, 20), move |rank, comm, barrier, f| {
         if rank == 0 {
             comm.set_timeout(Duration::from_millis(700));
             let (r, took) = timed(&comm, vec![barrier_op()]);
@@ -245,38 +231,20 @@ fn set_timeout_shortens_the_wait(net: Net) {
         barrier.wait();
         Ok(())
     });
-    failures.finish(&format!("set_timeout shortens the wait over {net:?}"));
 }
 
 /// Rank 2 dies (drops its communicator) while ranks 0 and 1 are in an all-reduce: they fail
 /// with "closed" long before the timeout, and so does their next job.
 fn dead_rank_during_allreduce(net: Net) {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "rank 2 dies", 3, cfg(net, 3), move |rank, comm, barrier, f| {
-        if rank == 2 {
-            std::thread::sleep(Duration::from_millis(150));
-            drop(comm);
-            barrier.wait();
-            return Ok(());
-        }
-        let what = format!("rank {rank}");
-        let mut data = f32::to_bytes(&vec![1.0; 100_000]);
-        let (r, took) = timed(&comm, vec![allreduce(DType::Float32, &mut data)]);
-        if let Some(e) = expect_err_mentioning(f, r, &["closed"], &what) {
-            next_job_fails_at_once(f, &comm, &e, &what);
-        }
-        f.check(took < Duration::from_millis(1500), || format!("{what}: took {took:?}"));
-        barrier.wait();
-        Ok(())
+    one_case(&format!("dead rank during allreduce over {net:?}"), "rank 2 dies", 3, cfg(net, 3), move |rank, comm, barrier, f| {
+        peer_dies_during_allreduce(f, rank, 2, comm, barrier, &["closed"], &format!("rank {rank}"))
     });
-    failures.finish(&format!("dead rank during allreduce over {net:?}"));
 }
 
 /// Rank 2 died before the all-reduce was even submitted (ranks 0 and 1 first exchange a
 /// message, during which rank 2 is only watched): the first job that needs it fails at once.
 fn dead_rank_before_allreduce(net: Net) {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "rank 2 dead", 3, cfg(net, 3), move |rank, comm, barrier, f| {
+    one_case(&format!("dead rank before allreduce over {net:?}"), "rank 2 dead", 3, cfg(net, 3), move |rank, comm, barrier, f| {
         if rank == 2 {
             drop(comm);
             barrier.wait();
@@ -286,48 +254,32 @@ fn dead_rank_before_allreduce(net: Net) {
         std::thread::sleep(Duration::from_millis(50));
         let what = format!("rank {rank}");
         let mut m = vec![rank as u8; 1000];
-        let mut o = if rank == 0 {
-            op_with(OpKind::Send, DType::UInt8, vec![buf(&mut m)], vec![])
-        } else {
-            op_with(OpKind::Recv, DType::UInt8, vec![], vec![buf(&mut m)])
-        };
-        o.root = 1 - rank as i64;
-        f.op(run(&comm, vec![o]), format!("{what}: a message between live ranks"))?;
+        f.op(run(&comm, vec![zero_to_one(rank, 0, 0, DType::UInt8, buf(&mut m))]), format!("{what}: a message between live ranks"))?;
         f.result(same_bytes(&m, &[0u8; 1000]), format!("{what}: message"));
         let mut data = f32::to_bytes(&[1.0; 10]);
-        let (r, took) = timed(&comm, vec![allreduce(DType::Float32, &mut data)]);
-        expect_err_mentioning(f, r, &["closed"], &what);
-        f.check(took < Duration::from_millis(1000), || format!("{what}: took {took:?}"));
+        fails_within(f, &comm, vec![allreduce(DType::Float32, &mut data)], &["closed"], SECOND, &what);
         Ok(())
     });
-    failures.finish(&format!("dead rank before allreduce over {net:?}"));
 }
 
 /// `abort` on rank 1 while ranks 0 and 2 are in an all-gather: they fail with its message well
 /// before the timeout; rank 1's own next job fails with it too.
 fn abort_reaches_peers_quickly(net: Net) {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "rank 1 aborts", 3, cfg(net, 3), move |rank, comm, barrier, f| {
+    one_case(&format!("abort reaches peers quickly over {net:?}"), "rank 1 aborts", 3, cfg(net, 3), move |rank, comm, barrier, f| {
         let what = format!("rank {rank}");
         if rank == 1 {
             std::thread::sleep(Duration::from_millis(100));
             comm.abort(OpKind::AllGather, "local problem xyz");
-            let (r, took) = timed(&comm, vec![barrier_op()]);
-            expect_err_mentioning(f, r, &["xyz"], &what);
-            f.check(took < Duration::from_millis(500), || format!("{what}: took {took:?}"));
+            fails_within(f, &comm, vec![barrier_op()], &["xyz"], Duration::from_millis(500), &what);
         } else {
             let mut a = pattern(rank, 1, 256);
             let mut b = vec![0u8; 3 * 256];
-            let (r, took) = timed(&comm, vec![op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 3, 256))]);
-            if let Some(e) = expect_err_mentioning(f, r, &["xyz"], &what) {
-                next_job_fails_at_once(f, &comm, &e, &what);
-            }
-            f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
+            let o = op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 3, 256));
+            fails_within_then_next_job(f, &comm, vec![o], &["xyz"], SECOND, &what);
         }
         barrier.wait();
         Ok(())
     });
-    failures.finish(&format!("abort reaches peers quickly over {net:?}"));
 }
 
 /// A rank that never creates its communicator: the others' `Communicator::new` fails within the
@@ -364,8 +316,7 @@ fn rank_that_never_joins() {
 /// rank, the op and the problem; nothing is queued and the communicator stays usable.
 #[test]
 fn submit_validates_layout() {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "layout errors", 2, config(Duration::from_secs(5), 4096), move |rank, comm, _, f| {
+    one_case("submit validates layout", "layout errors", 2, config(Duration::from_secs(5), 4096), move |rank, comm, _, f| {
         let mut x = vec![0u8; 16];
         let mut y = vec![0u8; 16];
         let mut z = vec![0u8; 12];
@@ -439,7 +390,6 @@ fn submit_validates_layout() {
         f.eq(comm.next_seq(), 1, format!("{what}: sequence number after"));
         Ok(())
     });
-    failures.finish("submit validates layout");
 }
 
 both_nets!(
@@ -461,21 +411,19 @@ both_nets!(
 /// must still see an error in that operation when a receiver rejects its data, as
 /// docs/usage.md promises for point-to-point ("or both fail") and as every other rank does.
 fn sender_fails_with_its_receiver(net: Net, what: Which) {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, &format!("{what:?}"), 2, cfg(net, 3), move |rank, comm, barrier, f| {
-        let mut a = vec![0u8; 64];
-        let mut b = vec![0u8; 128];
-        let o = match (what, rank) {
-            (Which::BroadcastRoot, 0) => op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)]),
-            (Which::BroadcastRoot, _) => op_with(OpKind::AllGather, DType::UInt8, vec![buf(&mut a)], views(&mut b, 2, 64)),
+    let test = format!("sender fails with its receiver ({what:?}) over {net:?}");
+    one_case(&test, &format!("{what:?}"), 2, cfg(net, 3), move |rank, comm, barrier, f| {
+        let (mut a, mut b) = ([0u8; 64], [0u8; 128]);
+        let o = match what {
+            Which::BroadcastRoot => broadcast_on_rank_0(rank, 0, &mut a, &mut b),
         };
         let (r, took) = timed(&comm, vec![o]);
         barrier.wait();
-        expect_err(f, r, &format!("{what:?}: rank {rank}"));
-        f.check(took < Duration::from_secs(1), || format!("{what:?}: rank {rank} took {took:?}"));
+        let what = format!("{what:?}: rank {rank}");
+        expect_err(f, r, &what);
+        within(f, took, SECOND, &what);
         Ok(())
     });
-    failures.finish(&format!("sender fails with its receiver ({what:?}) over {net:?}"));
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -489,32 +437,23 @@ enum Which {
 /// the receiver's error.
 #[test]
 fn sender_of_mismatched_p2p_message_fails_at_its_next_op() {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "tag mismatch", 2, cfg(Net::Tcp, 3), move |rank, comm, barrier, f| {
+    let test = "sender of a mismatched p2p message fails at its next op";
+    one_case(test, "tag mismatch", 2, cfg(Net::Tcp, 3), move |rank, comm, barrier, f| {
         let mut a = vec![0u8; 64];
-        let mut o = if rank == 0 {
-            op_with(OpKind::Send, DType::UInt8, vec![buf(&mut a)], vec![])
-        } else {
-            op_with(OpKind::Recv, DType::UInt8, vec![], vec![buf(&mut a)])
-        };
-        o.root = 1 - rank as i64;
-        o.tag = 5 + rank as i64;
-        let (r, _) = timed(&comm, vec![o]);
+        let r = run(&comm, vec![zero_to_one(rank, 5, 6, DType::UInt8, buf(&mut a))]);
         if rank == 1 {
             expect_err_mentioning(f, r, &["tag"], "rank 1: the receiver of a tag mismatch");
         }
         barrier.wait();
-        let (next, took) = timed(&comm, vec![op_with(OpKind::Barrier, DType::UInt8, vec![], vec![])]);
         let what = format!("rank {rank}: the operation after a rejected message");
-        if let Some(e) = expect_err(f, next, &what)
+        let next = op_with(OpKind::Barrier, DType::UInt8, vec![], vec![]);
+        if let Some(e) = fails_within(f, &comm, vec![next], &[], SECOND, &what)
             && rank == 0
         {
             mentions(f, &e, &["tag"], &format!("{what}: the receiver's error"));
         }
-        f.check(took < Duration::from_secs(1), || format!("rank {rank} took {took:?}"));
         Ok(())
     });
-    failures.finish("sender of a mismatched p2p message fails at its next op");
 }
 
 #[test]
@@ -530,18 +469,17 @@ fn broadcast_root_fails_when_peer_is_in_another_collective_shm() {
 /// Ranks disagree about a broadcast's root (each names itself): every rank must fail. Over TCP
 /// each rank only sends, so no rank notices; the data silently stays unbroadcast.
 fn broadcast_root_mismatch(net: Net) {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "root mismatch", 2, cfg(net, 3), move |rank, comm, barrier, f| {
+    one_case(&format!("broadcast root mismatch over {net:?}"), "root mismatch", 2, cfg(net, 3), move |rank, comm, barrier, f| {
         let mut a = vec![rank as u8; 64];
         let mut o = op_with(OpKind::Broadcast, DType::UInt8, vec![], vec![buf(&mut a)]);
         o.root = rank as i64;
         let (r, took) = timed(&comm, vec![o]);
         barrier.wait();
-        expect_err_mentioning(f, r, &["root"], &format!("rank {rank}: broadcast naming itself root"));
-        f.check(took < Duration::from_secs(1), || format!("rank {rank} took {took:?}"));
+        let what = format!("rank {rank}: broadcast naming itself root");
+        expect_err_mentioning(f, r, &["root"], &what);
+        within(f, took, SECOND, &what);
         Ok(())
     });
-    failures.finish(&format!("broadcast root mismatch over {net:?}"));
 }
 
 #[test]
@@ -576,13 +514,11 @@ fn bad_rank_or_size_in_new() {
 /// After `shutdown`, `submit` fails instead of queueing work nobody will run.
 #[test]
 fn submit_after_shutdown_fails() {
-    let mut failures = Failures::new();
-    case_on_ranks(&mut failures, "shutdown", 2, config(Duration::from_secs(3), 4096), move |rank, comm, barrier, f| {
+    one_case("submit after shutdown fails", "shutdown", 2, config(Duration::from_secs(3), 4096), move |rank, comm, barrier, f| {
         barrier.wait();
         comm.shutdown();
         comm.shutdown();
         expect_err_mentioning(f, run(&comm, vec![barrier_op()]), &["shut down"], &format!("rank {rank}: submit after shutdown"));
         Ok(())
     });
-    failures.finish("submit after shutdown fails");
 }

@@ -13,7 +13,7 @@ mod common;
 use common::*;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use xccl_rs::{CommError, Communicator, Config, DType, MemoryStore, Op, OpKind, ReduceOp};
+use xccl_rs::{Communicator, Config, DType, MemoryStore, Op, OpKind, ReduceOp};
 
 use ReduceOp::*;
 
@@ -46,6 +46,20 @@ fn on_layout(
 ) {
     let what = format!("{what} {layout:?}");
     sweep_ranks_with(failures, &what, MemoryStore::new(), cfgs(layout, Duration::from_secs(20)), LIMIT, move |rank, comm, _, fl| f(rank, &comm, fl))
+}
+
+/// A test of every layout: the sweep `f(layout, rank, comm, failures)` on each (see
+/// [`on_layout`]), then the report of `what` over all of them.
+fn sweep_layouts(
+    what: &str,
+    f: impl Fn(&'static [&'static str], usize, &Communicator, &mut Failures) -> Result<(), Stop> + Send + Sync + Clone + 'static,
+) {
+    let mut failures = Failures::new();
+    for layout in LAYOUTS {
+        let f = f.clone();
+        on_layout(&mut failures, what, layout, move |rank, comm, fl| f(layout, rank, comm, fl));
+    }
+    failures.finish(&format!("{what} over host layouts"));
 }
 
 /// Runs `job` on every rank of `layout` and returns each rank's value; a rank without one (it
@@ -147,14 +161,9 @@ fn allreduce_layouts<T: TestElem>(ops: &'static [ReduceOp]) {
                 for n in counts(T::DTYPE.size(), size) {
                     let what = format!("allreduce {} {rop:?} {layout:?} n {n} rank {rank}", T::DTYPE);
                     let salt = (k * 100_000 + n) as u64;
-                    let mut data = Guarded::new(&T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop)), n % 3);
-                    let o = reduction_with(OpKind::AllReduce, T::DTYPE, vec![], vec![data.raw()], rop);
-                    if f.op(run(comm, vec![o]), &what).is_err() {
-                        return Err(f);
-                    }
-                    let bytes = data.data(&mut f, &what);
-                    f.result(check::<T>(layout, bytes, salt, rop, 0), &what);
-                    all.push(bytes.to_vec());
+                    let Ok(bytes) = allreduce_point::<T>(&mut f, comm, rank, n, salt, rop, &what) else { return Err(f) };
+                    f.result(check::<T>(layout, &bytes, salt, rop, 0), &what);
+                    all.push(bytes);
                 }
             }
             Ok((f, all))
@@ -206,29 +215,24 @@ fn bf16_data_tell_roundings_apart() {
 
 #[test]
 fn reduce_every_root() {
-    let mut failures = Failures::new();
-    for layout in LAYOUTS {
-        on_layout(&mut failures, "reduce", layout, move |rank, comm, f| {
-            let size = layout.len();
-            for root in 0..size {
-                for (k, &rop) in [Sum, Avg, Max, PreMulSum].iter().enumerate() {
-                    reduce_case::<f32>(f, layout, comm, rank, root, rop, k)?;
-                }
-                reduce_case::<bf16>(f, layout, comm, rank, root, Sum, 9)?;
-                reduce_case::<bf16>(f, layout, comm, rank, root, Avg, 10)?;
+    sweep_layouts("reduce", |layout, rank, comm, f| {
+        for root in 0..layout.len() {
+            for (k, &rop) in [Sum, Avg, Max, PreMulSum].iter().enumerate() {
+                reduce_case::<f32>(f, layout, comm, rank, root, rop, k)?;
             }
-            Ok(())
-        });
-    }
-    failures.finish("reduce over host layouts");
+            reduce_case::<bf16>(f, layout, comm, rank, root, Sum, 9)?;
+            reduce_case::<bf16>(f, layout, comm, rank, root, Avg, 10)?;
+        }
+        Ok(())
+    });
 }
 
 fn reduce_case<T: TestElem>(f: &mut Failures, layout: &[&str], comm: &Communicator, rank: usize, root: usize, rop: ReduceOp, k: usize) -> Result<(), Stop> {
     for n in [0, 1, 1001, SEGMENT / T::DTYPE.size() + 1, 3 * SEGMENT / T::DTYPE.size() + 7] {
         let what = format!("reduce {} {rop:?} {layout:?} root {root} n {n} rank {rank}", T::DTYPE);
         let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
-        let before = T::to_bytes(&inputs::<T>(rank, 0, n, salt, rop));
-        let mut data = Guarded::new(&before, n % 2);
+        let mut data = guarded_inputs::<T>(rank, n, salt, rop, n % 2);
+        let before = data.bytes().to_vec();
         let mut o = reduction_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()], rop);
         o.root = root as i64;
         f.op(run(comm, vec![o]), &what)?;
@@ -244,155 +248,109 @@ fn reduce_case<T: TestElem>(f: &mut Failures, layout: &[&str], comm: &Communicat
 
 #[test]
 fn broadcast_every_root() {
-    let mut failures = Failures::new();
-    for layout in LAYOUTS {
-        on_layout(&mut failures, "broadcast", layout, move |rank, comm, f| {
-            for dtype in [DType::Float32, DType::BFloat16, DType::UInt8] {
-                for n in [0, 1, 1001, 5000, 100_003] {
-                    for root in 0..layout.len() {
-                        let what = format!("broadcast {dtype} {layout:?} root {root} n {n} rank {rank}");
-                        let salt = mix(n as u64 ^ (root as u64) << 32 ^ dtype as u64);
-                        let len = n * dtype.size();
-                        let mut data = Guarded::new(&pattern(if rank == root { root } else { rank + 100 }, salt, len), n % 4);
-                        let mut o = op_with(OpKind::Broadcast, dtype, vec![], vec![data.raw()]);
-                        o.root = root as i64;
-                        f.op(run(comm, vec![o]), &what)?;
-                        let bytes = data.data(f, &what);
-                        f.result(same_bytes(bytes, &pattern(root, salt, len)), format!("{what}: wrong data"));
-                    }
+    sweep_layouts("broadcast", |layout, rank, comm, f| {
+        for dtype in [DType::Float32, DType::BFloat16, DType::UInt8] {
+            for n in [0, 1, 1001, 5000, 100_003] {
+                for root in 0..layout.len() {
+                    let what = format!("broadcast {dtype} {layout:?} root {root} n {n} rank {rank}");
+                    let salt = mix(n as u64 ^ (root as u64) << 32 ^ dtype as u64);
+                    broadcast_point(f, comm, rank, dtype, n, root, salt, &what)?;
                 }
             }
-            Ok(())
-        });
-    }
-    failures.finish("broadcast over host layouts");
+        }
+        Ok(())
+    });
 }
 
 #[test]
 fn allgather_contiguous_in_place_and_separate() {
-    let mut failures = Failures::new();
-    for layout in LAYOUTS {
-        on_layout(&mut failures, "allgather", layout, move |rank, comm, f| {
-            let size = layout.len();
-            for dtype in [DType::Float32, DType::UInt8] {
-                for n in [0, 1, 1001, 5000] {
-                    for mode in 0..3 {
-                        let what = format!("allgather {dtype} {layout:?} n {n} mode {mode} rank {rank}");
-                        let salt = mix((n * 10 + mode) as u64 ^ dtype as u64);
-                        let len = n * dtype.size();
-                        let mut input = Guarded::new(&pattern(rank, salt, len), 3);
-                        let mut init = vec![0x5Au8; size * len];
-                        if mode == 1 {
-                            init[rank * len..(rank + 1) * len].copy_from_slice(input.bytes());
-                        }
-                        let mut out = Guarded::new(&init, 0);
-                        let mut pieces = separate(&init, size, len);
-                        let outs = if mode == 2 { raws(&mut pieces) } else { (0..size).map(|r| out.raw().sub(r * len, len)).collect() };
-                        let inp = if mode == 1 { outs[rank] } else { input.raw() };
-                        f.op(run(comm, vec![op_with(OpKind::AllGather, dtype, vec![inp], outs)]), &what)?;
-                        let got = if mode == 2 { joined(f, &pieces, &what) } else { out.data(f, &what).to_vec() };
-                        for r in 0..size {
-                            f.result(same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)), format!("{what}: wrong block from rank {r}"));
-                        }
-                    }
+    sweep_layouts("allgather", |layout, rank, comm, f| {
+        let size = layout.len();
+        for dtype in [DType::Float32, DType::UInt8] {
+            for n in [0, 1, 1001, 5000] {
+                for (mode, views) in VIEW_LAYOUTS.into_iter().enumerate() {
+                    let what = format!("allgather {dtype} {layout:?} n {n} {views:?} rank {rank}");
+                    let salt = mix((n * 10 + mode) as u64 ^ dtype as u64);
+                    allgather_point(f, comm, rank, size, dtype, n, views, salt, &what)?;
                 }
             }
-            Ok(())
-        });
-    }
-    failures.finish("allgather over host layouts");
+        }
+        Ok(())
+    });
 }
 
 /// Gather, scatter, reduce-scatter and all-to-all run direct over TCP in a mixed group.
 #[test]
 fn direct_collectives() {
-    let mut failures = Failures::new();
-    for layout in LAYOUTS {
-        on_layout(&mut failures, "direct collectives", layout, move |rank, comm, f| {
-            let size = layout.len();
-            for n in [0usize, 1, 1001, 5000] {
-                for root in [0, size - 1] {
-                    let what = format!("gather {layout:?} root {root} n {n} rank {rank}");
-                    let salt = mix(n as u64 * 3 + root as u64);
-                    let mut input = pattern(rank, salt, n);
-                    let mut out = vec![0u8; if rank == root { size * n } else { 0 }];
-                    let outs = if rank == root { views(&mut out, size, n) } else { vec![] };
-                    let mut o = op_with(OpKind::Gather, DType::UInt8, vec![buf(&mut input)], outs);
-                    o.root = root as i64;
-                    f.op(run(comm, vec![o]), &what)?;
-                    if rank == root {
-                        for r in 0..size {
-                            f.result(same_bytes(&out[r * n..(r + 1) * n], &pattern(r, salt, n)), format!("{what}: block {r}"));
-                        }
-                    }
-
-                    let what = format!("scatter {layout:?} root {root} n {n} rank {rank}");
-                    let whole = pattern(root, salt ^ 1, size * n);
-                    let mut input = if rank == root { whole.clone() } else { vec![] };
-                    let ins = if rank == root { views(&mut input, size, n) } else { vec![] };
-                    let mut out = vec![0u8; n];
-                    let mut o = op_with(OpKind::Scatter, DType::UInt8, ins, vec![buf(&mut out)]);
-                    o.root = root as i64;
-                    f.op(run(comm, vec![o]), &what)?;
-                    f.result(same_bytes(&out, &whole[rank * n..(rank + 1) * n]), &what);
+    sweep_layouts("direct collectives", |layout, rank, comm, f| {
+        let size = layout.len();
+        for n in [0usize, 1, 1001, 5000] {
+            for root in [0, size - 1] {
+                let what = format!("gather {layout:?} root {root} n {n} rank {rank}");
+                let salt = mix(n as u64 * 3 + root as u64);
+                let mut input = pattern(rank, salt, n);
+                let mut out = vec![0u8; if rank == root { size * n } else { 0 }];
+                let outs = if rank == root { views(&mut out, size, n) } else { vec![] };
+                f.op(run(comm, vec![rooted_op(OpKind::Gather, DType::UInt8, vec![buf(&mut input)], outs, root)]), &what)?;
+                if rank == root {
+                    check_blocks(f, &out, size, salt, n, &what);
                 }
 
-                for (k, rop) in [Sum, Avg, PreMulSum, Max].into_iter().enumerate() {
-                    let what = format!("reduce_scatter {rop:?} {layout:?} n {n} rank {rank}");
-                    let salt = (k * 100_000 + n) as u64 + 555;
-                    let mut input = f32::to_bytes(&inputs::<f32>(rank, 0, n * size, salt, rop));
-                    let mut out = vec![0u8; n * 4];
-                    let o = reduction_with(OpKind::ReduceScatter, DType::Float32, views(&mut input, size, n * 4), vec![buf(&mut out)], rop);
-                    f.op(run(comm, vec![o]), &what)?;
-                    f.result(check_reduced::<f32>(&out, size, rank * n, salt, rop, FACTOR), &what);
-                }
-
-                let what = format!("alltoall {layout:?} n {n} rank {rank}");
-                let len = |src: usize, dst: usize| (n + 7 * src + dst) % (n + 1);
-                let msg = |src: usize, dst: usize| pattern(src * 16 + dst, n as u64, len(src, dst));
-                let mut ins: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
-                let mut outs: Vec<Vec<u8>> = (0..size).map(|src| vec![0u8; len(src, rank)]).collect();
-                let o = op_with(OpKind::AllToAll, DType::UInt8, ins.iter_mut().map(|v| buf(v)).collect(), outs.iter_mut().map(|v| buf(v)).collect());
-                f.op(run(comm, vec![o]), &what)?;
-                for (src, got) in outs.iter().enumerate() {
-                    f.result(same_bytes(got, &msg(src, rank)), format!("{what}: from rank {src}"));
-                }
+                let what = format!("scatter {layout:?} root {root} n {n} rank {rank}");
+                let whole = pattern(root, salt ^ 1, size * n);
+                let mut input = if rank == root { whole.clone() } else { vec![] };
+                let ins = if rank == root { views(&mut input, size, n) } else { vec![] };
+                let mut out = vec![0u8; n];
+                f.op(run(comm, vec![rooted_op(OpKind::Scatter, DType::UInt8, ins, vec![buf(&mut out)], root)]), &what)?;
+                f.result(same_bytes(&out, &whole[rank * n..(rank + 1) * n]), &what);
             }
-            Ok(())
-        });
-    }
-    failures.finish("direct collectives over host layouts");
+
+            for (k, rop) in [Sum, Avg, PreMulSum, Max].into_iter().enumerate() {
+                let what = format!("reduce_scatter {rop:?} {layout:?} n {n} rank {rank}");
+                let salt = (k * 100_000 + n) as u64 + 555;
+                let mut input = f32::to_bytes(&inputs::<f32>(rank, 0, n * size, salt, rop));
+                let mut out = vec![0u8; n * 4];
+                let o = reduction_with(OpKind::ReduceScatter, DType::Float32, views(&mut input, size, n * 4), vec![buf(&mut out)], rop);
+                f.op(run(comm, vec![o]), &what)?;
+                f.result(check_reduced::<f32>(&out, size, rank * n, salt, rop, FACTOR), &what);
+            }
+
+            let what = format!("alltoall {layout:?} n {n} rank {rank}");
+            let len = |src: usize, dst: usize| (n + 7 * src + dst) % (n + 1);
+            let msg = |src: usize, dst: usize| pattern(src * 16 + dst, n as u64, len(src, dst));
+            let mut ins: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
+            let mut outs: Vec<Vec<u8>> = (0..size).map(|src| vec![0u8; len(src, rank)]).collect();
+            let o = op_with(OpKind::AllToAll, DType::UInt8, ins.iter_mut().map(|v| buf(v)).collect(), outs.iter_mut().map(|v| buf(v)).collect());
+            f.op(run(comm, vec![o]), &what)?;
+            for (src, got) in outs.iter().enumerate() {
+                f.result(same_bytes(got, &msg(src, rank)), format!("{what}: from rank {src}"));
+            }
+        }
+        Ok(())
+    });
 }
 
 /// Send/recv between every ordered pair (within and across hosts), as one batch per rank.
 #[test]
 fn send_recv_every_pair() {
-    let mut failures = Failures::new();
-    for layout in LAYOUTS {
-        on_layout(&mut failures, "send/recv", layout, move |rank, comm, f| {
-            let size = layout.len();
-            for n in [0usize, 1, 5000] {
-                let msg = |src: usize, dst: usize| pattern(src * 16 + dst, 99 + n as u64, n);
-                let mut outgoing: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
-                let mut incoming: Vec<Vec<u8>> = (0..size).map(|_| vec![0u8; n]).collect();
-                let mut ops: Vec<Op> = Vec::new();
-                for peer in (0..size).filter(|&p| p != rank) {
-                    let mut s = op_with(OpKind::Send, DType::UInt8, vec![buf(&mut outgoing[peer])], vec![]);
-                    s.root = peer as i64;
-                    let mut r = op_with(OpKind::Recv, DType::UInt8, vec![], vec![buf(&mut incoming[peer])]);
-                    r.root = peer as i64;
-                    ops.push(s);
-                    ops.push(r);
-                }
-                f.op(run(comm, ops), format!("send/recv {layout:?} n {n} rank {rank}"))?;
-                for peer in (0..size).filter(|&p| p != rank) {
-                    f.result(same_bytes(&incoming[peer], &msg(peer, rank)), format!("send/recv {layout:?} n {n}: rank {rank} from {peer}"));
-                }
+    sweep_layouts("send/recv", |layout, rank, comm, f| {
+        let size = layout.len();
+        for n in [0usize, 1, 5000] {
+            let msg = |src: usize, dst: usize| pattern(src * 16 + dst, 99 + n as u64, n);
+            let mut outgoing: Vec<Vec<u8>> = (0..size).map(|dst| msg(rank, dst)).collect();
+            let mut incoming: Vec<Vec<u8>> = (0..size).map(|_| vec![0u8; n]).collect();
+            let mut ops: Vec<Op> = Vec::new();
+            for peer in (0..size).filter(|&p| p != rank) {
+                ops.push(send_to(peer, 0, DType::UInt8, buf(&mut outgoing[peer])));
+                ops.push(recv_from(peer, 0, DType::UInt8, buf(&mut incoming[peer])));
             }
-            Ok(())
-        });
-    }
-    failures.finish("send/recv over host layouts");
+            f.op(run(comm, ops), format!("send/recv {layout:?} n {n} rank {rank}"))?;
+            for peer in (0..size).filter(|&p| p != rank) {
+                f.result(same_bytes(&incoming[peer], &msg(peer, rank)), format!("send/recv {layout:?} n {n}: rank {rank} from {peer}"));
+            }
+        }
+        Ok(())
+    });
 }
 
 /// No rank leaves a barrier before the last one has entered (the late one varies: a leader, a
@@ -410,7 +368,7 @@ fn barrier_waits_for_everyone() {
                     std::thread::sleep(Duration::from_millis(40));
                 }
                 let enter = Instant::now();
-                f.op(run(comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]), format!("{layout:?} barrier {it} rank {rank}"))?;
+                f.op(run(comm, vec![barrier_op()]), format!("{layout:?} barrier {it} rank {rank}"))?;
                 log2.lock().unwrap().push((it, enter, Instant::now()));
             }
             Ok(())
@@ -473,15 +431,6 @@ fn err_cfgs(layout: &[&str]) -> Vec<Config> {
     cfgs(layout, Duration::from_secs(3))
 }
 
-/// The job after a failure fails at once, quoting the first error.
-fn next_job_fails(f: &mut Failures, comm: &Communicator, first: &CommError, what: &str) {
-    let (r, took) = timed(comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]);
-    if let Some(e) = expect_err(f, r, &format!("{what}: the job after a failure")) {
-        f.check(e.message.contains(&first.message), || format!("{what}: {:?} should quote {:?}", e.message, first.message));
-    }
-    f.check(took < Duration::from_millis(500), || format!("{what}: the job after a failure took {took:?}"));
-}
-
 /// Runs the failure case `f` on every rank of `layout` (short timeouts), adding its failing
 /// points to `failures`.
 fn failing_on_layout(
@@ -493,39 +442,33 @@ fn failing_on_layout(
     sweep_ranks_with(failures, &format!("{what} {layout:?}"), MemoryStore::new(), err_cfgs(layout), LIMIT, f)
 }
 
-/// Rank 3, a non-leader on the second host, disagrees about an all-reduce's size (or dtype):
-/// every rank fails promptly and names the mismatch.
-fn mismatch_on_remote_non_leader(failures: &mut Failures, layout: &'static [&'static str], dtype_mismatch: bool) {
-    failing_on_layout(failures, "mismatch", layout, move |rank, comm, barrier, f| {
-        let what = format!("{layout:?} rank {rank}");
-        let n = if rank == 3 && !dtype_mismatch { 5001 } else { 5000 };
-        let dtype = if rank == 3 && dtype_mismatch { DType::Int32 } else { DType::Float32 };
-        let mut data = f32::to_bytes(&vec![1.0; n]);
-        let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, dtype, vec![], vec![buf(&mut data)])]);
-        let needle = if dtype_mismatch { "dtype mismatch" } else { "size mismatch" };
-        if let Some(e) = expect_err_mentioning(f, r, &[needle], &what) {
-            next_job_fails(f, &comm, &e, &what);
-        }
-        f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
-        barrier.wait();
-        Ok(())
-    });
+/// Rank 3, a non-leader on the second host, disagrees about an all-reduce's size (or dtype),
+/// on each of `layouts`: every rank fails promptly and names the mismatch.
+fn mismatch_on_remote_non_leader(layouts: [&'static [&'static str]; 2], dtype_mismatch: bool) {
+    let what = if dtype_mismatch { "dtype mismatch" } else { "size mismatch" };
+    let mut failures = Failures::new();
+    for layout in layouts {
+        failing_on_layout(&mut failures, "mismatch", layout, move |rank, comm, barrier, f| {
+            let n = if rank == 3 && !dtype_mismatch { 5001 } else { 5000 };
+            let dtype = if rank == 3 && dtype_mismatch { DType::Int32 } else { DType::Float32 };
+            let mut data = f32::to_bytes(&vec![1.0; n]);
+            let o = op_with(OpKind::AllReduce, dtype, vec![], vec![buf(&mut data)]);
+            fails_within_then_next_job(f, &comm, vec![o], &[what], Duration::from_secs(1), &format!("{layout:?} rank {rank}"));
+            barrier.wait();
+            Ok(())
+        });
+    }
+    failures.finish(&format!("{what} on a remote non-leader"));
 }
 
 #[test]
 fn size_mismatch_on_a_remote_non_leader() {
-    let mut failures = Failures::new();
-    mismatch_on_remote_non_leader(&mut failures, LAYOUTS[0], false);
-    mismatch_on_remote_non_leader(&mut failures, LAYOUTS[3], false);
-    failures.finish("size mismatch on a remote non-leader");
+    mismatch_on_remote_non_leader([LAYOUTS[0], LAYOUTS[3]], false);
 }
 
 #[test]
 fn dtype_mismatch_on_a_remote_non_leader() {
-    let mut failures = Failures::new();
-    mismatch_on_remote_non_leader(&mut failures, LAYOUTS[0], true);
-    mismatch_on_remote_non_leader(&mut failures, LAYOUTS[2], true);
-    failures.finish("dtype mismatch on a remote non-leader");
+    mismatch_on_remote_non_leader([LAYOUTS[0], LAYOUTS[2]], true);
 }
 
 /// The two hosts disagree about the reduce op (every rank of the second host uses MAX): the
@@ -539,9 +482,7 @@ fn reduce_op_mismatch_between_hosts() {
             let mut data = f32::to_bytes(&vec![1.0; 5000]);
             let mut o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)]);
             o.reduce_op = if layout[rank] == layout[0] { Sum } else { Max };
-            let (r, took) = timed(&comm, vec![o]);
-            expect_err_mentioning(f, r, &["reduce op mismatch"], &what);
-            f.check(took < Duration::from_secs(1), || format!("{what}: took {took:?}"));
+            fails_within(f, &comm, vec![o], &["reduce op mismatch"], Duration::from_secs(1), &what);
             barrier.wait();
             Ok(())
         });
@@ -556,21 +497,8 @@ fn dead_rank_fails_every_host_promptly() {
     let mut failures = Failures::new();
     for dead in [3, 2] {
         failing_on_layout(&mut failures, &format!("rank {dead} dies"), LAYOUTS[0], move |rank, comm, barrier, f| {
-            if rank == dead {
-                std::thread::sleep(Duration::from_millis(150));
-                drop(comm);
-                barrier.wait();
-                return Ok(());
-            }
             let what = format!("rank {rank} (rank {dead} dies)");
-            let mut data = f32::to_bytes(&vec![1.0; 100_000]);
-            let (r, took) = timed(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)])]);
-            if let Some(e) = expect_err_mentioning(f, r, &[&format!("rank {dead}")], &what) {
-                next_job_fails(f, &comm, &e, &what);
-            }
-            f.check(took < Duration::from_millis(1500), || format!("{what}: took {took:?}"));
-            barrier.wait();
-            Ok(())
+            peer_dies_during_allreduce(f, rank, dead, comm, barrier, &[&format!("rank {dead}")], &what)
         });
     }
     failures.finish("dead rank fails every host promptly");

@@ -14,20 +14,6 @@ fn cfg() -> Config {
     config(Duration::from_secs(10), 4096)
 }
 
-fn send(peer: usize, tag: i64, dtype: DType, b: RawBuf) -> Op {
-    let mut o = op_with(OpKind::Send, dtype, vec![b], vec![]);
-    o.root = peer as i64;
-    o.tag = tag;
-    o
-}
-
-fn recv(peer: usize, tag: i64, dtype: DType, b: RawBuf) -> Op {
-    let mut o = op_with(OpKind::Recv, dtype, vec![], vec![b]);
-    o.root = peer as i64;
-    o.tag = tag;
-    o
-}
-
 fn recv_any(tag: i64, dtype: DType, b: RawBuf) -> Op {
     let mut o = op_with(OpKind::RecvAnySource, dtype, vec![], vec![b]);
     o.tag = tag;
@@ -35,8 +21,16 @@ fn recv_any(tag: i64, dtype: DType, b: RawBuf) -> Op {
 }
 
 fn comm_barrier(f: &mut Failures, comm: &Communicator, what: &str) -> Result<(), Stop> {
-    f.op(run(comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]), format!("{what}: barrier"))?;
+    f.op(run(comm, vec![barrier_op()]), format!("{what}: barrier"))?;
     Ok(())
+}
+
+/// A test of one sweep on ranks 0 and 1 with a short timeout, for failures: `f(rank, comm,
+/// failures)`, then the report of `what`.
+fn failing_pair(what: &str, f: impl Fn(usize, Communicator, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static) {
+    let mut failures = Failures::new();
+    sweep_ranks(&mut failures, what, 2, config(Duration::from_secs(3), 4096), LIMIT, move |rank, comm, _, fl| f(rank, comm, fl));
+    failures.finish(what);
 }
 
 /// Every ordered pair in turn (the others idle), several sizes and dtypes; afterwards the
@@ -58,11 +52,11 @@ fn send_recv_every_pair() {
                         let tag = (a * 10 + b) as i64;
                         if rank == a {
                             let mut data = pattern(a, salt, len);
-                            let c = f.op(run(&comm, vec![send(b, tag, dtype, buf(&mut data))]), &what)?;
+                            let c = f.op(run(&comm, vec![send_to(b, tag, dtype, buf(&mut data))]), &what)?;
                             f.eq(c.source_rank, -1, format!("{what}: source rank"));
                         } else if rank == b {
                             let mut data = vec![0x5Au8; len];
-                            let c = f.op(run(&comm, vec![recv(a, tag, dtype, buf(&mut data))]), &what)?;
+                            let c = f.op(run(&comm, vec![recv_from(a, tag, dtype, buf(&mut data))]), &what)?;
                             f.eq(c.source_rank, -1, format!("{what}: a receive from a known peer reports no source"));
                             f.result(same_bytes(&data, &pattern(a, salt, len)), format!("{what}: wrong data"));
                         }
@@ -97,7 +91,7 @@ fn batched_ring_of_large_messages() {
             let mut out = pattern(rank, 40, LEN);
             let mut inp = vec![0u8; LEN];
             let what = format!("size {size} rank {rank}");
-            f.op(run(&comm, vec![send(next, 1, DType::UInt8, buf(&mut out)), recv(prev, 1, DType::UInt8, buf(&mut inp))]), &what)?;
+            f.op(run(&comm, vec![send_to(next, 1, DType::UInt8, buf(&mut out)), recv_from(prev, 1, DType::UInt8, buf(&mut inp))]), &what)?;
             f.result(same_bytes(&inp, &pattern(prev, 40, LEN)), format!("{what}: wrong data from rank {prev}"));
             Ok(())
         });
@@ -116,7 +110,7 @@ fn messages_to_one_peer_keep_their_order() {
         let msg = |dst: usize, k: usize| pattern(dst * 100 + k, 50, lens[k]);
         if rank == 0 {
             let mut bufs: Vec<Vec<u8>> = (0..lens.len()).flat_map(|k| [msg(1, k), msg(2, k)]).collect();
-            let mut ops: Vec<Op> = bufs.iter_mut().enumerate().map(|(j, b)| send(1 + j % 2, 8, DType::UInt8, buf(b))).collect();
+            let mut ops: Vec<Op> = bufs.iter_mut().enumerate().map(|(j, b)| send_to(1 + j % 2, 8, DType::UInt8, buf(b))).collect();
             // The last two messages to each peer go in a second job, submitted before the first
             // finishes.
             let tail = ops.split_off(ops.len() - 4);
@@ -126,7 +120,7 @@ fn messages_to_one_peer_keep_their_order() {
             f.op(second.recv().unwrap(), "rank 0: second job")?;
         } else {
             let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&l| vec![0x5Au8; l]).collect();
-            let ops = bufs.iter_mut().map(|b| recv(0, 8, DType::UInt8, buf(b))).collect();
+            let ops = bufs.iter_mut().map(|b| recv_from(0, 8, DType::UInt8, buf(b))).collect();
             f.op(run(&comm, ops), format!("rank {rank}"))?;
             for (k, b) in bufs.iter().enumerate() {
                 f.result(same_bytes(b, &msg(rank, k)), format!("rank {rank}: message {k} (length {}) out of order or corrupt", lens[k]));
@@ -141,45 +135,36 @@ fn messages_to_one_peer_keep_their_order() {
 /// message about the tag, and both ranks' next jobs fail.
 #[test]
 fn tags_must_match() {
-    let mut failures = Failures::new();
-    sweep_ranks(&mut failures, "tags", 2, config(Duration::from_secs(3), 4096), LIMIT, move |rank, comm, _, f| {
+    failing_pair("tags must match", |rank, comm, f| {
         for tag in [0i64, 7, -3, i64::MAX] {
             let mut d = if rank == 0 { pattern(0, tag as u64, 64) } else { vec![0; 64] };
-            let o = if rank == 0 { send(1, tag, DType::UInt8, buf(&mut d)) } else { recv(0, tag, DType::UInt8, buf(&mut d)) };
-            f.op(run(&comm, vec![o]), format!("tag {tag} rank {rank}"))?;
+            f.op(run(&comm, vec![zero_to_one(rank, tag, tag, DType::UInt8, buf(&mut d))]), format!("tag {tag} rank {rank}"))?;
             f.result(same_bytes(&d, &pattern(0, tag as u64, 64)), format!("tag {tag} rank {rank}: wrong data"));
         }
         let mut d = vec![1u8; 64];
-        let o = if rank == 0 { send(1, 5, DType::UInt8, buf(&mut d)) } else { recv(0, 6, DType::UInt8, buf(&mut d)) };
-        let r = run(&comm, vec![o]);
+        let r = run(&comm, vec![zero_to_one(rank, 5, 6, DType::UInt8, buf(&mut d))]);
         if rank == 1 {
             expect_err_mentioning(f, r, &["tag", "5", "6"], "rank 1: recv with tag 6 from a send with tag 5");
             f.result(same_bytes(&d, &[1u8; 64]), "rank 1: a mismatched message must not be written");
         }
         // The sender may have finished its send before the receiver looked; its next job
         // learns of the failure at once.
-        let (r, took) = timed(&comm, vec![op_with(OpKind::Barrier, DType::Float32, vec![], vec![])]);
-        expect_err_mentioning(f, r, &["tag"], &format!("barrier after a tag mismatch on rank {rank}"));
-        f.check(took < Duration::from_secs(1), || format!("rank {rank}: the failure took {took:?} to arrive"));
+        fails_within(f, &comm, vec![barrier_op()], &["tag"], Duration::from_secs(1), &format!("barrier after a tag mismatch on rank {rank}"));
         Ok(())
     });
-    failures.finish("tags must match");
 }
 
 /// A receive whose length differs from the send's fails, naming the size mismatch.
 #[test]
 fn recv_length_must_match_send() {
-    let mut failures = Failures::new();
-    sweep_ranks(&mut failures, "p2p size", 2, config(Duration::from_secs(3), 4096), LIMIT, move |rank, comm, _, f| {
+    failing_pair("recv length must match send", |rank, comm, f| {
         let mut d = vec![0u8; if rank == 0 { 40 } else { 44 }];
-        let o = if rank == 0 { send(1, 0, DType::Int32, buf(&mut d)) } else { recv(0, 0, DType::Int32, buf(&mut d)) };
-        let r = run(&comm, vec![o]);
+        let r = run(&comm, vec![zero_to_one(rank, 0, 0, DType::Int32, buf(&mut d))]);
         if rank == 1 {
             expect_err_mentioning(f, r, &["size mismatch", "10", "11"], "rank 1: recv of 11 elements from a send of 10");
         }
         Ok(())
     });
-    failures.finish("recv length must match send");
 }
 
 /// RecvAnySource: the completion names the sender, the data is that sender's; a tag picks the
@@ -208,7 +193,7 @@ fn recv_any_source() {
             f.eq(seen, vec![1, 2, 3], format!("{what}: the sources seen"));
         } else {
             let mut d = pattern(rank, 60, len);
-            f.op(run(&comm, vec![send(0, 9, DType::Float32, buf(&mut d))]), format!("{what}: send"))?;
+            f.op(run(&comm, vec![send_to(0, 9, DType::Float32, buf(&mut d))]), format!("{what}: send"))?;
         }
         barrier.wait();
 
@@ -217,12 +202,12 @@ fn recv_any_source() {
         let what = format!("2. tag filter, rank {rank}");
         if rank == 1 {
             let mut d = pattern(1, 61, 64);
-            f.op(run(&comm, vec![send(0, 1, DType::UInt8, buf(&mut d))]), format!("{what}: send"))?;
+            f.op(run(&comm, vec![send_to(0, 1, DType::UInt8, buf(&mut d))]), format!("{what}: send"))?;
         }
         barrier.wait();
         if rank == 2 {
             let mut d = pattern(2, 61, 64);
-            f.op(run(&comm, vec![send(0, 2, DType::UInt8, buf(&mut d))]), format!("{what}: send"))?;
+            f.op(run(&comm, vec![send_to(0, 2, DType::UInt8, buf(&mut d))]), format!("{what}: send"))?;
         }
         if rank == 0 {
             for tag in [2i64, 1] {
@@ -237,7 +222,7 @@ fn recv_any_source() {
         // 3. An empty message.
         let what = format!("3. empty message, rank {rank}");
         if rank == 3 {
-            f.op(run(&comm, vec![send(0, 0, DType::Float32, buf(&mut []))]), format!("{what}: send"))?;
+            f.op(run(&comm, vec![send_to(0, 0, DType::Float32, buf(&mut []))]), format!("{what}: send"))?;
         }
         if rank == 0 {
             let c = f.op(run(&comm, vec![recv_any(0, DType::Float32, buf(&mut []))]), format!("{what}: recv any"))?;
@@ -251,13 +236,13 @@ fn recv_any_source() {
         let lens = [100usize, 1 << 20, 33];
         if rank == 3 {
             let mut bufs: Vec<Vec<u8>> = lens.iter().enumerate().map(|(k, &l)| pattern(30 + k, 62, l)).collect();
-            let ops = bufs.iter_mut().map(|b| send(0, 4, DType::UInt8, buf(b))).collect();
+            let ops = bufs.iter_mut().map(|b| send_to(0, 4, DType::UInt8, buf(b))).collect();
             f.op(run(&comm, ops), format!("{what}: sends"))?;
         }
         if rank == 0 {
             for (k, &l) in lens.iter().enumerate() {
                 let mut d = vec![0u8; l];
-                let o = if k < 2 { recv_any(4, DType::UInt8, buf(&mut d)) } else { recv(3, 4, DType::UInt8, buf(&mut d)) };
+                let o = if k < 2 { recv_any(4, DType::UInt8, buf(&mut d)) } else { recv_from(3, 4, DType::UInt8, buf(&mut d)) };
                 let c = f.op(run(&comm, vec![o]), format!("{what}: recv of message {k}"))?;
                 f.eq(c.source_rank, if k < 2 { 3 } else { -1 }, format!("{what}: message {k}: source rank"));
                 f.result(same_bytes(&d, &pattern(30 + k, 62, l)), format!("{what}: message {k} out of order or corrupt"));

@@ -13,7 +13,7 @@
 use half::bf16;
 
 use super::convert::{bf16_to_f32, f32_to_bf16};
-use super::elem::Elem;
+use super::elem::{Elem, half_elem};
 use super::ops::Combine;
 
 /// The f32 values of the two elements of a word read from memory, in memory order.
@@ -40,17 +40,7 @@ fn split(acc: &mut [f32]) -> (&mut [f32], &mut [f32], &mut [f32]) {
     (firsts, seconds, last)
 }
 
-impl Elem for bf16 {
-    const SIZE: usize = 2;
-    type Acc = f32;
-    type Simd = bf16;
-
-    #[inline(always)]
-    unsafe fn read(src: *const u8, i: usize) -> f32 {
-        // SAFETY: the caller guarantees element i readable; read_unaligned needs no alignment.
-        bf16_to_f32(unsafe { src.cast::<u16>().add(i).read_unaligned() })
-    }
-
+half_elem! { bf16 => bf16_to_f32, bf16, {
     #[inline(always)]
     unsafe fn load(src: *const u8, out: &mut [f32]) {
         let (firsts, seconds, last) = split(out);
@@ -104,4 +94,4 @@ impl Elem for bf16 {
             unsafe { dst.cast::<u16>().add(2 * pairs).write_unaligned(f32_to_bf16(*x)) };
         }
     }
-}
+}}

@@ -109,9 +109,11 @@ native_elem!(f32, f64, i8, i16, i32, i64, u8, u16, u32, u64);
 
 /// float16/bfloat16: accumulate in f32, so every partial result keeps f32 precision and the
 /// output is rounded (to nearest even) exactly once, on store. The conversions are fused into
-/// the read and write loops.
+/// the read and write loops. `half_elem! { T => widen, narrow, Simd }` stores element by
+/// element; `half_elem! { T => widen, Simd, { loops } }` takes the type's own `load`,
+/// `combine_from` and `store` (bf16_pairs.rs, f16c.rs), sharing only what every 16-bit float is.
 macro_rules! half_elem {
-    ($($t:ty => $widen:path, $narrow:path, $simd:ty);* $(;)?) => {$(
+    ($t:ty => $widen:path, $simd:ty, { $($loops:tt)* }) => {
         impl Elem for $t {
             const SIZE: usize = 2;
             type Acc = f32;
@@ -124,6 +126,11 @@ macro_rules! half_elem {
                 $widen(unsafe { src.cast::<u16>().add(i).read_unaligned() })
             }
 
+            $($loops)*
+        }
+    };
+    ($($t:ty => $widen:path, $narrow:path, $simd:ty);* $(;)?) => {$(
+        half_elem!($t => $widen, $simd, {
             #[inline(always)]
             unsafe fn store(acc: &[f32], dst: *mut u8) {
                 let dst = dst.cast::<u16>();
@@ -134,7 +141,7 @@ macro_rules! half_elem {
                     unsafe { dst.add(i).write_unaligned($narrow(a)) };
                 }
             }
-        }
+        });
     )*};
 }
 pub(super) use half_elem;

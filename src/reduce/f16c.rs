@@ -58,17 +58,7 @@ unsafe fn widen(src: *const u8, out: *mut f32, n: usize) {
     }
 }
 
-impl Elem for F16c {
-    const SIZE: usize = 2;
-    type Acc = f32;
-    type Simd = F16c;
-
-    #[inline(always)]
-    unsafe fn read(src: *const u8, i: usize) -> f32 {
-        // SAFETY: the caller guarantees element i readable; read_unaligned needs no alignment.
-        f16_to_f32(unsafe { src.cast::<u16>().add(i).read_unaligned() })
-    }
-
+half_elem! { F16c => f16_to_f32, F16c, {
     #[inline(always)]
     unsafe fn load(src: *const u8, out: &mut [f32]) {
         // SAFETY: the Elem contract (out.len() elements at src; `out` is a local block, not
@@ -118,4 +108,4 @@ impl Elem for F16c {
             unsafe { dst.cast::<u16>().add(i).write_unaligned(f32_to_f16(a)) };
         }
     }
-}
+}}

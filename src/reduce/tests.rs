@@ -351,12 +351,17 @@ fn every_supported_combination_is_covered() {
 
 // ---- helpers for hand-written cases ----
 
-fn f32s(d: DType, xs: &[f32]) -> Vec<u8> {
-    let mut out = vec![0u8; xs.len() * d.size()];
-    for (x, o) in xs.iter().zip(out.chunks_exact_mut(d.size())) {
-        encode(d, Val::F(f64::from(*x)), o);
+/// `vals` encoded as elements of `d`.
+fn encoded(d: DType, vals: impl ExactSizeIterator<Item = Val>) -> Vec<u8> {
+    let mut out = vec![0u8; vals.len() * d.size()];
+    for (v, o) in vals.zip(out.chunks_exact_mut(d.size())) {
+        encode(d, v, o);
     }
     out
+}
+
+fn f32s(d: DType, xs: &[f32]) -> Vec<u8> {
+    encoded(d, xs.iter().map(|&x| Val::F(f64::from(x))))
 }
 
 fn to_f64s(d: DType, bytes: &[u8]) -> Vec<f64> {
@@ -370,11 +375,7 @@ fn to_f64s(d: DType, bytes: &[u8]) -> Vec<f64> {
 }
 
 fn ints(d: DType, xs: &[i128]) -> Vec<u8> {
-    let mut out = vec![0u8; xs.len() * d.size()];
-    for (x, o) in xs.iter().zip(out.chunks_exact_mut(d.size())) {
-        encode(d, Val::I(*x), o);
-    }
-    out
+    encoded(d, xs.iter().map(|&x| Val::I(x)))
 }
 
 fn reduce_vec(r: &Reduction, srcs: &[Vec<u8>], apply_finish: bool) -> Vec<u8> {
@@ -457,46 +458,28 @@ fn integer_avg_truncates_toward_zero_after_wrapping_sum() {
     assert_eq!(got, ints(DType::Int64, &[0, 0]));
 }
 
+/// One source holding 1.0 and `k` sources holding `tiny`, as elements of `d`.
+fn one_then_tiny(d: DType, tiny: f32, k: usize) -> Vec<Vec<u8>> {
+    std::iter::once(1.0).chain(std::iter::repeat_n(tiny, k)).map(|x| f32s(d, &[x])).collect()
+}
+
 #[test]
 fn half_types_accumulate_in_f32_and_round_once() {
     // bfloat16 has 8 significant bits: 1 + 2^-9 rounds back to 1 (tie to even), so a per-step
     // bfloat16 sum would stay 1.0; the f32 sum is 1 + 2^-7, which bfloat16 holds exactly.
-    let tiny = 2f32.powi(-9);
-    let d = DType::BFloat16;
-    let srcs = vec![
-        f32s(d, &[1.0]),
-        f32s(d, &[tiny]),
-        f32s(d, &[tiny]),
-        f32s(d, &[tiny]),
-        f32s(d, &[tiny]),
-    ];
-    assert_eq!(
-        to_f64s(d, &reduce_vec(&red(d, ReduceOp::Sum, 5), &srcs, true)),
-        [1.0 + 2f64.powi(-7)]
-    );
-    // AVG divides the f32 sum: (1 + 2^-7) / 4 is exact too.
-    let avg = reduce_vec(&red(d, ReduceOp::Avg, 4), &srcs, true);
-    assert_eq!(to_f64s(d, &avg), [(1.0 + 2f64.powi(-7)) / 4.0]);
-
     // float16 has 11 significant bits: the same effect with 2^-11.
-    let tiny = 2f32.powi(-11);
-    let d = DType::Float16;
-    let srcs = vec![
-        f32s(d, &[1.0]),
-        f32s(d, &[tiny]),
-        f32s(d, &[tiny]),
-        f32s(d, &[tiny]),
-        f32s(d, &[tiny]),
-    ];
-    assert_eq!(
-        to_f64s(d, &reduce_vec(&red(d, ReduceOp::Sum, 5), &srcs, true)),
-        [1.0 + 2f64.powi(-9)]
-    );
+    for (d, tiny) in [(DType::BFloat16, 2f32.powi(-9)), (DType::Float16, 2f32.powi(-11))] {
+        let srcs = one_then_tiny(d, tiny, 4);
+        let sum = 1.0 + 4.0 * f64::from(tiny);
+        assert_eq!(to_f64s(d, &reduce_vec(&red(d, ReduceOp::Sum, 5), &srcs, true)), [sum], "{d} SUM");
+        // AVG divides the f32 sum: (1 + 4 tiny) / 4 is exact too.
+        assert_eq!(to_f64s(d, &reduce_vec(&red(d, ReduceOp::Avg, 4), &srcs, true)), [sum / 4.0], "{d} AVG");
+    }
 
     // PREMUL_SUM scales the f32 sum before the single rounding: (1 + 3·2^-9)·0.5 in bfloat16.
     let d = DType::BFloat16;
     let t = 2f32.powi(-9);
-    let srcs = vec![f32s(d, &[1.0]), f32s(d, &[t]), f32s(d, &[t]), f32s(d, &[t])];
+    let srcs = one_then_tiny(d, t, 3);
     let r = Reduction {
         premul_factor: 0.5,
         ..red(d, ReduceOp::PreMulSum, 4)
@@ -658,40 +641,48 @@ fn validate_rejects_every_unsupported_combination() {
     failures.finish("validate()");
 }
 
+/// reduce_slices refuses, with a panic naming the problem, what reduce_raw's contract forbids.
 #[test]
-#[should_panic(expected = "source 1 has 8 bytes but the destination has 4")]
-fn reduce_slices_rejects_length_mismatch() {
-    let mut dst = [0u8; 4];
-    reduce_slices(
-        &red(DType::Int32, ReduceOp::Sum, 2),
-        &mut dst,
-        &[&[0u8; 4], &[0u8; 8]],
-        true,
-    );
+fn reduce_slices_rejects_what_reduce_raw_forbids() {
+    let sum = red(DType::Int32, ReduceOp::Sum, 2);
+    let cases: [(&str, Reduction, usize, &[&[u8]], &str); 3] = [
+        ("a source longer than the destination", sum, 4, &[&[0u8; 4], &[0u8; 8]], "source 1 has 8 bytes but the destination has 4"),
+        ("partial elements", sum, 6, &[&[0u8; 6]], "not a multiple"),
+        ("an invalid reduction", red(DType::Bool, ReduceOp::Avg, 2), 1, &[&[1u8]], "ReduceOp.AVG is not defined for bool tensors"),
+    ];
+    let mut failures = Failures::new();
+    for (case, r, dst_len, srcs, want) in cases {
+        let mut dst = vec![0u8; dst_len];
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reduce_slices(&r, &mut dst, srcs, true))) {
+            Ok(()) => failures.fail(format!("{case}: accepted, expected a panic mentioning {want:?}")),
+            Err(p) => {
+                let message = crate::failures::panic_text(p);
+                failures.check(message.contains(want), || format!("{case}: panicked with {message:?}, expected {want:?}"));
+            }
+        }
+    }
+    failures.finish("reduce_slices rejections");
 }
 
-#[test]
-#[should_panic(expected = "not a multiple")]
-fn reduce_slices_rejects_partial_elements() {
-    let mut dst = [0u8; 6];
-    reduce_slices(
-        &red(DType::Int32, ReduceOp::Sum, 2),
-        &mut dst,
-        &[&[0u8; 6]],
-        true,
-    );
+/// Records a failure unless widening `bits` gave `want` (the same bits, or both NaN).
+fn check_widening(failures: &mut Failures, bits: u16, got: f32, want: f32) {
+    let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+    failures.check(same, || format!("widening {bits:#06x}: {got} vs {want}"));
 }
 
-#[test]
-#[should_panic(expected = "ReduceOp.AVG is not defined for bool tensors")]
-fn reduce_slices_rejects_invalid_reduction() {
-    let mut dst = [0u8; 1];
-    reduce_slices(
-        &red(DType::Bool, ReduceOp::Avg, 2),
-        &mut dst,
-        &[&[1u8]],
-        true,
-    );
+/// float32 values whose narrowing to float16 covers every rounding case: every
+/// sign/exponent/kept-mantissa pattern, with the dropped 13 bits exact, just below, at and just
+/// above the tie, and at their maximum; then `random` random values, each also with its exponent
+/// below float16's normal range (subnormal results round at other bit positions) and made an
+/// exact tie.
+fn f16_rounding_cases(random: usize, seed: u64) -> impl Iterator<Item = f32> {
+    let patterns = (0..(1u32 << 19)).flat_map(|hi| [0u32, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF].map(|lo| (hi << 13) | lo));
+    let mut rng = Rng(seed);
+    let sampled = (0..random).flat_map(move |_| {
+        let bits = rng.next() as u32;
+        [bits, bits & 0x387F_FFFF, (bits & 0x3880_0000) | (bits & 0x8000_0000) | (1 << (bits % 23))]
+    });
+    patterns.chain(sampled).map(f32::from_bits)
 }
 
 #[test]
@@ -699,9 +690,7 @@ fn bf16_conversions_match_half() {
     use super::convert::{bf16_to_f32, f32_to_bf16};
     let mut failures = Failures::new();
     for hi in 0..=u16::MAX {
-        let (got, want) = (bf16_to_f32(hi), bf16::from_bits(hi).to_f32());
-        let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
-        failures.check(same, || format!("widening {hi:#06x}: {got} vs {want}"));
+        check_widening(&mut failures, hi, bf16_to_f32(hi), bf16::from_bits(hi).to_f32());
         // Each rounding regime: exact, below/at/above the tie, and the largest dropped half.
         for lo in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF] {
             let x = f32::from_bits((u32::from(hi) << 16) | lo);
@@ -720,32 +709,10 @@ fn f16_conversions_match_half() {
     use super::convert::{f16_to_f32, f32_to_f16};
     let mut failures = Failures::new();
     for h in 0..=u16::MAX {
-        let (got, want) = (f16_to_f32(h), f16::from_bits(h).to_f32());
-        let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
-        failures.check(same, || format!("widening {h:#06x}: {got} vs {want}"));
+        check_widening(&mut failures, h, f16_to_f32(h), f16::from_bits(h).to_f32());
     }
-    let mut check = |bits: u32| {
-        let x = f32::from_bits(bits);
-        failures.eq(
-            f32_to_f16(x),
-            f16::from_f32(x).to_bits(),
-            format_args!("narrowing {bits:#010x}"),
-        );
-    };
-    // Every sign/exponent/kept-mantissa pattern, with the dropped 13 bits exact, just below,
-    // at and just above the tie, and at their maximum.
-    for hi in 0..(1u32 << 19) {
-        for lo in [0u32, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF] {
-            check((hi << 13) | lo);
-        }
-    }
-    // Subnormal results round at other bit positions: sample them densely, ties included.
-    let mut rng = Rng(7);
-    for _ in 0..1_000_000 {
-        let bits = rng.next() as u32;
-        check(bits);
-        check(bits & 0x387F_FFFF); // exponents below float16's normal range
-        check((bits & 0x3880_0000) | (bits & 0x8000_0000) | (1 << (bits % 23))); // exact ties
+    for x in f16_rounding_cases(1_000_000, 7) {
+        failures.eq(f32_to_f16(x), f16::from_f32(x).to_bits(), format_args!("narrowing {:#010x}", x.to_bits()));
     }
     failures.finish("f16 conversions");
 }
@@ -769,22 +736,10 @@ fn f16c_conversions_match_half() {
         // SAFETY: the CPU has F16C (checked above); `chunk` holds wide.len() float16.
         unsafe { F16c::load(chunk.as_ptr().cast::<u8>(), &mut wide) };
         for (&h, &got) in chunk.iter().zip(&wide) {
-            let want = f16::from_bits(h).to_f32();
-            let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
-            failures.check(same, || format!("widening {h:#06x}: {got} vs {want}"));
+            check_widening(&mut failures, h, got, f16::from_bits(h).to_f32());
         }
     }
-    let mut rng = Rng(11);
-    let mut inputs: Vec<f32> = Vec::new();
-    for hi in 0..(1u32 << 19) {
-        for lo in [0u32, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF] {
-            inputs.push(f32::from_bits((hi << 13) | lo));
-        }
-    }
-    for _ in 0..300_000 {
-        let bits = rng.next() as u32;
-        inputs.extend([bits, bits & 0x387F_FFFF, (bits & 0x3880_0000) | (bits & 0x8000_0000) | (1 << (bits % 23))].map(f32::from_bits));
-    }
+    let inputs: Vec<f32> = f16_rounding_cases(300_000, 11).collect();
     for chunk in inputs.chunks(13) {
         let mut narrow = vec![0u16; chunk.len()];
         // SAFETY: the CPU has F16C; `narrow` has room for chunk.len() float16.

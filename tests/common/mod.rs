@@ -13,6 +13,9 @@ use std::time::Duration;
 
 mod failures;
 pub use failures::*;
+mod points;
+#[allow(unused_imports)] // only the data-movement sweeps use them
+pub use points::*;
 
 use xccl_rs::config::TransportChoice;
 use xccl_rs::{CommError, Communicator, Completion, Config, DType, MemoryStore, Op, OpKind, RawBuf, ReduceOp};
@@ -302,6 +305,94 @@ pub fn expect_err_mentioning(f: &mut Failures, r: Result<Completion, CommError>,
     Some(e)
 }
 
+/// An op that only synchronizes.
+pub fn barrier_op() -> Op {
+    op_with(OpKind::Barrier, DType::Float32, vec![], vec![])
+}
+
+/// A send of `b` to `peer` with `tag`.
+pub fn send_to(peer: usize, tag: i64, dtype: DType, b: RawBuf) -> Op {
+    let mut o = op_with(OpKind::Send, dtype, vec![b], vec![]);
+    o.root = peer as i64;
+    o.tag = tag;
+    o
+}
+
+/// A receive into `b` from `peer` with `tag`.
+pub fn recv_from(peer: usize, tag: i64, dtype: DType, b: RawBuf) -> Op {
+    let mut o = op_with(OpKind::Recv, dtype, vec![], vec![b]);
+    o.root = peer as i64;
+    o.tag = tag;
+    o
+}
+
+/// Rank 0's half of one message from rank 0 to rank 1 (a send with `send_tag`), or rank 1's (a
+/// receive with `recv_tag`), over `b`.
+pub fn zero_to_one(rank: usize, send_tag: i64, recv_tag: i64, dtype: DType, b: RawBuf) -> Op {
+    if rank == 0 { send_to(1, send_tag, dtype, b) } else { recv_from(0, recv_tag, dtype, b) }
+}
+
+/// Checks that something that took `took` took less than `limit` (a failing point named by
+/// `what` if not).
+pub fn within(f: &mut Failures, took: Duration, limit: Duration, what: &str) -> bool {
+    f.check(took < limit, || format!("{what}: took {took:?}"))
+}
+
+/// Runs the job `ops`, which must fail within `limit` with an error mentioning every needle;
+/// the error, if it failed.
+pub fn fails_within(
+    f: &mut Failures,
+    comm: &Communicator,
+    ops: Vec<Op>,
+    needles: &[&str],
+    limit: Duration,
+    what: &str,
+) -> Option<CommError> {
+    let (r, took) = timed(comm, ops);
+    within(f, took, limit, what);
+    expect_err_mentioning(f, r, needles, what)
+}
+
+/// The job after a failure (`first`) must fail at once, quoting the first error.
+pub fn next_job_fails_at_once(f: &mut Failures, comm: &Communicator, first: &CommError, what: &str) {
+    let (r, took) = timed(comm, vec![barrier_op()]);
+    if let Some(e) = expect_err(f, r, &format!("{what}: the job after a failure")) {
+        f.check(e.message.contains(&first.message), || format!("{what}: {:?} should quote the first error {:?}", e.message, first.message));
+    }
+    f.check(took < Duration::from_millis(500), || format!("{what}: the job after a failure took {took:?}"));
+}
+
+/// [`fails_within`], then [`next_job_fails_at_once`].
+pub fn fails_within_then_next_job(f: &mut Failures, comm: &Communicator, ops: Vec<Op>, needles: &[&str], limit: Duration, what: &str) {
+    if let Some(e) = fails_within(f, comm, ops, needles, limit, what) {
+        next_job_fails_at_once(f, comm, &e, what);
+    }
+}
+
+/// A dead-peer case: rank `dead` drops its communicator (closing its connections) shortly after
+/// the others entered an all-reduce, which must fail for them within 1.5 s mentioning every
+/// needle, and so must their next job; then every rank meets at the thread barrier.
+pub fn peer_dies_during_allreduce(
+    f: &mut Failures,
+    rank: usize,
+    dead: usize,
+    comm: Communicator,
+    barrier: &RankBarrier,
+    needles: &[&str],
+    what: &str,
+) -> Result<(), Stop> {
+    if rank == dead {
+        std::thread::sleep(Duration::from_millis(150));
+        drop(comm);
+    } else {
+        let mut data = f32_bytes(&vec![1.0; 100_000]);
+        let o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)]);
+        fails_within_then_next_job(f, &comm, vec![o], needles, Duration::from_millis(1500), what);
+    }
+    barrier.wait();
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Deterministic inputs.
 
@@ -328,6 +419,13 @@ pub fn op_with(kind: OpKind, dtype: DType, inputs: Vec<RawBuf>, outputs: Vec<Raw
     let mut o = Op::new(kind, dtype);
     o.inputs = inputs;
     o.outputs = outputs;
+    o
+}
+
+/// [`op_with`] for a rooted collective (broadcast, reduce, gather, scatter) with root `root`.
+pub fn rooted_op(kind: OpKind, dtype: DType, inputs: Vec<RawBuf>, outputs: Vec<RawBuf>, root: usize) -> Op {
+    let mut o = op_with(kind, dtype, inputs, outputs);
+    o.root = root as i64;
     o
 }
 
@@ -521,6 +619,19 @@ pub fn inputs<T: TestElem>(rank: usize, start: usize, n: usize, salt: u64, op: R
 pub fn expected<T: TestElem>(size: usize, i: usize, salt: u64, op: ReduceOp, factor: f64) -> T {
     let vals: Vec<T> = (0..size).map(|r| T::input(r, i, salt, op)).collect();
     T::reference(op, &vals, factor)
+}
+
+/// Rank `rank`'s `n` inputs of a reduction case, as a guarded buffer `misalign` bytes off.
+pub fn guarded_inputs<T: TestElem>(rank: usize, n: usize, salt: u64, op: ReduceOp, misalign: usize) -> Guarded {
+    Guarded::new(&T::to_bytes(&inputs::<T>(rank, 0, n, salt, op)), misalign)
+}
+
+/// Checks that `got` holds every rank's `len`-byte block in rank order, block r being
+/// `pattern(r, salt, len)` (a failing point per wrong block, named by `what` and its rank).
+pub fn check_blocks(f: &mut Failures, got: &[u8], size: usize, salt: u64, len: usize, what: &str) {
+    for r in 0..size {
+        f.result(same_bytes(&got[r * len..(r + 1) * len], &pattern(r, salt, len)), format!("{what}: wrong block from rank {r}"));
+    }
 }
 
 /// Compares the elements of `got` (bytes of T) with `expected(index start + k)` for every k;

@@ -182,44 +182,13 @@ class XcclRsBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
 #if XCCL_RS_TORCH_AT_LEAST(2, 14)
-  // torch 2.14 renamed several ops; the new names forward to the old ones by default, and we
-  // override both so that either entry point reaches our implementation directly.
-  c10::intrusive_ptr<c10d::Work> all_gather_single(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts)
-      override {
-    return _allgather_base(output, input, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> all_gather_single_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override {
-    return allgather_into_tensor_coalesced(outputs, inputs, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_single(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::ReduceScatterOptions& opts) override {
-    return _reduce_scatter_base(output, input, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_single_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::ReduceScatterOptions& opts) override {
-    return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> all_to_all_single(
-      at::Tensor& output,
-      at::Tensor& input,
-      std::vector<int64_t>& outputSplits,
-      std::vector<int64_t>& inputSplits,
-      const c10d::AllToAllOptions& opts) override {
-    return alltoall_base(output, input, outputSplits, inputSplits, opts);
-  }
+  // torch 2.14 renamed several ops and made each pair of names forward to each other by default
+  // (all_gather_single and _allgather_base, reduce_scatter_single and _reduce_scatter_base,
+  // all_to_all_single and alltoall_base, their _coalesced forms, gather_single and
+  // gather_into_tensor): overriding one name of a pair serves both. The old names are
+  // overridden above; gather_single is new.
   c10::intrusive_ptr<c10d::Work> gather_single(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts)
       override;
-  c10::intrusive_ptr<c10d::Work> gather_into_tensor(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts)
-      override {
-    return gather_single(output, input, opts);
-  }
 #endif
 
   // The group's members' global ranks, indexed by group rank (torch's global_ranks_in_group,
@@ -235,6 +204,13 @@ class XcclRsBackend : public c10d::Backend {
   // Submits the job (or adds it to the coalesced batch). `caller_waits`: the c10d call is
   // synchronous, so the job may run on this thread when the group is idle.
   c10::intrusive_ptr<c10d::Work> launch(Job& job, c10d::OpType type, bool caller_waits = false);
+  // send, recv and recvAnysource (peer -1): one tensor to or from one peer.
+  c10::intrusive_ptr<c10d::Work> point_to_point(
+      OpKind kind,
+      c10d::OpType type,
+      std::vector<at::Tensor>& tensors,
+      int peer,
+      int tag);
 
   // The group's communicator; throws when there is none yet (enable_reconfigure=True before
   // the first reconfigure()).

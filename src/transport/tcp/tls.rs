@@ -101,28 +101,23 @@ impl Pinned {
 /// key, whatever certificate the message names.
 macro_rules! pinned_signatures {
     () => {
-        fn verify_tls12_signature(
-            &self,
-            message: &[u8],
-            _cert: &CertificateDer<'_>,
-            dss: &DigitallySignedStruct,
-        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-            verify_tls12_signature(message, &self.cert, dss, &self.algorithms)
-        }
-
-        fn verify_tls13_signature(
-            &self,
-            message: &[u8],
-            _cert: &CertificateDer<'_>,
-            dss: &DigitallySignedStruct,
-        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-            verify_tls13_signature(message, &self.cert, dss, &self.algorithms)
-        }
+        pinned_signatures!(@verify verify_tls12_signature, verify_tls13_signature);
 
         fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
             self.algorithms.supported_schemes()
         }
     };
+    // Each TLS version's method calls rustls' function of the same name.
+    (@verify $($version:ident),*) => {$(
+        fn $version(
+            &self,
+            message: &[u8],
+            _cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+            $version(message, &self.cert, dss, &self.algorithms)
+        }
+    )*};
 }
 
 impl ServerCertVerifier for Pinned {
@@ -320,12 +315,6 @@ mod tests {
         let err = handshake(&mut server, &mut client).expect_err("a server without the certificate's key got in");
         assert!(err.to_string().to_lowercase().contains("signature") || err.to_string().contains("alert"), "{err}");
     }
-}
-
-#[cfg(test)]
-mod speed {
-    use super::*;
-    use std::io::{Read, Write};
 
     /// `cargo test --release --lib tls_record_speed -- --ignored --nocapture`: rustls alone,
     /// in memory, one direction.
@@ -333,28 +322,8 @@ mod speed {
     #[ignore]
     fn tls_record_speed() {
         let ids = [Identity::generate().unwrap(), Identity::generate().unwrap()];
-        let mut server = connection(&ids[0], 0, 1, ids[1].cert.clone()).unwrap();
-        let mut client = connection(&ids[1], 1, 0, ids[0].cert.clone()).unwrap();
-        for _ in 0..10 {
-            let mut w = Vec::new();
-            while client.wants_write() {
-                client.write_tls(&mut w).unwrap();
-            }
-            let mut r = &w[..];
-            while !r.is_empty() {
-                server.read_tls(&mut r).unwrap();
-                server.process_new_packets().unwrap();
-            }
-            let mut w = Vec::new();
-            while server.wants_write() {
-                server.write_tls(&mut w).unwrap();
-            }
-            let mut r = &w[..];
-            while !r.is_empty() {
-                client.read_tls(&mut r).unwrap();
-                client.process_new_packets().unwrap();
-            }
-        }
+        let (mut server, mut client) = pair(&ids, &ids[1], &ids[0]);
+        handshake(&mut server, &mut client).unwrap();
         println!("suite {:?}", client.negotiated_cipher_suite());
         client.set_buffer_limit(None);
         server.set_buffer_limit(None);
