@@ -39,6 +39,7 @@ from functools import cached_property
 import torch
 import torch.multiprocessing as mp
 
+from ._processes import answer_calls
 from .demo import initial_weights, qwen25_05b_shapes, train_step
 
 WAYS = ["xccl_rs", "gloo", "verl"]
@@ -162,18 +163,7 @@ def _worker(conn, index: int, workers: int, args) -> None:
         "verl_finalize": lambda: verl["engine"].finalize(),
         "rss_peak": lambda: _rss_peak(),
     }
-    while True:
-        try:
-            method, a = conn.recv()
-        except EOFError:
-            return
-        if method == "exit":
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", calls[method](*a)))
-        except BaseException:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc()))
+    answer_calls(conn, calls.__getitem__)
 
 
 def _verl_engine(verl: dict, args):

@@ -122,6 +122,7 @@ import torch
 import torch.distributed as dist
 
 from .weight_sync import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
+from .weight_sync._common import vote
 
 logger = logging.getLogger(__name__)
 
@@ -188,15 +189,6 @@ def _node_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def _allreduce_min(group, ok: bool) -> bool:
-    """Whether every rank of ``group`` says ``ok`` (a MIN all-reduce of a 0/1 flag)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    group.allreduce([flag], opts).wait()
-    return bool(flag.item())
 
 
 def _publish(store, key: str, value: str) -> None:
@@ -655,7 +647,7 @@ def _make_classes() -> None:
                     del tensor
                 if refused is not None:
                     _publish(root, _Keys.refusal(k, rank), refused)
-                all_ok = _allreduce_min(self._group, refused is None)
+                all_ok = vote(self._group, refused is None)
             except Exception as e:
                 self._failed()
                 raise WeightTransferError(
@@ -1032,7 +1024,7 @@ def _make_classes() -> None:
                         self._sender = WeightSender(self._group, senders=list(range(n)),
                                                     bucket_bytes=int(self.info.bucket_bytes), device=self.info.device)
                     stats = self._sender.send(pairs)
-                    all_ok = _allreduce_min(self._group, True)
+                    all_ok = vote(self._group, True)
                 except BaseException as e:
                     self._drop_group()
                     text = str(e)
