@@ -109,10 +109,10 @@ def _worker(conn, index: int, workers: int, args) -> None:
             from vllm.distributed.weight_transfer import WeightTransferEngineFactory
         except ImportError as e:
             raise SystemExit(f"bench_vllm needs vLLM: {e}") from e
-        from . import vllm_engine
+        from .vllm_engine import _loading
 
         if not args.reload:
-            vllm_engine._layerwise = lambda: (_NoReload, None)
+            _loading._layerwise = lambda: (_NoReload, None)
         vllm.plugins.load_general_plugins()
         model = _model(args.layers, dtype, args.reload)
         pc = ParallelConfig(data_parallel_size=workers, data_parallel_rank=index)
