@@ -418,6 +418,12 @@ class RunResult:
     def value(self, rank):
         return self.results.get(rank)
 
+    def assert_no_problems(self, who: str = "") -> None:
+        """Fails unless every rank's value, the list of problems it found, is empty (``who``
+        leads each rank's lines)."""
+        problems = [f"{who}rank {r}: {p}" for r in range(self.world_size) for p in self.value(r)]
+        assert not problems, "\n".join(problems)
+
 
 def _indent(text: str, n: int = 2) -> str:
     pad = " " * n

@@ -56,7 +56,7 @@ def avg_premul_sweep(rank, w):
     import torch.distributed as dist
 
     from refs import BF16, F16, F32, F64, dname, garbage, gen, large_numel, make_op, reduce_ref
-    from xcoll import reduce_issue
+    from xcoll import reduce_and_check, reduce_issue
 
     ck = Checker()
     me = rank
@@ -92,18 +92,7 @@ def avg_premul_sweep(rank, w):
                             elif coll == "reduce":
                                 root = i % w
                                 xs = [gen(dtype, n, case, r) for r in range(w)]
-                                t = xs[me].clone()
-                                st = reduce_issue(
-                                    ck, mode, op, dtype, redop, f,
-                                    lambda ro, a: dist.reduce(t, dst=root, op=ro, async_op=a),
-                                    [t] if me == root else [], w,
-                                )
-                                if st == "skipped":
-                                    continue
-                                if me == root:
-                                    reduce_ref(xs, op, f).check(ck, t, f"root {root} output")
-                                elif not IS_GLOO:
-                                    ck.equal(t, xs[me], "non-root tensor changed by reduce")
+                                reduce_and_check(ck, mode, op, dtype, redop, f, xs, me, root, w, f"root {root} output")
                             elif coll == "reduce_scatter_tensor":
                                 m = n if n < 4096 else n // w
                                 inp = torch.cat([gen(dtype, m, case, me, c) for c in range(w)])

@@ -57,8 +57,7 @@ def w_split(rank, world_size):
 
 def test_split_group():
     res = run_ranks(4, w_split, init="none", timeout_s=90)
-    problems = [f"rank {r}: {p}" for r in range(4) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    res.assert_no_problems()
 
 
 def w_shrink(rank, world_size, excluded, how):
@@ -133,5 +132,4 @@ def w_merge(rank, world_size):
 
 def test_merge_remote_group():
     res = run_ranks(3, w_merge, init="none", timeout_s=90)
-    problems = [f"rank {r}: {p}" for r in range(3) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    res.assert_no_problems()

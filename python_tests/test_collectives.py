@@ -113,10 +113,10 @@ class Sweep:
                         reduce_ref(xs, op).check(ck, t)
 
     def theme_reduce(self):
-        from refs import dname, gen, input_kind, make_op, numel_of, reduce_ref
-        from xcoll import reduce_issue
+        from refs import dname, gen, input_kind, make_op, numel_of
+        from xcoll import reduce_and_check
 
-        dist, ck, w, me = self.dist, self.ck, self.w, self.rank
+        ck, w, me = self.ck, self.w, self.rank
         for dtype, op, size in self.reduction_cases():
             n = numel_of(size, dtype)
             roots = range(w) if size == 1001 else [self.rot()]
@@ -127,19 +127,7 @@ class Sweep:
                     kind = input_kind(op)
                     xs = [gen(dtype, n, case, r, kind=kind) for r in range(w)]
                     redop, f = make_op(op, dtype)
-                    t = xs[me].clone()
-                    st = reduce_issue(
-                        ck, mode, op, dtype, redop, f,
-                        lambda ro, a: dist.reduce(t, dst=root, op=ro, async_op=a),
-                        [t] if me == root else [], w,
-                    )
-                    if st == "skipped":
-                        continue
-                    if me == root:
-                        reduce_ref(xs, op, f).check(ck, t, "root output")
-                    elif not IS_GLOO:
-                        # NCCL leaves non-root buffers untouched (gloo uses them as scratch)
-                        ck.equal(t, xs[me], "non-root tensor changed by reduce")
+                    reduce_and_check(ck, mode, op, dtype, redop, f, xs, me, root, w)
 
     def theme_reduce_scatter(self):
         self._reduce_scatter(tensor_api=False)
@@ -296,108 +284,116 @@ class Sweep:
             for size in SIZES:
                 yield dtype, size
 
-    def theme_broadcast(self):
-        from refs import dname, garbage, gen, numel_of
-        from xcoll import gloo_skip, issue
+    def roots(self, *every_root_at):
+        """The roots of a rooted collective's cases at one size: every rank at the sizes
+        ``every_root_at``, else one rotating root."""
 
-        dist, ck, w, me = self.dist, self.ck, self.w, self.rank
+        def at(size):
+            roots = range(self.w) if size in every_root_at else [self.rot()]
+            return [(f"root{root}", root) for root in roots]
+
+        return at
+
+    def movement_sweep(self, name, run, variants=lambda size: [(None, None)], per_rank_large=False):
+        """Runs ``run(dtype, n, case, mode, variant)`` in its case for each dtype x size of
+        :meth:`movement_cases` and each ``(label, variant)`` of ``variants(size)`` (the label goes
+        into the case's name), once the cases gloo cannot run are counted as skips.
+        ``per_rank_large``: the large size is split among the ranks."""
+        from refs import dname, numel_of
+        from xcoll import gloo_skip
+
         for dtype, size in self.movement_cases():
             n = numel_of(size, dtype)
-            roots = range(w) if size in (1, 1001) else [self.rot()]
-            for root in roots:
+            if per_rank_large and size == "large":
+                n //= self.w
+            for label, variant in variants(size):
                 mode = self.mode()
-                case = f"broadcast/{dname(dtype)}/n{n}/root{root}/{mode}"
-                with ck.case(case):
-                    if gloo_skip(ck, dtype):
+                case = "/".join([name, dname(dtype), f"n{n}"] + ([label] if label else []) + [mode])
+                with self.ck.case(case):
+                    if gloo_skip(self.ck, dtype):
                         continue
-                    src = gen(dtype, n, case, root)
-                    t = src.clone() if me == root else garbage(dtype, n, case, me)
-                    issue(ck, mode, lambda a: dist.broadcast(t, src=root, async_op=a))
-                    ck.equal(t, src)
+                    run(dtype, n, case, mode, variant)
+
+    def theme_broadcast(self):
+        from refs import garbage, gen
+        from xcoll import issue
+
+        dist, ck, me = self.dist, self.ck, self.rank
+
+        def run(dtype, n, case, mode, root):
+            src = gen(dtype, n, case, root)
+            t = src.clone() if me == root else garbage(dtype, n, case, me)
+            issue(ck, mode, lambda a: dist.broadcast(t, src=root, async_op=a))
+            ck.equal(t, src)
+
+        self.movement_sweep("broadcast", run, self.roots(1, 1001))
 
     def theme_gather(self):
-        from refs import dname, garbage, gen, numel_of
-        from xcoll import gloo_skip, issue
+        from refs import garbage, gen
+        from xcoll import issue
 
         dist, ck, w, me = self.dist, self.ck, self.w, self.rank
-        for dtype, size in self.movement_cases():
-            n = numel_of(size, dtype)
-            roots = range(w) if size == 1001 else [self.rot()]
-            for root in roots:
-                mode = self.mode()
-                case = f"gather/{dname(dtype)}/n{n}/root{root}/{mode}"
-                with ck.case(case):
-                    if gloo_skip(ck, dtype):
-                        continue
-                    x = gen(dtype, n, case, me)
-                    inp = x.clone()
-                    outs = [garbage(dtype, n, case, me, r) for r in range(w)] if me == root else None
-                    issue(ck, mode, lambda a: dist.gather(inp, outs, dst=root, async_op=a))
-                    if me == root:
-                        for r in range(w):
-                            ck.equal(outs[r], gen(dtype, n, case, r), f"gather_list[{r}]")
-                    ck.equal(inp, x, "input changed")
+
+        def run(dtype, n, case, mode, root):
+            x = gen(dtype, n, case, me)
+            inp = x.clone()
+            outs = [garbage(dtype, n, case, me, r) for r in range(w)] if me == root else None
+            issue(ck, mode, lambda a: dist.gather(inp, outs, dst=root, async_op=a))
+            if me == root:
+                for r in range(w):
+                    ck.equal(outs[r], gen(dtype, n, case, r), f"gather_list[{r}]")
+            ck.equal(inp, x, "input changed")
+
+        self.movement_sweep("gather", run, self.roots(1001))
 
     def theme_scatter(self):
-        from refs import dname, garbage, gen, numel_of
-        from xcoll import gloo_skip, issue
+        from refs import garbage, gen
+        from xcoll import issue
 
         dist, ck, w, me = self.dist, self.ck, self.w, self.rank
-        for dtype, size in self.movement_cases():
-            n = numel_of(size, dtype)
-            roots = range(w) if size == 1001 else [self.rot()]
-            for root in roots:
-                mode = self.mode()
-                case = f"scatter/{dname(dtype)}/n{n}/root{root}/{mode}"
-                with ck.case(case):
-                    if gloo_skip(ck, dtype):
-                        continue
-                    ins = [gen(dtype, n, case, root, p) for p in range(w)] if me == root else None
-                    out = garbage(dtype, n, case, me)
-                    issue(ck, mode, lambda a: dist.scatter(out, ins, src=root, async_op=a))
-                    ck.equal(out, gen(dtype, n, case, root, me))
+
+        def run(dtype, n, case, mode, root):
+            ins = [gen(dtype, n, case, root, p) for p in range(w)] if me == root else None
+            out = garbage(dtype, n, case, me)
+            issue(ck, mode, lambda a: dist.scatter(out, ins, src=root, async_op=a))
+            ck.equal(out, gen(dtype, n, case, root, me))
+
+        self.movement_sweep("scatter", run, self.roots(1001))
 
     def theme_all_gather(self):
-        from refs import dname, garbage, gen, numel_of
-        from xcoll import gloo_skip, issue
+        from refs import garbage, gen
+        from xcoll import issue
 
         dist, ck, w, me = self.dist, self.ck, self.w, self.rank
-        for dtype, size in self.movement_cases():
-            n = numel_of(size, dtype)
-            mode = self.mode()
-            case = f"all_gather/{dname(dtype)}/n{n}/{mode}"
-            with ck.case(case):
-                if gloo_skip(ck, dtype):
-                    continue
-                x = gen(dtype, n, case, me)
-                outs = [garbage(dtype, n, case, me, r) for r in range(w)]
-                issue(ck, mode, lambda a: dist.all_gather(outs, x, async_op=a))
-                for r in range(w):
-                    ck.equal(outs[r], gen(dtype, n, case, r), f"tensor_list[{r}]")
+
+        def run(dtype, n, case, mode, _):
+            x = gen(dtype, n, case, me)
+            outs = [garbage(dtype, n, case, me, r) for r in range(w)]
+            issue(ck, mode, lambda a: dist.all_gather(outs, x, async_op=a))
+            for r in range(w):
+                ck.equal(outs[r], gen(dtype, n, case, r), f"tensor_list[{r}]")
+
+        self.movement_sweep("all_gather", run)
 
     def theme_all_gather_into_tensor(self):
-        from refs import dname, garbage, gen, numel_of
-        from xcoll import gloo_skip, issue
+        from refs import garbage, gen
+        from xcoll import issue
 
         torch, dist, ck, w, me = self.torch, self.dist, self.ck, self.w, self.rank
-        for dtype, size in self.movement_cases():
-            n = numel_of(size, dtype)
-            for shape in ["concat", "stacked"]:
-                mode = self.mode()
-                case = f"all_gather_into_tensor/{dname(dtype)}/n{n}/{shape}/{mode}"
-                with ck.case(case):
-                    if gloo_skip(ck, dtype):
-                        continue
-                    if IS_GLOO and shape == "stacked":
-                        ck.skip("gloo: all_gather_into_tensor needs a [w*n] output")
-                        continue
-                    x = gen(dtype, n, case, me)
-                    out = garbage(dtype, w * n, case, me)
-                    if shape == "stacked":
-                        out = out.view(w, n)
-                    issue(ck, mode, lambda a: dist.all_gather_into_tensor(out, x, async_op=a))
-                    ref = [gen(dtype, n, case, r) for r in range(w)]
-                    ck.equal(out, torch.stack(ref) if shape == "stacked" else torch.cat(ref))
+
+        def run(dtype, n, case, mode, shape):
+            if IS_GLOO and shape == "stacked":
+                ck.skip("gloo: all_gather_into_tensor needs a [w*n] output")
+                return
+            x = gen(dtype, n, case, me)
+            out = garbage(dtype, w * n, case, me)
+            if shape == "stacked":
+                out = out.view(w, n)
+            issue(ck, mode, lambda a: dist.all_gather_into_tensor(out, x, async_op=a))
+            ref = [gen(dtype, n, case, r) for r in range(w)]
+            ck.equal(out, torch.stack(ref) if shape == "stacked" else torch.cat(ref))
+
+        self.movement_sweep("all_gather_into_tensor", run, lambda size: [(s, s) for s in ("concat", "stacked")])
 
     @staticmethod
     def split(base: int, src: int, dst: int) -> int:
@@ -407,59 +403,49 @@ class Sweep:
         return base + src + 2 * dst
 
     def theme_all_to_all(self):
-        from refs import dname, garbage, gen, numel_of
-        from xcoll import gloo_skip, issue
+        from refs import garbage, gen
+        from xcoll import issue
 
         dist, ck, w, me = self.dist, self.ck, self.w, self.rank
-        for dtype, size in self.movement_cases():
-            base = numel_of(size, dtype)
-            if size == "large":
-                base //= w
-            for unequal in [False, True]:
-                mode = self.mode()
-                case = f"all_to_all/{dname(dtype)}/n{base}/unequal={unequal}/{mode}"
-                with ck.case(case):
-                    if gloo_skip(ck, dtype):
-                        continue
-                    if IS_GLOO and unequal:
-                        ck.skip("gloo: all_to_all (list) needs equal sizes")
-                        continue
 
-                    def sz(src, dst):
-                        return self.split(base, src, dst) if unequal else base
+        def run(dtype, base, case, mode, unequal):
+            if IS_GLOO and unequal:
+                ck.skip("gloo: all_to_all (list) needs equal sizes")
+                return
 
-                    ins = [gen(dtype, sz(me, p), case, me, p) for p in range(w)]
-                    outs = [garbage(dtype, sz(p, me), case, me, p) for p in range(w)]
-                    issue(ck, mode, lambda a: dist.all_to_all(outs, ins, async_op=a))
-                    for p in range(w):
-                        ck.equal(outs[p], gen(dtype, sz(p, me), case, p, me), f"from rank {p}")
+            def sz(src, dst):
+                return self.split(base, src, dst) if unequal else base
+
+            ins = [gen(dtype, sz(me, p), case, me, p) for p in range(w)]
+            outs = [garbage(dtype, sz(p, me), case, me, p) for p in range(w)]
+            issue(ck, mode, lambda a: dist.all_to_all(outs, ins, async_op=a))
+            for p in range(w):
+                ck.equal(outs[p], gen(dtype, sz(p, me), case, p, me), f"from rank {p}")
+
+        unequal = [(f"unequal={u}", u) for u in (False, True)]
+        self.movement_sweep("all_to_all", run, lambda size: unequal, per_rank_large=True)
 
     def theme_all_to_all_single(self):
-        from refs import dname, garbage, gen, numel_of
-        from xcoll import gloo_skip, issue
+        from refs import garbage, gen
+        from xcoll import issue
 
         torch, dist, ck, w, me = self.torch, self.dist, self.ck, self.w, self.rank
-        for dtype, size in self.movement_cases():
-            base = numel_of(size, dtype)
-            if size == "large":
-                base //= w
-            for splits in [False, True]:
-                mode = self.mode()
-                case = f"all_to_all_single/{dname(dtype)}/n{base}/splits={splits}/{mode}"
-                with ck.case(case):
-                    if gloo_skip(ck, dtype):
-                        continue
-                    if splits:
-                        in_sizes = [self.split(base, me, p) for p in range(w)]
-                        out_sizes = [self.split(base, p, me) for p in range(w)]
-                    else:
-                        in_sizes = out_sizes = [base] * w
-                    inp = torch.cat([gen(dtype, in_sizes[p], case, me, p) for p in range(w)])
-                    out = garbage(dtype, sum(out_sizes), case, me)
-                    kw = dict(output_split_sizes=out_sizes, input_split_sizes=in_sizes) if splits else {}
-                    issue(ck, mode, lambda a: dist.all_to_all_single(out, inp, async_op=a, **kw))
-                    ref = torch.cat([gen(dtype, out_sizes[p], case, p, me) for p in range(w)])
-                    ck.equal(out, ref)
+
+        def run(dtype, base, case, mode, splits):
+            if splits:
+                in_sizes = [self.split(base, me, p) for p in range(w)]
+                out_sizes = [self.split(base, p, me) for p in range(w)]
+            else:
+                in_sizes = out_sizes = [base] * w
+            inp = torch.cat([gen(dtype, in_sizes[p], case, me, p) for p in range(w)])
+            out = garbage(dtype, sum(out_sizes), case, me)
+            kw = dict(output_split_sizes=out_sizes, input_split_sizes=in_sizes) if splits else {}
+            issue(ck, mode, lambda a: dist.all_to_all_single(out, inp, async_op=a, **kw))
+            ref = torch.cat([gen(dtype, out_sizes[p], case, p, me) for p in range(w)])
+            ck.equal(out, ref)
+
+        splits = [(f"splits={s}", s) for s in (False, True)]
+        self.movement_sweep("all_to_all_single", run, lambda size: splits, per_rank_large=True)
 
     # ---------------------------------------------------------------- p2p / barrier
     def theme_p2p(self):

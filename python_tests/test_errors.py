@@ -361,15 +361,19 @@ def _assert_all_raise(name, *keyword_groups, max_s=SCENARIO_PG_TIMEOUT_S + 10, o
     assert not probs, f"scenario {name}:\n" + "\n".join(probs)
 
 
-def test_work_api():
-    outs = _scenario("work_api")
+def _assert_no_problems(name):
+    """Scenario ``name`` raised on no rank, and each rank's list of problems is empty."""
     probs = []
-    for r, o in outs.items():
+    for r, o in _scenario(name).items():
         if o["raised"]:
             probs.append(f"rank {r} raised {o['msg']}")
         else:
             probs.extend(f"rank {r}: {p}" for p in o["value"])
     assert not probs, "\n".join(probs)
+
+
+def test_work_api():
+    _assert_no_problems("work_api")
 
 
 def test_band_on_float_raises():
@@ -455,14 +459,7 @@ def test_dtype_mismatch_raises_everywhere():
 
 
 def test_groups_usable_after_errors():
-    outs = _scenario("world_after_errors")
-    probs = []
-    for r, o in outs.items():
-        if o["raised"]:
-            probs.append(f"rank {r} raised {o['msg']}")
-        else:
-            probs.extend(f"rank {r}: {p}" for p in o["value"])
-    assert not probs, "\n".join(probs)
+    _assert_no_problems("world_after_errors")
 
 
 def test_errors_run_shuts_down_cleanly():

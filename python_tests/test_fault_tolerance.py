@@ -169,8 +169,7 @@ def w_abort_unblocks(rank, world_size):
 
 def _run(world, fn, *args, **kwargs):
     res = run_ranks(world, fn, *args, init="none", timeout_s=120, **kwargs)
-    problems = [f"rank {r}: {p}" for r in range(world) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    res.assert_no_problems()
 
 
 # How the group's ranks reach each other: one host (shared memory), TCP between every pair, or

@@ -16,13 +16,11 @@ Trainers are group ranks ``0 .. N-1`` of the sync group, rollouts the rest. Scen
 * a sending trainer dies mid-sync: every other rank raises within the timeout, naming it; the
   next sync, over a new group of the ranks left, works.
 
-Memory: the RSS high-water mark (``VmHWM`` in /proc/self/status), reset right before the sync
-with ``echo 5 > /proc/self/clear_refs`` (after ``malloc_trim(0)``, so that freed heap memory
-cannot serve the sync's allocations unseen) and read right after, minus the RSS before. It
-counts every page the process touches -- torch's allocations, Python's, and the shared window's
-pages, which a rollout reads in place (they count in its RSS although the sender allocated
-them) -- so it is an upper bound on what the sync costs that rank, not a count of our own
-allocations. A warm-up sync first touches the group's own buffers. The control: the same meter
+Memory: the RSS high-water mark over the sync, above the RSS before (``PeakRss``, peak_rss.py).
+It counts every page the process touches -- torch's allocations, Python's, and the shared
+window's pages, which a rollout reads in place (they count in its RSS although the sender
+allocated them) -- so it is an upper bound on what the sync costs that rank, not a count of our
+own allocations. A warm-up sync first touches the group's own buffers. The control: the same meter
 around torch's ``full_tensor()`` of every weight must see the full model. Rollouts copy each
 tensor into a model allocated before the measurement and drop it, as a rollout engine does.
 
@@ -32,12 +30,12 @@ In-process: the share-out of the plan, and placements refused with their name.
 from __future__ import annotations
 
 import os
-import re
 import time
 
 import pytest
 
 from harness import ctx, run_ranks, seed_of
+from peak_rss import PeakRss
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("XCCL_RS_TEST_BACKEND", "xccl_rs") != "xccl_rs", reason="the sync groups are xccl_rs groups"
@@ -131,36 +129,6 @@ def full_tensors(items):
     from torch.distributed.tensor import DTensor
 
     return [(n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in items]
-
-
-# --------------------------------------------------------------------------------------
-# memory
-# --------------------------------------------------------------------------------------
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
-
-
-class PeakRss:
-    """The RSS high-water mark over a block, above the RSS at its start (module docstring).
-    Freed memory still resident in malloc's heap would serve new allocations without raising
-    the RSS, hiding them: ``malloc_trim(0)`` first gives it back to the kernel."""
-
-    def __enter__(self):
-        import ctypes
-        import gc
-
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        self.start = _status("VmRSS")
-        return self
-
-    def __exit__(self, *exc):
-        self.extra = _status("VmHWM") - self.start
 
 
 # --------------------------------------------------------------------------------------

@@ -157,20 +157,17 @@ def w_rebuild(rank, world_size):
 def test_private_group_without_default_world():
     for world in (1, 3):
         res = run_ranks(world, w_no_default_world, init="none", timeout_s=90)
-        problems = [f"w{world} rank {r}: {p}" for r in range(world) for p in res.value(r)]
-        assert not problems, "\n".join(problems)
+        res.assert_no_problems(f"w{world} ")
 
 
 def test_private_groups_beside_default_world():
     res = run_ranks(3, w_beside_world, backend="gloo", timeout_s=90)
-    problems = [f"rank {r}: {p}" for r in range(3) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    res.assert_no_problems()
 
 
 def test_rebuild_five_times():
     res = run_ranks(3, w_rebuild, init="none", timeout_s=120)
-    problems = [f"rank {r}: {p}" for r in range(3) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    res.assert_no_problems()
 
 
 def w_device_argument(rank, world_size):
@@ -198,8 +195,7 @@ def w_device_argument(rank, world_size):
 
 def test_device_argument():
     res = run_ranks(2, w_device_argument, init="none", timeout_s=90)
-    problems = [f"rank {r}: {p}" for r in range(2) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    res.assert_no_problems()
 
 
 def w_names(rank, world_size):
@@ -241,8 +237,7 @@ def w_names(rank, world_size):
 @pytest.mark.skipif(not IS_XCCL, reason="concerns xccl_rs's name")
 def test_torch_sees_our_name():
     res = run_ranks(2, w_names, init="none", timeout_s=90)
-    problems = [f"rank {r}: {p}" for r in range(2) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    res.assert_no_problems()
 
 
 def w_detail_wrapper(rank, world_size):

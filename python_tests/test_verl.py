@@ -181,24 +181,38 @@ def w_verl_elastic(rank, world_size, rebuild):
     return out
 
 
-@pytest.mark.parametrize("rebuild", [False, True], ids=["keep-group", "rebuild-group"])
-def test_verl_engine_elastic_rollouts(rebuild):
-    res = run_ranks(4, w_verl_elastic, rebuild, timeout_s=120, expect_fail_ranks=(DYING_RANK,))
+def survivors_problems(res, ranks, must_fail, death_round: int, named) -> list[str]:
+    """What went wrong on the surviving ``ranks`` of a run in which one rank dies in round
+    ``death_round``: the problems each found, a round that ``must_fail(step, rank)`` but did not,
+    or failed more than the timeout after the death or with an error not naming ``named(rank)``
+    (None: not checked), and any other round that failed."""
     problems = []
-    for rank in (0, 1, 3):
+    for rank in ranks:
         out = res.value(rank)
         assert out is not None, res.report()
         problems += [f"rank {rank}: {p}" for p in out["problems"]]
         for step, rec in out["rounds"].items():
-            if step in FAILING_ROUNDS and rank in ELASTIC_ROUNDS[step]:
-                if "error" not in rec:
-                    problems.append(f"rank {rank}: round {step} did not fail")
-                elif step == DIES_IN_ROUND and rec["late_s"] > ELASTIC_TIMEOUT_S + 2:
-                    problems.append(f"rank {rank}: round {step} failed {rec['late_s']:.1f} s after the death")
-                elif step == DIES_IN_ROUND and rank == 0 and "rank 2" not in rec["error"]:
-                    problems.append(f"rank 0: the error does not name group rank 2: {rec['error']}")
-            elif "error" in rec:
-                problems.append(f"rank {rank}: round {step} failed: {rec['error']}")
+            if not must_fail(step, rank):
+                if "error" in rec:
+                    problems.append(f"rank {rank}: round {step} failed: {rec['error']}")
+                continue
+            name = named(rank) if step == death_round else None
+            if "error" not in rec:
+                problems.append(f"rank {rank}: round {step} did not fail")
+            elif step == death_round and rec["late_s"] > ELASTIC_TIMEOUT_S + 2:
+                problems.append(f"rank {rank}: round {step} failed {rec['late_s']:.1f} s after the death")
+            elif name is not None and name not in rec["error"]:
+                problems.append(f"rank {rank}: the error does not name {name}: {rec['error']}")
+    return problems
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["keep-group", "rebuild-group"])
+def test_verl_engine_elastic_rollouts(rebuild):
+    res = run_ranks(4, w_verl_elastic, rebuild, timeout_s=120, expect_fail_ranks=(DYING_RANK,))
+    problems = survivors_problems(
+        res, (0, 1, 3), lambda step, rank: step in FAILING_ROUNDS and rank in ELASTIC_ROUNDS[step],
+        DIES_IN_ROUND, lambda rank: "rank 2" if rank == 0 else None,  # rank 0 names the dead one's group rank
+    )
     assert not problems, "\n".join(problems)
     keys = {step: rec["key"] for step, rec in res.value(0)["rounds"].items()}
     kept = {step: rec["kept"] for step, rec in res.value(0)["rounds"].items()}
@@ -534,21 +548,10 @@ def test_verl_engine_dead_trainer():
     timeout, naming it; the next round (trainer 0 alone, the rollouts) builds a new generation
     and works, and the one after keeps it."""
     res = run_ranks(4, w_verl_dead_trainer, timeout_s=180, expect_fail_ranks=(DEAD_TRAINER,))
-    problems = []
-    for rank in (0, 2, 3):
-        o = res.value(rank)
-        assert o is not None, res.report()
-        problems += [f"rank {rank}: {p}" for p in o["problems"]]
-        for step, rec in o["rounds"].items():
-            if step == DEAD_TRAINER_ROUND:
-                if "error" not in rec:
-                    problems.append(f"rank {rank}: round {step} did not fail")
-                elif rec["late_s"] > ELASTIC_TIMEOUT_S + 2:
-                    problems.append(f"rank {rank}: round {step} failed {rec['late_s']:.1f} s after the death")
-                elif f"rank {DEAD_TRAINER}" not in rec["error"]:
-                    problems.append(f"rank {rank}: the error does not name rank {DEAD_TRAINER}: {rec['error']}")
-            elif "error" in rec:
-                problems.append(f"rank {rank}: round {step} failed: {rec['error']}")
+    problems = survivors_problems(
+        res, (0, 2, 3), lambda step, rank: step == DEAD_TRAINER_ROUND, DEAD_TRAINER_ROUND,
+        lambda rank: f"rank {DEAD_TRAINER}",
+    )
     assert not problems, "\n".join(problems)
     keys = {step: rec["key"] for step, rec in res.value(0)["rounds"].items()}
     assert keys == {0: (1, 4, 0), 1: (1, 4, 0), 2: (2, 3, 0), 3: (2, 3, 0)}, keys

@@ -383,8 +383,7 @@ def w_unmappable(rank, world_size):
 def test_window_falls_back_when_a_rank_cannot_map_it():
     res = run_ranks(3, w_unmappable, timeout_s=90, env={"XCCL_RS_HOST_ID": "one-host"})
     _no_window_files()
-    problems = [f"rank {r}: {p}" for r in range(3) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    res.assert_no_problems()
 
 
 def test_group_layout():

@@ -252,5 +252,4 @@ def one_count_per_op(rank, w):
 
 def test_an_op_of_several_pipeline_chunks_counts_once():
     res = run_ranks(2, one_count_per_op, env={"XCCL_RS_PIPELINE_CHUNK_BYTES": str(1 << 20)})
-    problems = [f"rank {r}: {p}" for r in range(2) for p in res.value(r)]
-    assert not problems, "\n".join(problems)
+    res.assert_no_problems()

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from harness import IS_GLOO
-from refs import F64, gloo_emulable, gloo_gap
+from refs import F64, gloo_emulable, gloo_gap, reduce_ref
 
 
 def issue(ck, mode: str, call):
@@ -105,3 +105,20 @@ def gloo_skip(ck, dtype=None, op=None) -> bool:
         return False
     ck.skip(f"gloo: {gap}")
     return True
+
+
+def reduce_and_check(ck, mode, op, dtype, redop, factor, xs, me, root, w, what="root output") -> None:
+    """``dist.reduce`` of ``xs[me]`` (a copy) to ``root``, checked: the reduction of ``xs`` on the
+    root; elsewhere the buffer untouched, as NCCL leaves it (gloo uses it as scratch)."""
+    t = xs[me].clone()
+    st = reduce_issue(
+        ck, mode, op, dtype, redop, factor,
+        lambda ro, a: dist.reduce(t, dst=root, op=ro, async_op=a),
+        [t] if me == root else [], w,
+    )
+    if st == "skipped":
+        return
+    if me == root:
+        reduce_ref(xs, op, factor).check(ck, t, what)
+    elif not IS_GLOO:
+        ck.equal(t, xs[me], "non-root tensor changed by reduce")

@@ -45,7 +45,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -55,6 +54,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from xccl_rs._processes import free_port
 
 OPS = ["all_reduce", "all_reduce_avg", "broadcast", "all_gather", "reduce_scatter"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,12 +106,6 @@ def iterations(nbytes: int, scale: float) -> int:
 
 def modes(op: str) -> tuple[str, ...]:
     return ("in_place",) if op in IN_PLACE_ONLY else MODES
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- inputs and the reference
@@ -644,7 +639,7 @@ def main(argv=None) -> int:
         print(line)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
     for proc in procs:
         proc.start()

@@ -39,6 +39,7 @@ from functools import cached_property
 import torch
 import torch.multiprocessing as mp
 
+from ._processes import answer_calls
 from .demo import initial_weights, qwen25_05b_shapes, train_step
 
 WAYS = ["xccl_rs", "gloo", "verl"]
@@ -108,10 +109,10 @@ def _worker(conn, index: int, workers: int, args) -> None:
             from vllm.distributed.weight_transfer import WeightTransferEngineFactory
         except ImportError as e:
             raise SystemExit(f"bench_vllm needs vLLM: {e}") from e
-        from . import vllm_engine
+        from .vllm_engine import _loading
 
         if not args.reload:
-            vllm_engine._layerwise = lambda: (_NoReload, None)
+            _loading._layerwise = lambda: (_NoReload, None)
         vllm.plugins.load_general_plugins()
         model = _model(args.layers, dtype, args.reload)
         pc = ParallelConfig(data_parallel_size=workers, data_parallel_rank=index)
@@ -162,18 +163,7 @@ def _worker(conn, index: int, workers: int, args) -> None:
         "verl_finalize": lambda: verl["engine"].finalize(),
         "rss_peak": lambda: _rss_peak(),
     }
-    while True:
-        try:
-            method, a = conn.recv()
-        except EOFError:
-            return
-        if method == "exit":
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", calls[method](*a)))
-        except BaseException:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc()))
+    answer_calls(conn, calls.__getitem__)
 
 
 def _verl_engine(verl: dict, args):

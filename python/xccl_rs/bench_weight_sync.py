@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,15 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from xccl_rs.demo import DTYPES, LAYERS, initial_weights, join_all, qwen25_05b_shapes
+from xccl_rs._processes import free_port, join_all, messages
+from xccl_rs.demo import DTYPES, LAYERS, initial_weights, qwen25_05b_shapes
 
 MODES = ("single", "multi", "sharded")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status(field: str) -> int:
@@ -195,7 +189,7 @@ def main(argv=None) -> int:
           f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     world = args.trainers + args.rollouts
     launcher = dist.TCPStore("127.0.0.1", port, world + 1, True, timeout=timedelta(seconds=args.timeout),
                              wait_for_workers=False)
@@ -203,22 +197,13 @@ def main(argv=None) -> int:
     for proc in procs:
         proc.start()
     syncs: dict[tuple[str, int], list] = {}
-    done = 0
-    while done < world:
-        if queue.empty():
-            if any(proc.exitcode not in (None, 0) for proc in procs):
-                break
-            time.sleep(0.05)
-            continue
-        msg = queue.get()
+    for msg in messages(procs, queue):
         if msg[0] == "sync":
             _, mode, round_, proc, seconds, extra, sent = msg
             rows = syncs.setdefault((mode, round_), [])
             rows.append((proc, seconds, extra, sent))
             if len(rows) == _reporting(mode, args):  # progress: one line per sync as it ends
                 print(f"  round {round_ + 1}/{args.rounds} {mode:<8} {max(r[1] for r in rows):.3f} s", flush=True)
-        elif msg[0] == "done":
-            done += 1
     if not join_all(procs, "bench_weight_sync"):
         return 1
     del launcher

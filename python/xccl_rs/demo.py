@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -34,6 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from xccl_rs._processes import free_port, join_all, messages
 
 TRAINERS, ROLLOUTS = 2, 2
 SYNC_SIZE = 1 + ROLLOUTS  # trainer 0 + the rollouts
@@ -64,20 +65,6 @@ def qwen25_05b_shapes(layers: int = LAYERS) -> list[tuple[str, tuple[int, ...]]]
         ]
     shapes.append(("model.norm.weight", (HIDDEN,)))
     return shapes
-
-
-def join_all(procs, what: str) -> bool:
-    """Joins the processes; when one failed, kills those left and says which failed (stderr).
-    True when all exited with 0."""
-    for proc in procs:
-        proc.join(timeout=30)
-    failed = [i for i, proc in enumerate(procs) if proc.exitcode != 0]
-    if failed:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        print(f"{what} FAILED: processes {failed} exited with codes {[procs[i].exitcode for i in failed]}", file=sys.stderr)
-    return not failed
 
 
 def initial_weights(layers: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
@@ -128,12 +115,6 @@ def _status_kb(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise OSError(f"no {field} in /proc/self/status")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sync_group(kind: str, round_: int, sync_rank: int, launcher: dist.Store, timeout: timedelta):
@@ -285,7 +266,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     launcher = dist.TCPStore(
         "127.0.0.1", port, TRAINERS + ROLLOUTS + 1, True, timeout=timedelta(seconds=args.timeout), wait_for_workers=False
     )
@@ -295,14 +276,7 @@ def main(argv=None) -> int:
     rows = {"xccl_rs": [], "gloo": []}
     verified: dict[str, int] = {}
     extra: dict[int, int] = {}  # process -> the most extra host memory one of its syncs took
-    done = 0
-    while done < len(procs):
-        if queue.empty():
-            if any(proc.exitcode not in (None, 0) for proc in procs):
-                break
-            time.sleep(0.05)
-            continue
-        msg = queue.get()
+    for msg in messages(procs, queue):
         if msg[0] == "sync":
             _, kind, round_, b, sec = msg
             rows[kind].append((b, sec))
@@ -311,8 +285,6 @@ def main(argv=None) -> int:
             verified[msg[1]] = verified.get(msg[1], 0) + msg[4]
         elif msg[0] == "memory":
             extra[msg[1]] = max(extra.get(msg[1], 0), msg[2])
-        elif msg[0] == "done":
-            done += 1
     if not join_all(procs, "demo"):
         return 1
     del launcher

@@ -37,7 +37,6 @@ import os
 import platform
 import queue as queue_mod
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +48,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from xccl_rs._processes import free_port
 
 GROUPS = ("shm", "tcp", "private")
 DTYPES = {
@@ -490,12 +491,6 @@ def _rank_main(rank, world, ports, args, out):
 # ---------------------------------------------------------------- the parent: launch, watch, judge
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def fit(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ys over xs (0 when xs do not vary)."""
     n = len(xs)
@@ -750,7 +745,7 @@ def main(argv=None) -> int:
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     procs = [ctx.Process(target=rank_main, args=(r, args.ranks, ports, args, out), name=f"soak-rank{r}")
              for r in range(args.ranks)]
     start = time.time()

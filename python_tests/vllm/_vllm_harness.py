@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from peak_rss import PeakRss
+from xccl_rs._processes import answer_calls
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -107,10 +110,19 @@ def _param(shape, dtype, loader) -> nn.Parameter:
     return p
 
 
-def _replicated_loader(param, loaded_weight):
-    assert param.shape == loaded_weight.shape, (
-        f"Attempted to load weight ({loaded_weight.shape}) into parameter ({param.shape})")
-    param.data.copy_(loaded_weight)
+def _loader(part_of=lambda w: w):
+    """A parameter's ``weight_loader``: copies ``part_of(loaded_weight)`` (this rank's slice;
+    default: all of it, a replicated parameter) after vLLM's shape check."""
+
+    def loader(param, loaded_weight):
+        part = part_of(loaded_weight)
+        assert param.shape == part.shape, f"Attempted to load weight ({part.shape}) into parameter ({param.shape})"
+        param.data.copy_(part)
+
+    return loader
+
+
+_replicated_loader = _loader()
 
 
 class Shard:
@@ -128,18 +140,10 @@ class Shard:
         return w.narrow(1, self.rank * n, n)
 
     def rows_loader(self):
-        def loader(param, loaded_weight):
-            part = self.rows(loaded_weight)
-            assert param.shape == part.shape, f"Attempted to load weight ({part.shape}) into parameter ({param.shape})"
-            param.data.copy_(part)
-        return loader
+        return _loader(self.rows)
 
     def cols_loader(self):
-        def loader(param, loaded_weight):
-            part = self.cols(loaded_weight)
-            assert param.shape == part.shape, f"Attempted to load weight ({part.shape}) into parameter ({param.shape})"
-            param.data.copy_(part)
-        return loader
+        return _loader(self.cols)
 
     def stacked_loader(self, sizes: dict):
         """A fused parameter's loader: ``sizes`` maps shard id to its full size along dim 0."""
@@ -362,19 +366,7 @@ def worker_main(conn, cfg: Cfg, tp: int, rank: int, dp_size: int, dp_index: int)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    while True:
-        try:
-            method, args = conn.recv()
-        except EOFError:
-            return
-        if method == "exit":
-            engine.shutdown()
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", getattr(worker, method)(*args)))
-        except BaseException as e:  # noqa: BLE001
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    answer_calls(conn, lambda method: getattr(worker, method), engine.shutdown)
 
 
 # --------------------------------------------------------------------------------------
@@ -422,7 +414,40 @@ def start_workers(ctx, cfg: Cfg, replica: int, tp: int = 1, dp_size: int = 1) ->
     return handles
 
 
-class PipeClient:
+def stop_workers(workers: list[WorkerHandle]) -> None:
+    """Asks each worker still alive to exit, then makes sure it did."""
+    for w in workers:
+        if w.proc.is_alive():
+            try:
+                w.call("exit", timeout=30)
+            except Exception:  # noqa: BLE001
+                pass
+        w.proc.join(10)
+        if w.proc.is_alive():
+            w.proc.kill()
+
+
+class SyncClient:
+    """vLLM's ``VLLMWeightSyncClient``: its four calls, each passed on by :meth:`forward` (the
+    worker's ``finish_weight_update`` takes no weight version)."""
+
+    def forward(self, method: str, *args) -> None:
+        raise NotImplementedError
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.forward("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self.forward("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self.forward("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.forward("finish_weight_update")
+
+
+class PipeClient(SyncClient):
     """The trainer's ``VLLMWeightSyncClient`` over the replicas' workers (a list per replica)."""
 
     def __init__(self, replicas: list[list[WorkerHandle]], timeout: float = 120.0):
@@ -454,51 +479,13 @@ class PipeClient:
             raise RuntimeError(f"{method} failed on {len(errors)} of {len(workers)} workers: " + " | ".join(errors))
         return [results[w] for w in workers]
 
-    # VLLMWeightSyncClient
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.fan_out("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self.fan_out("start_weight_update")
-
-    def update_weights(self, update_info) -> None:
-        self.fan_out("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version=None) -> None:
-        self.fan_out("finish_weight_update")
+    def forward(self, method: str, *args) -> None:
+        self.fan_out(method, *args)
 
 
 # --------------------------------------------------------------------------------------
 # trainer processes (several trainer ranks)
 # --------------------------------------------------------------------------------------
-
-
-def _status(key: str) -> int:
-    import re
-
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
-
-
-class PeakRss:
-    """The RSS high-water mark over a block, above the RSS at its start (as
-    python_tests/test_multi_sender.py measures it): freed heap memory is given back first
-    (``malloc_trim``), so that it cannot serve the block's allocations unseen, and the
-    high-water mark is reset (``clear_refs``)."""
-
-    def __enter__(self):
-        import ctypes
-        import gc
-
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        self.start = _status("VmRSS")
-        return self
-
-    def __exit__(self, *exc):
-        self.extra = _status("VmHWM") - self.start
 
 
 @torch.no_grad()
@@ -516,32 +503,19 @@ def set_weights(model: nn.Module, seed: int) -> None:
             p.copy_(full)
 
 
-class ProxyClient:
+class ProxyClient(SyncClient):
     """Trainer rank 0's ``VLLMWeightSyncClient``: each call is served by the test process."""
 
     def __init__(self, conn):
         self.conn = conn
         self.lock = threading.Lock()
 
-    def _call(self, method: str, *args):
+    def forward(self, method: str, *args) -> None:
         with self.lock:  # an update_weights still in flight after a failed round finishes first
             self.conn.send((method, args))
             status, value = self.conn.recv()
         if status != "ok":
             raise RuntimeError(value)
-        return value
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info) -> None:
-        self._call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version=None) -> None:
-        self._call("finish_weight_update")
 
 
 class NoClient:
@@ -707,19 +681,7 @@ def trainer_main(conn, client_conn, rank: int, n: int, store_path: str, cfg: Cfg
                                  if isinstance(p, DTensor) and p.shape[0] % n)}
 
     calls = {f.__name__: f for f in (init, send, reference, die_in_next_round, shutdown, model_info)}
-    while True:
-        try:
-            method, args = conn.recv()
-        except EOFError:
-            return
-        if method == "exit":
-            shutdown()
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", calls[method](*args)))
-        except BaseException as e:  # noqa: BLE001
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    answer_calls(conn, calls.__getitem__, shutdown)
 
 
 class Trainers:

@@ -11,7 +11,7 @@ Run by scripts/test_vllm.sh (a venv with vLLM); elsewhere not collected (conftes
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import contextlib
 import os
 import subprocess
 import sys
@@ -33,16 +33,6 @@ from xccl_rs.vllm_engine import WeightTransferError, XcclRsTrainerInitInfo  # no
 TIMEOUT_S = 30.0  # the engine's group and store timeout
 
 
-@pytest.fixture(scope="module")
-def ctx():
-    """Worker processes fork from a server that imported torch and vLLM once (seconds each)."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    c = mp.get_context("forkserver")
-    c.set_forkserver_preload(["torch", "vllm.config", "vllm.distributed.weight_transfer",
-                              "vllm.model_executor.model_loader.reload"])
-    return c
-
-
 class Cluster:
     """Replicas of vLLM workers (``tp`` processes each) and the trainer's client to them."""
 
@@ -58,6 +48,14 @@ class Cluster:
         self.client.replicas.append(handles)
         return handles
 
+    def send_round(self, engine, model, seed: int) -> dict:
+        """A training step of ``model`` (new weights from ``seed``), sent by ``engine`` and checked
+        on every worker; returns the weights sent."""
+        sent = H.train_step(model, seed)
+        engine.send_weights()
+        self.check(sent)
+        return sent
+
     def check(self, sent: dict, replicas=None) -> None:
         """Every worker of ``replicas`` (default: all) holds ``sent``, bit for bit."""
         for replica in replicas or self.client.replicas:
@@ -66,15 +64,7 @@ class Cluster:
                 assert not bad, f"{w}: " + "; ".join(bad)
 
     def close(self) -> None:
-        for w in self.client.workers:
-            if w.proc.is_alive():
-                try:
-                    w.call("exit", timeout=30)
-                except Exception:  # noqa: BLE001
-                    pass
-            w.proc.join(10)
-            if w.proc.is_alive():
-                w.proc.kill()
+        H.stop_workers(self.client.workers)
 
 
 @pytest.fixture
@@ -91,10 +81,16 @@ def cluster(ctx):
         c.close()
 
 
-def make_trainer(client, model, workers: int, bucket: int = 8 << 10, source=None, group: str = "xccl_rs"):
+@contextlib.contextmanager
+def trainer(client, model, workers: int, bucket: int = 8 << 10, source=None, group: str = "xccl_rs"):
+    """Trainer rank 0's engine for ``workers`` workers, shut down at the end of the block."""
     info = XcclRsTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1 + workers, rank=0,
                                  bucket_bytes=bucket, timeout_s=TIMEOUT_S, group_backend=group)
-    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source or ModuleSource(model))
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source or ModuleSource(model))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 ROUND = ["start_weight_update", "update_weights", "finish_weight_update"]
@@ -110,12 +106,9 @@ def test_workers_two_rounds(cluster, workers, dtype, fp8, group):
     cfg = H.Cfg(dtype=dtype, fp8=fp8)
     c = cluster(cfg, workers)
     model = H.hf_model(cfg)
-    engine = make_trainer(c.client, model, workers, group=group)
-    try:
+    with trainer(c.client, model, workers, group=group) as engine:
         for seed in (1, 2):
-            sent = H.train_step(model, seed)
-            engine.send_weights()
-            c.check(sent)
+            sent = c.send_round(engine, model, seed)
             stats = engine.last_stats
             assert stats.tensors == len(sent) and stats.buckets > 1, stats
             for w in c.client.workers:  # the engine ran vLLM's layerwise reload
@@ -123,8 +116,6 @@ def test_workers_two_rounds(cluster, workers, dtype, fp8, group):
             assert stats.shared_window == (group == "xccl_rs"), stats
         assert c.client.calls == ["init_weight_transfer_engine"] + ROUND * 2
         assert engine._generation == 1  # the group was kept between the rounds
-    finally:
-        engine.shutdown()
 
 
 def test_tensor_parallel_replica(cluster):
@@ -133,14 +124,9 @@ def test_tensor_parallel_replica(cluster):
     cfg = H.Cfg(dtype="bfloat16", fp8=True)
     c = cluster(cfg, 1, tp=2)
     model = H.hf_model(cfg)
-    engine = make_trainer(c.client, model, 2, bucket=4 << 10)
-    try:
+    with trainer(c.client, model, 2, bucket=4 << 10) as engine:
         for seed in (3, 4):
-            sent = H.train_step(model, seed)
-            engine.send_weights()
-            c.check(sent)
-    finally:
-        engine.shutdown()
+            c.send_round(engine, model, seed)
 
 
 def test_replica_killed_mid_update_then_next_round(cluster):
@@ -150,11 +136,8 @@ def test_replica_killed_mid_update_then_next_round(cluster):
     cfg = H.Cfg(dtype="bfloat16")
     c = cluster(cfg, 3)
     model = H.hf_model(cfg)
-    engine = make_trainer(c.client, model, 3)
-    try:
-        first = H.train_step(model, 10)
-        engine.send_weights()
-        c.check(first)
+    with trainer(c.client, model, 3) as engine:
+        first = c.send_round(engine, model, 10)
         dead = c.client.replicas[1]
         dead_pid = dead[0].call("pid")
         dead[0].call("die_after_loading", 5)
@@ -177,36 +160,23 @@ def test_replica_killed_mid_update_then_next_round(cluster):
                 for name, t in got.items():
                     assert torch.equal(H.bits(t), H.bits(old[name])) or torch.equal(H.bits(t), H.bits(new[name])), name
         c.client.replicas = survivors  # the client no longer calls the dead replica
-        third = H.train_step(model, 12)
-        engine.send_weights()
-        c.check(third)
+        c.send_round(engine, model, 12)
         assert engine._generation == 2 and len(engine._members) == 2
-    finally:
-        engine.shutdown()
 
 
 def test_late_replica_served_from_its_first_round(cluster):
     cfg = H.Cfg(dtype="bfloat16", fp8=True)
     c = cluster(cfg, 1, dp_size=2)
     model = H.hf_model(cfg)
-    engine = make_trainer(c.client, model, 1)
-    try:
-        sent = H.train_step(model, 20)
-        engine.send_weights()
-        c.check(sent)
+    with trainer(c.client, model, 1) as engine:
+        c.send_round(engine, model, 20)
         late = H.start_workers(c.ctx, cfg, 1, 1, 2)
         engine.init_workers(H.PipeClient([late]))  # what a new replica gets: the worker init info
         c.client.replicas.append(late)
-        sent = H.train_step(model, 21)
-        engine.send_weights()
-        c.check(sent)
+        c.send_round(engine, model, 21)
         assert len(engine._members) == 2 and engine._generation == 2
-        sent = H.train_step(model, 22)
-        engine.send_weights()
-        c.check(sent)
+        c.send_round(engine, model, 22)
         assert engine._generation == 2  # unchanged members keep their group
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("kind", ["name", "dtype"])
@@ -224,8 +194,7 @@ def test_mismatch_refused_on_both_sides(cluster, kind):
         bad_name = "model.norm.weight"
         model = H.hf_model(cfg, fp32_name=bad_name)
         why = "the model stores it as torch.bfloat16, the trainer sent torch.float32"
-    engine = make_trainer(c.client, model, 2)
-    try:
+    with trainer(c.client, model, 2) as engine:
         H.train_step(model, 30)
         with pytest.raises(WeightTransferError) as err:
             engine.send_weights()
@@ -236,16 +205,9 @@ def test_mismatch_refused_on_both_sides(cluster, kind):
         assert "finish_weight_update" not in c.client.calls
         for w in c.client.workers:
             assert w.call("meta_params") == [], w
-    finally:
-        engine.shutdown()
     good = H.hf_model(cfg)
-    engine = make_trainer(c.client, good, 2)
-    try:
-        sent = H.train_step(good, 31)
-        engine.send_weights()
-        c.check(sent)
-    finally:
-        engine.shutdown()
+    with trainer(c.client, good, 2) as engine:
+        c.send_round(engine, good, 31)
 
 
 class _CountingSource(WeightSource):
@@ -353,11 +315,9 @@ print("OK", rank)
 def test_sglang_style_group_through_torch_autoload():
     """SGLang's group creation with backend="xccl_rs" in processes that never import xccl_rs
     (torch's backend entry point loads it), and its two ways of receiving."""
-    import socket
+    from xccl_rs._processes import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     procs = [subprocess.Popen([sys.executable, "-c", SGLANG_RANK, str(r), str(port)], stdout=subprocess.PIPE,

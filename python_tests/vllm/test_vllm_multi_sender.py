@@ -12,15 +12,12 @@ After every round each worker's parameters are compared bit for bit with what to
 sharding and fusing -- never with the engine's assembly. Shares: every byte is sent once, by one
 trainer (full tensors) or by its shard's owner (shards), and every trainer sends some. Memory:
 a sharded round gathers nothing (``DTensor.full_tensor`` is counted on each trainer) and raises
-no trainer's RSS by a full tensor (``PeakRss``, the meter of python_tests/test_multi_sender.py).
+no trainer's RSS by a full tensor (``PeakRss``, python_tests/peak_rss.py).
 
 Run by scripts/test_vllm.sh (a venv with vLLM); elsewhere not collected (conftest.py).
 """
 
 from __future__ import annotations
-
-import multiprocessing as mp
-import os
 
 import pytest
 
@@ -45,15 +42,6 @@ def options(**kw) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def ctx():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    c = mp.get_context("forkserver")
-    c.set_forkserver_preload(["torch", "vllm.config", "vllm.distributed.weight_transfer",
-                              "vllm.model_executor.model_loader.reload", "transformers"])
-    return c
-
-
 class Setup:
     def __init__(self, ctx, tmp_path):
         self.ctx, self.tmp_path = ctx, tmp_path
@@ -71,15 +59,7 @@ class Setup:
     def close(self):
         for client, trainers in self.made:
             trainers.close()
-            for w in client.workers:
-                if w.proc.is_alive():
-                    try:
-                        w.call("exit", timeout=30)
-                    except Exception:  # noqa: BLE001
-                        pass
-                w.proc.join(10)
-                if w.proc.is_alive():
-                    w.proc.kill()
+            H.stop_workers(client.workers)
 
 
 @pytest.fixture

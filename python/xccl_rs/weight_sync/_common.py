@@ -45,6 +45,15 @@ def broadcast(group, tensor: torch.Tensor, src: int):
     return group.broadcast([tensor], opts)
 
 
+def vote(group, yes: bool) -> bool:
+    """Whether every rank of ``group`` says yes (a MIN all-reduce of a 0/1 flag)."""
+    flag = torch.tensor([1 if yes else 0], dtype=torch.int32)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], opts).wait()
+    return bool(flag.item())
+
+
 def all_gather(group, tensor: torch.Tensor) -> list[list[int]]:
     """Every rank's ``tensor`` (a small int64 record), as lists, in rank order (blocking)."""
     out = [torch.empty_like(tensor) for _ in range(group.size())]
@@ -66,9 +75,16 @@ def recv_from(group, tensor: torch.Tensor, src: int):
     return group.recv([tensor], src, TAG)
 
 
-def resolve_senders(senders, src: int, size: int, who: str) -> list[int]:
-    """The senders' group ranks: ``senders`` (distinct ranks of the group, in the order that
-    numbers them), or ``[src]``."""
+def group_senders(group, senders, src: int, who: str) -> tuple[int, int, list[int]]:
+    """This rank of ``group``, the group's size, and the senders' group ranks: ``senders``
+    (distinct ranks of the group, in the order that numbers them), or ``[src]``."""
+    if group is None:
+        raise ValueError("weight sync: a process group is required (e.g. xccl_rs.new_group(...))")
+    rank, size = group.rank(), group.size()
+    return rank, size, _resolve_senders(senders, src, size, who)
+
+
+def _resolve_senders(senders, src: int, size: int, who: str) -> list[int]:
     if senders is None:
         if not 0 <= src < size:
             raise ValueError(f"{who}: src {src} is not a rank of a group of size {size}")
@@ -128,12 +144,6 @@ def write_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int) -> 
         n = v.numel()
         v.copy_(src[pos : pos + n].view(v.shape))
         pos += n
-
-
-def group_rank_size(group) -> tuple[int, int]:
-    if group is None:
-        raise ValueError("weight sync: a process group is required (e.g. xccl_rs.new_group(...))")
-    return group.rank(), group.size()
 
 
 def resolve_device(device) -> torch.device:

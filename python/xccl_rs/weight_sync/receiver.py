@@ -15,11 +15,10 @@ from ._common import (
     WeightSyncError,
     broadcast,
     describe,
-    group_rank_size,
+    group_senders,
     progress_bar,
     recv_from,
     resolve_device,
-    resolve_senders,
     tensor_bytes,
     write_flat_range,
 )
@@ -118,8 +117,7 @@ class WeightReceiver:
     def __init__(
         self, group, src: int = 0, bucket_bytes: Optional[int] = None, device=None, bucket_device=None, senders=None
     ):
-        rank, size = group_rank_size(group)
-        senders = resolve_senders(senders, src, size, "WeightReceiver")
+        rank, _, senders = group_senders(group, senders, src, "WeightReceiver")
         if rank in senders:
             if len(senders) == 1:
                 raise ValueError(f"WeightReceiver: this is the source rank {rank}; use WeightSender")

@@ -3,6 +3,7 @@ them (the package docstring gives the protocol; plan.py who sends what)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import warnings
@@ -18,11 +19,10 @@ from ._common import (
     WeightSyncError,
     broadcast,
     describe,
-    group_rank_size,
+    group_senders,
     progress_bar,
     read_flat_range,
     resolve_device,
-    resolve_senders,
     send_to,
     synchronize,
     tensor_bytes,
@@ -171,8 +171,7 @@ class WeightSender:
         self, group, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device=None, shared_memory=None,
         senders=None,
     ):
-        rank, size = group_rank_size(group)
-        senders = resolve_senders(senders, src, size, "WeightSender")
+        rank, size, senders = group_senders(group, senders, src, "WeightSender")
         if rank not in senders:
             if len(senders) == 1:
                 raise ValueError(
@@ -255,15 +254,22 @@ class SendStream:
         self.shared = [False] * self.n
         self.later: list = []  # barriers of other senders' buckets, waited for at the end
         self.round = 0  # the round being packed (the planner may be further on)
-        try:
+        with self._breaking("the first step with the receivers"):
             records = hello(s.group, s.senders, window.host_hash() if s.shared_memory else -1, s.device)
             self.co_located = window_hosts(records, s.senders)[self.me]
+
+    @contextlib.contextmanager
+    def _breaking(self, what: str):
+        """A failure in the block breaks the stream (the group cannot carry an abort notice
+        after it); one that is not a :class:`WeightSyncError` becomes one saying ``what`` failed."""
+        try:
+            yield
         except WeightSyncError:
             self.broken = True
             raise
         except Exception as e:
             self.broken = True
-            raise WeightSyncError(f"weight sync: the first step with the receivers failed: {e}") from e
+            raise WeightSyncError(f"weight sync: {what} failed: {type(e).__name__}: {e}") from e
 
     # ---- packing ---------------------------------------------------------------------
 
@@ -373,7 +379,7 @@ class SendStream:
         """Every bucket of the current round, in sender order: this sender's own, and its part
         in the others' (their headers, their windows' votes, the barriers); then the next round."""
         s = self.s
-        try:
+        with self._breaking(f"round {self.round}"):
             if self.n > 1:
                 out = agree_round(s.group, s.senders, self.round, RoundRecord(self.round, FINAL if final else SENDING,
                                                                               self.plan.value), s.device)
@@ -390,12 +396,6 @@ class SendStream:
                     self._done_reading(k - 1)
             if final:
                 self._done_reading(self.round * self.n + self.n - 1)
-        except WeightSyncError:
-            self.broken = True
-            raise
-        except Exception as e:
-            self.broken = True
-            raise WeightSyncError(f"weight sync: round {self.round} failed: {type(e).__name__}: {e}") from e
         self.entries = []
         self.round += 1
         if not final:
@@ -512,20 +512,14 @@ class SendStream:
                 slot.buf = None
 
     def _wait(self, slot: _Slot) -> None:
-        try:
+        with self._breaking(f"sending {slot.label}"):
             slot.wait()
-        except WeightSyncError:
-            self.broken = True
-            raise
 
     def _wait_later(self) -> None:
         works, self.later = self.later, []
-        try:
+        with self._breaking("waiting for the receivers of the other senders' buckets"):
             for w in works:
                 w.wait()
-        except Exception as e:
-            self.broken = True
-            raise WeightSyncError(f"weight sync: waiting for the receivers of the other senders' buckets failed: {e}") from e
 
     # ---- the end ---------------------------------------------------------------------
 

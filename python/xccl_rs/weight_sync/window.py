@@ -27,7 +27,7 @@ The protocol, on every rank of the group, in this order:
 3. :func:`bucket_done` (``C_k``), once per bucket read in place: a barrier that tells its sender
    every receiver is done with bucket ``k``, so its buffer can be packed again.
 
-Every vote is :func:`vote`: a MIN all-reduce of 0/1, true only when every rank says yes.
+Every vote is ``vote`` (_common.py): a MIN all-reduce of 0/1, true only when every rank says yes.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ import zlib
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import _C
-from ._common import broadcast, tensor_bytes
+from ._common import broadcast, tensor_bytes, vote
 from .format import MAX_OFFER_BYTES, Announcement, check_length, decode_offer, encode_offer
 
 # The naming rule of the Rust core's shared-memory segments, which it must agree with:
@@ -82,15 +81,6 @@ def uses_shared_memory(group) -> bool:
 # --------------------------------------------------------------------------------------
 # the protocol (module docstring)
 # --------------------------------------------------------------------------------------
-
-
-def vote(group, yes: bool) -> bool:
-    """Whether every rank of ``group`` says yes (a MIN all-reduce of a 0/1 flag)."""
-    flag = torch.tensor([1 if yes else 0], dtype=torch.int32)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    group.allreduce([flag], opts).wait()
-    return bool(flag.item())
 
 
 def agree(

@@ -1,0 +1,211 @@
+"""The worker side: the engine each vLLM worker makes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..weight_sync import WeightReceiver
+from ..weight_sync._common import vote
+from . import WeightTransferError, _loading
+from ._loading import _cancel_layerwise_reload, _dtype_guard, _load_one
+from ._session import _Keys, _describe, _destroy_group, _make_group, _publish
+
+logger = logging.getLogger("xccl_rs.vllm_engine")
+
+
+def make_worker_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTransferUpdateInfo: type) -> type:
+    """The engine each vLLM worker makes, a subclass of ``base.WeightTransferEngine`` (``base``:
+    vLLM's ``vllm.distributed.weight_transfer.base``)."""
+    WeightTransferEngine = base.WeightTransferEngine
+
+    class XcclRsWeightTransferEngine(
+        WeightTransferEngine[XcclRsWeightTransferInitInfo, XcclRsWeightTransferUpdateInfo]
+    ):
+        """The worker side (the module docstring says how a round runs)."""
+
+        init_info_cls = XcclRsWeightTransferInitInfo
+        update_info_cls = XcclRsWeightTransferUpdateInfo
+
+        def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self._info: Optional[XcclRsWeightTransferInitInfo] = None
+            self._store = None  # (client TCPStore, session PrefixStore)
+            self._member: Optional[int] = None
+            self._round: Optional[int] = None  # the round this worker checked in for
+            self._group = None
+            self._generation = 0
+            self._receiver: Optional[WeightReceiver] = None
+            self._reloading = False
+            self._guard = _dtype_guard()
+            self.last_stats = None
+
+        # ---- set-up ------------------------------------------------------------------
+
+        def _static_rank(self, info: XcclRsWeightTransferInitInfo) -> int:
+            """This worker's rank in vLLM's NCCL engine (nccl_common._worker_group_rank)."""
+            pc = self.parallel_config
+            dp = int(getattr(pc, "data_parallel_index", 0) or 0)
+            return info.rank_offset + dp * int(pc.world_size) + int(pc.rank)
+
+        def init_transfer_engine(self, init_info: XcclRsWeightTransferInitInfo) -> None:
+            """Connects to the trainer's store and registers this worker as a member."""
+            self.shutdown()
+            timeout = timedelta(seconds=float(init_info.timeout_s))
+            client = dist.TCPStore(init_info.master_address, int(init_info.master_port), None, False, timeout=timeout)
+            root = dist.PrefixStore(init_info.session.rstrip("/") + "/", client)
+            pc = self.parallel_config
+            me = {
+                "dp": int(getattr(pc, "data_parallel_index", 0) or 0),
+                "rank": int(pc.rank),
+                "static_rank": self._static_rank(init_info),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            }
+            member = int(root.add(_Keys.MEMBERS, 1))
+            _publish(root, _Keys.member(member), json.dumps(me))
+            self._info, self._store, self._member = init_info, (client, root), member
+            logger.info("xccl_rs vLLM engine: member %d of session %s (%s)", member, init_info.session, _describe(me))
+
+        def _root(self):
+            if self._store is None:
+                raise RuntimeError("xccl_rs weight transfer is not initialised: call init_transfer_engine() first")
+            return self._store[1]
+
+        # ---- a round -----------------------------------------------------------------
+
+        def start_weight_update(self) -> None:
+            """Checks in for the round the trainer announced, then starts vLLM's layerwise
+            reload (as vLLM's NCCL engine does)."""
+            root = self._root()
+            if not root.check([_Keys.ROUND]):
+                raise RuntimeError(
+                    "xccl_rs weight transfer: no round announced; start_weight_update must come from the "
+                    "xccl_rs trainer engine's send_weights()"
+                )
+            round_ = int(root.get(_Keys.ROUND))
+            slot = int(root.add(_Keys.checkins(round_), 1))
+            _publish(root, _Keys.checkin(round_, slot), str(self._member))
+            self._round = round_
+            _loading._layerwise()[0].initialize_layerwise_reload(self.model)
+            self._reloading = True
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            typed = self.parse_update_info(update_info)
+            self.receive_weights(typed)
+            if torch.accelerator.is_available():  # the base class's sync, where there is a device
+                torch.accelerator.synchronize()
+
+        def _join(self, generation: int, members: list, senders: int) -> None:
+            """The group of ``generation`` (kept while the trainer keeps it): trainer ranks
+            ``0 .. senders-1`` send, this worker is rank ``senders`` + its place in ``members``."""
+            if self._group is not None and self._generation == generation:
+                return
+            self._drop_group()
+            if self._member not in members:
+                raise WeightTransferError(
+                    f"xccl_rs weight transfer: this worker (member {self._member}) is not among generation "
+                    f"{generation}'s members {members}: it did not check in at start_weight_update"
+                )
+            if senders < 1:
+                raise WeightTransferError(f"xccl_rs weight transfer: the update info names {senders} senders")
+            info = self._info
+            rank = senders + members.index(self._member)
+            store = dist.PrefixStore(_Keys.generation(generation), self._root())
+            timeout = timedelta(seconds=float(info.timeout_s))
+            self._group = _make_group(store, rank, senders + len(members), timeout, info.bucket_device,
+                                      info.group_backend)
+            self._generation = generation
+            self._receiver = WeightReceiver(self._group, senders=list(range(senders)), device=self.device,
+                                            bucket_device=info.bucket_device)
+
+        def _drop_group(self) -> None:
+            if self._receiver is not None:
+                self._receiver.release()
+            self._receiver = None
+            if self._group is not None:
+                _destroy_group(self._group)
+            self._group = None
+
+        def _cancel_reload(self) -> None:
+            """After a failed round: vLLM's layerwise reload ends, each layer holding whole weights."""
+            if self._reloading:
+                self._reloading = False
+                try:
+                    _cancel_layerwise_reload(self.model)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("xccl_rs vLLM engine: cancelling the layerwise reload failed: %s", e)
+
+        def _failed(self) -> None:
+            """After a round that failed in transit: the group is given up too."""
+            self._drop_group()
+            self._cancel_reload()
+
+        def receive_weights(self, update_info: XcclRsWeightTransferUpdateInfo) -> None:
+            root = self._root()
+            k = int(update_info.round)
+            if self._round != k:
+                raise RuntimeError(
+                    f"xccl_rs weight transfer: update_weights for round {k}, but this worker checked in for "
+                    f"round {self._round} (start_weight_update comes first)"
+                )
+            try:
+                self._join(int(update_info.generation), [int(m) for m in update_info.members],
+                           int(update_info.senders))
+            except BaseException as e:
+                self._failed()
+                if isinstance(e, WeightTransferError):
+                    raise
+                raise WeightTransferError(f"xccl_rs weight transfer: round {k}: joining the group failed: {e}") from e
+            rank = self._group.rank()
+            refused: Optional[str] = None
+            try:
+                for name, tensor in self._receiver.receive(copy=True):
+                    if refused is not None:
+                        continue  # drained: the sender waits for every receiver
+                    try:
+                        _load_one(self.model, self._guard, name, tensor)
+                    except Exception as e:  # noqa: BLE001 - the model's refusal, whatever it raised
+                        refused = f"{name!r}: {type(e).__name__}: {e}"
+                    del tensor
+                if refused is not None:
+                    _publish(root, _Keys.refusal(k, rank), refused)
+                all_ok = vote(self._group, refused is None)
+            except Exception as e:
+                self._failed()
+                raise WeightTransferError(
+                    f"xccl_rs weight transfer: round {k} failed on group rank {rank}: {e}; the next round "
+                    "builds a new group"
+                ) from e
+            self.last_stats = self._receiver.last_stats
+            if refused is not None:
+                self._cancel_reload()  # the group ran the round to its end: kept
+                raise WeightTransferError(f"xccl_rs weight transfer: round {k}: this worker (group rank {rank}) "
+                                          f"refused {refused}")
+            if not all_ok:
+                self._cancel_reload()  # the group ran the round to its end: kept
+                raise WeightTransferError(
+                    f"xccl_rs weight transfer: round {k}: another worker refused a tensor (the trainer's error "
+                    "names it); the round is void on every worker"
+                )
+
+        def finish_weight_update(self) -> None:
+            """Finishes vLLM's layerwise reload (as vLLM's NCCL engine does)."""
+            self._reloading = False
+            _loading._layerwise()[0].finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            self._drop_group()
+            self._store = None
+            self._info = None
+            self._member = None
+            self._round = None
+
+    return XcclRsWeightTransferEngine
