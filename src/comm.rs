@@ -542,7 +542,7 @@ impl Worker {
                 ctx,
                 par: &self.fabric.par,
                 identity,
-                segment_bytes: self.config.segment_bytes,
+                round_bytes: self.config.round_bytes,
                 scratch: &mut self.scratch,
                 world_size,
             };

@@ -16,8 +16,8 @@ pub enum TransportChoice {
     Tcp,
 }
 
-pub const DEFAULT_SHM_CHUNK_BYTES: usize = 4 << 20;
-pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
+pub const DEFAULT_SHM_SLOT_BYTES: usize = 4 << 20;
+pub const DEFAULT_ROUND_BYTES: usize = 1 << 20;
 pub const DEFAULT_THREAD_MIN_BYTES: usize = 256 << 10;
 pub const DEFAULT_PIPELINE_CHUNK_BYTES: usize = 16 << 20;
 
@@ -88,8 +88,8 @@ macro_rules! settings {
 
 settings! {
     /// `XCCL_RS_SEGMENT_BYTES` (default 1 MiB, at least 64): bytes a reduction receives from
-    /// each peer per round over TCP. Bounds its scratch memory to `(world_size - 1) * segment`.
-    segment_bytes: usize = "XCCL_RS_SEGMENT_BYTES", default DEFAULT_SEGMENT_BYTES, parse |v| bytes_at_least(v, 64);
+    /// each peer per round over TCP. Bounds its scratch memory to `(world_size - 1)` rounds.
+    round_bytes: usize = "XCCL_RS_SEGMENT_BYTES", default DEFAULT_ROUND_BYTES, parse |v| bytes_at_least(v, 64);
     /// `XCCL_RS_SOCKET_HOST` (default: this host's address as its hostname resolves, else
     /// 127.0.0.1): the address peers use to reach this rank.
     socket_host: Option<String> = "XCCL_RS_SOCKET_HOST", default None, parse |v| Ok(Some(v.to_string()));
@@ -114,8 +114,8 @@ settings! {
     host_id: Option<String> = "XCCL_RS_HOST_ID", default None, parse |v| Ok(Some(v.to_string()));
     /// `XCCL_RS_SHM_CHUNK_BYTES` (default 4 MiB, at least 4096, rounded down to a multiple of
     /// 64): bytes of each of the two data slots of a rank's shared-memory segment; a segment is
-    /// `2 * chunk + 4 KiB`. Collectives move larger tensors in blocks of this size, double-buffered.
-    shm_chunk_bytes: usize = "XCCL_RS_SHM_CHUNK_BYTES", default DEFAULT_SHM_CHUNK_BYTES, parse |v| bytes_at_least(v, 4096).map(|b| b / 64 * 64);
+    /// `2 * slot + 4 KiB`. Collectives move larger tensors in blocks of this size, double-buffered.
+    shm_slot_bytes: usize = "XCCL_RS_SHM_CHUNK_BYTES", default DEFAULT_SHM_SLOT_BYTES, parse |v| bytes_at_least(v, 4096).map(|b| b / 64 * 64);
     /// `XCCL_RS_SHM_HEAP_BYTES` (default 16 GiB; 0: no heap): the size of each rank's
     /// shared-memory heap, from which `xccl_rs.empty` and `Backend.allocate_tensor` allocate
     /// tensors that peers read in place (zero-copy collectives). Sparse: it takes address
@@ -267,7 +267,7 @@ mod tests {
         let c = from(&[("XCCL_RS_TRANSPORT", " "), ("XCCL_RS_SPIN_US", "")]).unwrap();
         assert_eq!(c.transport, TransportChoice::Auto);
         assert_eq!(c.spin, Duration::from_micros(50));
-        assert_eq!(c.segment_bytes, DEFAULT_SEGMENT_BYTES);
+        assert_eq!(c.round_bytes, DEFAULT_ROUND_BYTES);
         assert_eq!(c.pipeline_chunk_bytes, DEFAULT_PIPELINE_CHUNK_BYTES);
     }
 
@@ -282,7 +282,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.transport, TransportChoice::Tcp);
-        assert_eq!(c.shm_chunk_bytes, 4992);
+        assert_eq!(c.shm_slot_bytes, 4992);
         assert_eq!(c.pipeline_chunk_bytes, 65536);
         assert_eq!(c.spin, Duration::from_micros(7));
         assert_eq!(c.host_id.as_deref(), Some("a"));

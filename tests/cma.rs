@@ -25,7 +25,7 @@ fn cfg(cma: bool) -> Config {
     Config {
         cma,
         shm_heap_bytes: 0,
-        shm_chunk_bytes: 64 << 10,
+        shm_slot_bytes: 64 << 10,
         threads: 3,
         thread_min_bytes: 64 << 10,
         pipeline_chunk_bytes: PIPELINE_CHUNK,

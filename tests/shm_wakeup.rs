@@ -22,7 +22,7 @@ fn staggered_allreduce(n: usize) -> (Vec<String>, usize) {
     let mut cfg = config(Duration::from_secs(20), 4096);
     cfg.transport = TransportChoice::Auto;
     cfg.spin = Duration::ZERO;
-    cfg.shm_chunk_bytes = 4096; // n above 1024 floats runs the blocked path, in several blocks
+    cfg.shm_slot_bytes = 4096; // n above 1024 floats runs the blocked path, in several blocks
     let results = spawn_ranks(RANKS, cfg, Duration::from_secs(120), move |rank, comm, barrier| {
         let mut wrong = Vec::new();
         let mut late = 0;

@@ -15,7 +15,7 @@ const LIMIT: Duration = Duration::from_secs(60);
 /// space, more than valgrind (scripts/memcheck.sh) can give. Slots of 256 KiB, so that the
 /// zero-copy all-reduce, which goes in blocks of one slot's size, runs several blocks.
 fn heap_config() -> xccl_rs::Config {
-    xccl_rs::Config { shm_heap_bytes: 64 << 20, shm_chunk_bytes: 256 << 10, ..config(Duration::from_secs(20), 1 << 20) }
+    xccl_rs::Config { shm_heap_bytes: 64 << 20, shm_slot_bytes: 256 << 10, ..config(Duration::from_secs(20), 1 << 20) }
 }
 
 /// What each rank does with its tensor.

@@ -47,7 +47,7 @@ pub struct Step<'a> {
     /// that of the chunk or level the algorithm runs (see `OpIdentity`).
     pub identity: OpIdentity,
     /// A TCP reduction's round size (`XCCL_RS_SEGMENT_BYTES`), a setting of the mesh.
-    pub segment_bytes: usize,
+    pub round_bytes: usize,
     pub scratch: &'a mut Vec<u8>,
     /// The size of the whole group: AVG's divisor. It is the transport's size, except in the
     /// leaders' step of a hierarchical collective, which runs among fewer ranks.
@@ -67,9 +67,9 @@ impl Step<'_> {
         op.reduction(self.world_size)
     }
 
-    /// Elements of `dtype` per segment of a reduction round.
-    pub fn segment_elems(&self, dtype: DType) -> usize {
-        (self.segment_bytes / dtype.size()).max(1)
+    /// Elements of `dtype` a TCP reduction receives from each peer per round.
+    pub fn round_elems(&self, dtype: DType) -> usize {
+        (self.round_bytes / dtype.size()).max(1)
     }
 
     /// Scratch of at least `bytes` bytes (grown, never shrunk, so steady state allocates nothing).

@@ -121,7 +121,7 @@ impl ShmCaps {
     pub fn of(shm: &ShmGroup) -> ShmCaps {
         ShmCaps {
             ranks: shm.size(),
-            slot_bytes: shm.chunk(),
+            slot_bytes: shm.slot_bytes(),
             oneshot_bytes: shm.oneshot_bytes(),
             heaps: shm.heaps().is_some_and(|h| h.zero_copy()),
             cma: shm.cma().is_some(),

@@ -11,8 +11,8 @@ pub fn split_range(n: usize, parts: usize, i: usize) -> (usize, usize) {
     (start, base + usize::from(i < extra))
 }
 
-/// Rank `i`'s range of an `n`-element tensor, as a byte-range RawBuf of `buf`.
-pub fn chunk(buf: RawBuf, n: usize, parts: usize, i: usize, esz: usize) -> RawBuf {
+/// Rank `i`'s share of an `n`-element tensor, as a byte-range RawBuf of `buf`.
+pub fn share(buf: RawBuf, n: usize, parts: usize, i: usize, esz: usize) -> RawBuf {
     let (s, l) = split_range(n, parts, i);
     buf.sub(s * esz, l * esz)
 }

@@ -20,8 +20,8 @@ pub use points::*;
 use xccl_rs::config::TransportChoice;
 use xccl_rs::{CommError, Communicator, Completion, Config, DType, MemoryStore, Op, OpKind, RawBuf, ReduceOp};
 
-pub fn config(timeout: Duration, segment_bytes: usize) -> Config {
-    Config { segment_bytes, socket_host: Some("127.0.0.1".into()), ..Config::with_timeout(timeout) }
+pub fn config(timeout: Duration, round_bytes: usize) -> Config {
+    Config { round_bytes, socket_host: Some("127.0.0.1".into()), ..Config::with_timeout(timeout) }
 }
 
 /// Submits one job and waits for it.
@@ -706,8 +706,8 @@ pub enum Net {
     Shm,
 }
 
-pub fn net_config(net: Net, timeout: Duration, segment_bytes: usize) -> Config {
-    let base = config(timeout, segment_bytes);
+pub fn net_config(net: Net, timeout: Duration, round_bytes: usize) -> Config {
+    let base = config(timeout, round_bytes);
     match net {
         // Pipeline chunks (pipeline.rs) of 32 KiB: the largest test sizes run as several
         // chunks, the smaller ones (every multi-round path of a segment) in one.
@@ -718,7 +718,7 @@ pub fn net_config(net: Net, timeout: Duration, segment_bytes: usize) -> Config {
         Net::Shm => Config {
             streaming_store_bytes: Some(0),
             transport: TransportChoice::Auto,
-            shm_chunk_bytes: 4096,
+            shm_slot_bytes: 4096,
             shm_oneshot_bytes: 1024,
             threads: 3,
             thread_min_bytes: 64,

@@ -32,7 +32,7 @@ pub fn run_asking_root_heap(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op,
 fn through_slots(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, ask_root_heap: bool) -> Result<()> {
     let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
-    let block_bytes = shm.chunk();
+    let block_bytes = shm.slot_bytes();
     let from_heap = each_block_until(shm, ctx, buf.len(), block_bytes, |shm, Block { index: b, g, last, start, len }| {
         let in_place = b == 0 && ask_root_heap && {
             // Every rank writes its answer (only the root's is read), so no stale one remains.

@@ -43,7 +43,7 @@ pub fn push(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, las
     }
     count_zero_copy(shm, ctx.seq);
     let esz = op.dtype.size();
-    let piece = block_bytes(shm.chunk(), esz);
+    let piece = block_bytes(shm.slot_bytes(), esz);
     let reduction = op.reduction(size);
     let (mut srcs, mut replicas) = (Vec::with_capacity(size), Vec::with_capacity(size - 1));
     for b in 0..block_count(buf.len(), piece) {

@@ -13,7 +13,7 @@ pub fn run(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> R
     let (rank, size) = (shm.rank(), shm.size());
     let root = op.root as usize;
     let output = op.outputs[0];
-    let lane = shm.chunk() / size / 64 * 64;
+    let lane = shm.slot_bytes() / size / 64 * 64;
     each_block(shm, ctx, output.len(), lane, |shm, Block { index: b, g, start, len, .. }| {
         if rank == root {
             let slot = shm.slot(rank, g);

@@ -50,7 +50,7 @@ pub fn reduce(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, r
     let buf = op.outputs[0];
     let esz = op.dtype.size();
     let reduction = op.reduction(size);
-    let block_bytes = shm.chunk() / esz * esz;
+    let block_bytes = shm.slot_bytes() / esz * esz;
     let stopped = each_block_until(shm, ctx, buf.len(), block_bytes, |shm, Block { index: b, g, last, start, len }| {
         let block = buf.sub(start, len);
         let part = |r: usize| {
@@ -106,7 +106,7 @@ pub fn gather(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, r
     let (rank, size) = (shm.rank(), shm.size());
     let input = op.inputs[0];
     let reads = reader.is_none_or(|root| root == rank);
-    let block_bytes = shm.chunk();
+    let block_bytes = shm.slot_bytes();
     each_block(shm, ctx, input.len(), block_bytes, |shm, Block { index: b, g, start, len, .. }| {
         par.copy(input.sub(start, len), shm.slot(rank, g).sub(0, len));
         exchange_produced(shm, g, (b == 0).then_some(desc), ctx)?;
@@ -130,7 +130,7 @@ pub fn reduce_scatter(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc:
     let output = op.outputs[0];
     let esz = op.dtype.size();
     let reduction = op.reduction(size);
-    let lane = shm.chunk() / size / 64 * 64 / esz * esz;
+    let lane = shm.slot_bytes() / size / 64 * 64 / esz * esz;
     each_block(shm, ctx, output.len(), lane, |shm, Block { index: b, g, start, len, .. }| {
         let slot = shm.slot(rank, g);
         let copies: Vec<_> =

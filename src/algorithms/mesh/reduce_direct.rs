@@ -1,6 +1,6 @@
-//! Direct reduce: every rank streams its whole tensor to the root in segments; the root, round
-//! by round, receives one segment from each peer into scratch and reduces all ranks' segments
-//! in rank order into its own tensor (scaling fused). Other ranks' tensors are left unchanged.
+//! Direct reduce: every rank streams its whole tensor to the root in rounds; the root, round by
+//! round, receives each peer's part into scratch and reduces all ranks' parts in rank order
+//! into its own tensor (scaling fused). Other ranks' tensors are left unchanged.
 
 use crate::algorithms::Step;
 use crate::error::Result;
@@ -13,17 +13,17 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     let esz = op.dtype.size();
     let buf = op.outputs[0];
     let n = buf.len() / esz;
-    let seg = step.segment_elems(op.dtype);
-    let rounds = n.div_ceil(seg).max(1);
-    let segment = |k: usize| {
-        let start = (k * seg).min(n);
-        (start * esz, (n - start).min(seg) * esz)
+    let per_round = step.round_elems(op.dtype);
+    let rounds = n.div_ceil(per_round).max(1);
+    let round_range = |k: usize| {
+        let start = (k * per_round).min(n);
+        (start * esz, (n - start).min(per_round) * esz)
     };
 
     if rank != root {
         let mut phase = step.phase();
         for k in 0..rounds {
-            let (off, len) = segment(k);
+            let (off, len) = round_range(k);
             phase.send(root, buf.sub(off, len), step.identity.count);
         }
         step.run(phase)?;
@@ -31,22 +31,22 @@ pub fn run(step: &mut Step<'_>, op: &Op) -> Result<()> {
     }
 
     let reduction = step.reduction(op);
-    let scratch = step.scratch((size - 1) * seg * esz);
-    let slot = |peer: usize| if peer < rank { peer } else { peer - 1 };
+    let scratch = step.scratch((size - 1) * per_round * esz);
+    let area = |peer: usize| if peer < rank { peer } else { peer - 1 };
     for k in 0..rounds {
-        let (off, len) = segment(k);
+        let (off, len) = round_range(k);
         let mut phase = step.phase();
         for peer in (0..size).filter(|&p| p != rank) {
-            phase.recv(peer, scratch.sub(slot(peer) * seg * esz, len), step.identity.count);
+            phase.recv(peer, scratch.sub(area(peer) * per_round * esz, len), step.identity.count);
         }
         step.run(phase)?;
         let own = buf.sub(off, len);
         let srcs: Vec<*const u8> = (0..size)
-            .map(|p| if p == rank { own.ptr() as *const u8 } else { scratch.sub(slot(p) * seg * esz, len).ptr() as *const u8 })
+            .map(|p| if p == rank { own.ptr() as *const u8 } else { scratch.sub(area(p) * per_round * esz, len).ptr() as *const u8 })
             .collect();
         if len > 0 && (size > 1 || matches!(op.reduce_op, crate::types::ReduceOp::Avg | crate::types::ReduceOp::PreMulSum)) {
-            // SAFETY: each scratch slot holds `len` bytes just received; `own` is the root's own
-            // segment and also the destination (exact alias, allowed); reduction validated.
+            // SAFETY: each scratch area holds `len` bytes just received; `own` is the root's own
+            // part and also the destination (exact alias, allowed); reduction validated.
             unsafe { reduce_raw(&reduction, own.ptr(), &srcs, len / esz, true) };
         }
     }

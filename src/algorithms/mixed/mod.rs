@@ -111,7 +111,7 @@ fn among_over_tcp<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut
         ctx: step.ctx,
         par: step.par,
         identity: step.identity,
-        segment_bytes: step.segment_bytes,
+        round_bytes: step.round_bytes,
         scratch: &mut *step.scratch,
         world_size: step.world_size,
     };

@@ -147,7 +147,7 @@ impl ShmGroup {
     }
 
     /// Bytes of one data slot.
-    pub fn chunk(&self) -> usize {
+    pub fn slot_bytes(&self) -> usize {
         self.settings.slot_bytes
     }
 
@@ -168,13 +168,13 @@ impl ShmGroup {
         first
     }
 
-    /// `rank`'s data slot for block `g`, `chunk` bytes.
+    /// `rank`'s data slot for block `g`, `slot_bytes` bytes.
     pub fn slot(&self, rank: usize, g: u64) -> RawBuf {
         // SAFETY: the slot lies inside a mapping that lives as long as `self`; who writes and
         // who reads it when is governed by the counter protocol above, which every algorithm
         // follows (a slot is written only by its owner, between `Consumed` ≥ g − 2 everywhere
         // and its `Produced`/`Reduced` for g; read by peers only after those).
-        unsafe { RawBuf::new(self.segments[rank].slot_ptr((g % 2) as usize), self.chunk()) }
+        unsafe { RawBuf::new(self.segments[rank].slot_ptr((g % 2) as usize), self.slot_bytes()) }
     }
 
     fn header(&self, rank: usize) -> &RankHeader {

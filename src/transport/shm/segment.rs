@@ -6,8 +6,8 @@
 //! Layout (offsets in bytes):
 //! ```text
 //! 0       RankHeader    counters, abort flag, op descriptors (cache-line padded)
-//! 4096    slot 0        `chunk` bytes of data
-//! 4096+c  slot 1        `chunk` bytes of data
+//! 4096    slot 0        `slot_bytes` bytes of data
+//! 4096+c  slot 1        `slot_bytes` bytes of data
 //! ```
 
 use std::os::fd::AsRawFd;
@@ -24,7 +24,7 @@ const PREFIX: &str = "xccl_rs-";
 
 pub struct Segment {
     map: MmapRaw,
-    chunk: usize,
+    slot_bytes: usize,
     /// Set while the file still exists and this rank created it.
     owned_path: Option<PathBuf>,
 }
@@ -35,8 +35,8 @@ unsafe impl Send for Segment {}
 // SAFETY: as above.
 unsafe impl Sync for Segment {}
 
-fn total_bytes(chunk: usize) -> usize {
-    HEADER_BYTES + 2 * chunk
+fn total_bytes(slot_bytes: usize) -> usize {
+    HEADER_BYTES + 2 * slot_bytes
 }
 
 /// Whether `name` is what [`Segment::create`] makes: `xccl_rs-<pid>-<32 hex digits>`.
@@ -46,9 +46,9 @@ pub fn is_segment_name(name: &str) -> bool {
 
 impl Segment {
     /// Creates this rank's segment; returns it and its name (a file name in /dev/shm).
-    pub fn create(chunk: usize) -> Result<(Segment, String)> {
+    pub fn create(slot_bytes: usize) -> Result<(Segment, String)> {
         let (file, path, name) = files::create(PREFIX)?;
-        let size = total_bytes(chunk);
+        let size = total_bytes(slot_bytes);
         let mapped = file
             .set_len(size as u64)
             .map_err(|e| format!("cannot size {} to {size} bytes: {e}", path.display()))
@@ -74,7 +74,7 @@ impl Segment {
                 return Err(CommError::io(message));
             }
         };
-        let seg = Segment { map, chunk, owned_path: Some(path) };
+        let seg = Segment { map, slot_bytes, owned_path: Some(path) };
         // Touch every page now, so the first collective pays no page faults.
         // SAFETY: the mapping is `size` bytes long and writable; no one else has it yet.
         unsafe { std::ptr::write_bytes(seg.map.as_mut_ptr(), 0, size) };
@@ -84,9 +84,9 @@ impl Segment {
 
     /// Maps a peer's segment by name. The name must be one of ours (checked), so a peer cannot
     /// make us open an arbitrary file, and a symbolic link is not followed.
-    pub fn open(name: &str, chunk: usize) -> Result<Segment> {
+    pub fn open(name: &str, slot_bytes: usize) -> Result<Segment> {
         let (file, path) = files::open(PREFIX, name, "segment")?;
-        let size = total_bytes(chunk);
+        let size = total_bytes(slot_bytes);
         let actual = file.metadata().map_err(|e| CommError::io(e.to_string()))?.len();
         if actual != size as u64 {
             return Err(CommError::io(format!(
@@ -98,7 +98,7 @@ impl Segment {
             .populate()
             .map_raw(&file)
             .map_err(|e| CommError::io(format!("cannot map {}: {e}", path.display())))?;
-        Ok(Segment { map, chunk, owned_path: None })
+        Ok(Segment { map, slot_bytes, owned_path: None })
     }
 
     /// Removes the file (every rank has mapped it); the memory lives on until the last unmap.
@@ -115,11 +115,11 @@ impl Segment {
         unsafe { &*(self.map.as_ptr() as *const RankHeader) }
     }
 
-    /// Start of data slot `slot` (0 or 1), `chunk` bytes long.
+    /// Start of data slot `slot` (0 or 1), `slot_bytes` bytes long.
     pub fn slot_ptr(&self, slot: usize) -> *mut u8 {
         debug_assert!(slot < 2);
-        // SAFETY: HEADER_BYTES + slot * chunk + chunk <= total_bytes(chunk), the mapping length.
-        unsafe { self.map.as_mut_ptr().add(HEADER_BYTES + (slot & 1) * self.chunk) }
+        // SAFETY: HEADER_BYTES + slot * slot_bytes + slot_bytes <= total_bytes(slot_bytes), the mapping length.
+        unsafe { self.map.as_mut_ptr().add(HEADER_BYTES + (slot & 1) * self.slot_bytes) }
     }
 }
 

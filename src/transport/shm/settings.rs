@@ -32,7 +32,7 @@ impl ShmSettings {
     /// The settings `config` gives a group with a heap of `heap_bytes`.
     pub fn of(config: &Config, heap_bytes: usize) -> ShmSettings {
         ShmSettings {
-            slot_bytes: config.shm_chunk_bytes,
+            slot_bytes: config.shm_slot_bytes,
             spin: config.spin,
             timeout: config.timeout,
             heap_bytes,

@@ -23,9 +23,9 @@ impl ShmGroup {
     /// rank's local index); `namespace` keeps the store keys of different hosts' groups apart
     /// (empty for a single-host group, whose keys are then `xccl_rs/shm/<rank>`).
     pub fn setup(store: &dyn Store, members: &[usize], rank: usize, namespace: &str, settings: ShmSettings) -> Result<ShmGroup> {
-        let ShmSettings { slot_bytes: chunk, timeout, heap_bytes, .. } = settings;
+        let ShmSettings { slot_bytes, timeout, heap_bytes, .. } = settings;
         let me = members[rank];
-        let (own, name) = Segment::create(chunk)?;
+        let (own, name) = Segment::create(slot_bytes)?;
         store.set(&Key::ShmSegment { namespace, rank }.text(), name.as_bytes())?;
         // Where this process sees its own header: peers probe cross-memory attach with it.
         let own_header = own.header() as *const RankHeader as u64;
@@ -34,7 +34,7 @@ impl ShmGroup {
         let heap_name = heap.as_ref().map_or(String::new(), |(_, name)| name.clone());
         store.set(&Key::ShmHeap { namespace, rank }.text(), heap_name.as_bytes())?;
         let heap = heap.map(|(heap, _)| heap);
-        let mut segments = map_segments(store, members, rank, namespace, own, chunk, timeout)?;
+        let mut segments = map_segments(store, members, rank, namespace, own, slot_bytes, timeout)?;
         let peer_heaps = match heap {
             Some(_) => Some(map_peer_heaps(store, members, rank, namespace, timeout)?),
             None => None,
@@ -77,7 +77,7 @@ fn map_segments(
     rank: usize,
     namespace: &str,
     own: Segment,
-    chunk: usize,
+    slot_bytes: usize,
     timeout: Duration,
 ) -> Result<Vec<Segment>> {
     let me = members[rank];
@@ -89,7 +89,7 @@ fn map_segments(
             continue;
         }
         let peer_name = store.get(&Key::ShmSegment { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
-        segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), chunk)?);
+        segments.push(Segment::open(&String::from_utf8_lossy(&peer_name), slot_bytes)?);
     }
     Ok(segments)
 }
