@@ -14,7 +14,7 @@ namespace xccl_rs {
 namespace {
 
 // Ends the kind tag of a bridge error's text: the ErrorKind's code in decimal, this character,
-// then the text the user reads (src/bridge_error.rs, KIND_TAG_END, writes it).
+// then the text the user reads (src/bridge.rs, KIND_TAG_END, writes it).
 constexpr char kKindTagEnd = '\x1f';
 
 bool is_error_kind(std::uint8_t code) {

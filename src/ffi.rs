@@ -6,7 +6,7 @@
 //! types, reduce ops and error kinds (cxx generates the C++ `enum class`es; `bridge.rs` checks at
 //! compile time that every code equals the core's own enum's). Errors cross one way: a Rust
 //! function that can fail returns `Result`, whose error carries its kind in its text
-//! (`bridge_error.rs` encodes it, `csrc/errors.cc` decodes it), and `csrc/errors.cc` maps the
+//! (`bridge.rs` encodes it, `csrc/errors.cc` decodes it), and `csrc/errors.cc` maps the
 //! kind, in one place, to a Python `ValueError` or `torch.distributed.DistBackendError`. No
 //! panic crosses (the Rust side catches them).
 

@@ -43,6 +43,4 @@ pub(crate) mod failures;
 #[cfg(feature = "cpp")]
 mod bridge;
 #[cfg(feature = "cpp")]
-mod bridge_error;
-#[cfg(feature = "cpp")]
 mod ffi;

@@ -1,6 +1,6 @@
 // How errors of the Rust core become torch's exceptions, in one place: the bridge's ErrorKind
 // (src/ffi.rs) decides the exception, for the errors Rust functions return (a rust::Error,
-// whose text carries the kind: src/bridge_error.rs) and for the errors of finished work.
+// whose text carries the kind: src/bridge.rs) and for the errors of finished work.
 #pragma once
 
 #include <cstdint>
