@@ -38,6 +38,16 @@ BACKEND = os.environ.get("XCCL_RS_TEST_BACKEND", "xccl_rs").strip() or "xccl_rs"
 IS_GLOO = BACKEND == "gloo"
 IS_XCCL = BACKEND == "xccl_rs"
 
+
+def torch_attaches_flight_recorder() -> bool:
+    """Whether torch attaches its FlightRecorderHook to every group (torch >= 2.15), which
+    records backends without a recorder of their own and writes a trace on abort. torch 2.14
+    already has the reconfigure API (``dist._reconfigure``) but not this hook."""
+    import torch.distributed as dist
+
+    return hasattr(dist.distributed_c10d._World, "pg_flight_recorder_hooks")
+
+
 # Default collective timeout (init_process_group(timeout=...)) for sweeps.
 DEFAULT_PG_TIMEOUT_S = float(os.environ.get("XCCL_RS_TEST_PG_TIMEOUT", "60"))
 # Multiplies every hard deadline (slow machines / debugging).

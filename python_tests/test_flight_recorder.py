@@ -18,9 +18,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from harness import ctx, run_ranks
+from harness import ctx, run_ranks, torch_attaches_flight_recorder
 
-pytestmark = pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="torch < 2.15 has no FlightRecorderHook")
+pytestmark = pytest.mark.skipif(not torch_attaches_flight_recorder(), reason="torch < 2.15 attaches no FlightRecorderHook")
 
 STALLED = 2
 

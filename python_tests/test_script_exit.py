@@ -27,13 +27,12 @@ import textwrap
 import time
 
 import pytest
-import torch.distributed as dist
 
-from harness import free_port
+from harness import free_port, torch_attaches_flight_recorder
 
 # torch >= 2.15 attaches its FlightRecorderHook to every group by default; older torch has no
 # recorder for a backend like ours, so there only the exit codes are checked.
-HAS_FR_HOOK = hasattr(dist, "_reconfigure")
+HAS_FR_HOOK = torch_attaches_flight_recorder()
 
 MISMATCH = """
 import torch, torch.distributed as dist, xccl_rs
