@@ -76,6 +76,16 @@ struct Pending {
     step: Step,
 }
 
+impl Pending {
+    /// The rank its hello named, once the hello passed.
+    fn from(&self) -> Option<usize> {
+        match &self.step {
+            Step::ReadHello { .. } => None,
+            Step::SendChallenge { transcript, .. } | Step::ReadProof { transcript, .. } => Some(transcript.from as usize),
+        }
+    }
+}
+
 /// What one readiness event did to a handshake.
 enum Progress {
     Waiting,
@@ -138,6 +148,10 @@ impl Acceptor {
             match advance(&mut p, terms, decide) {
                 Progress::Waiting => keep.push(p),
                 Progress::Superseded => tracing::debug!(rank = terms.rank, addr = %p.addr, "crossed dial: kept ours"),
+                // A rank this one dials too, or is linked to, may drop its crossing dial.
+                Progress::Refused(why) if p.from().is_some_and(|from| decide(from) != Verdict::Accept) => {
+                    tracing::debug!(rank = terms.rank, addr = %p.addr, why, "crossed dial closed")
+                }
                 Progress::Refused(why) => refuse(terms.rank, p.addr, &why),
                 Progress::Mismatch(why) => return Err(CommError::invalid(why)),
                 Progress::Authenticated { from, frame_key } => {

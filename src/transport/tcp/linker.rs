@@ -102,6 +102,8 @@ impl Linker {
     /// wants to run again without an event (a handshake's expiry, a dial's retry).
     pub fn push_fds(&mut self, fds: &mut Vec<libc::pollfd>) -> Option<Instant> {
         let now = Instant::now();
+        // A dial crossed by the peer's, which this rank accepted, ends now (the peer, dialing
+        // too, takes its close quietly).
         let linked = &self.linked;
         self.dials.retain(|d| !linked[d.peer]);
         let expiry = self.acceptor.expire(self.rank, now);
