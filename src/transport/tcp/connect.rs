@@ -169,7 +169,15 @@ impl Dial {
                 DialStep::Idle if now < self.retry_at => return Ok(DialEvent::Waiting),
                 DialStep::Idle => match self.connect(terms) {
                     Ok(step) => self.step = step,
-                    Err(why) => return Ok(self.retry(why, now)),
+                    // A published address listens for its group's whole life: refused, the
+                    // rank is gone (it exited, or destroyed its group).
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                        return Err(CommError::peer(format!(
+                            "rank {} is gone: its address {} refused rank {}'s connection (did it exit or crash?)",
+                            self.peer, self.addr, terms.rank
+                        )));
+                    }
+                    Err(e) => return Ok(self.retry(e.to_string(), now)),
                 },
                 DialStep::ReadChallenge { stream, mut buf, mut got, hello } => match pump(&stream, &mut buf, &mut got, false) {
                     Ok(false) => {
@@ -217,12 +225,15 @@ impl Dial {
     }
 
     /// Connects and sends the hello (a fresh socket takes its 48 bytes at once).
-    fn connect(&self, terms: &Terms<'_>) -> std::result::Result<DialStep, String> {
-        let mut stream = TcpStream::connect_timeout(&self.addr, CONNECT_ATTEMPT).map_err(|e| format!("could not connect: {e}"))?;
-        let hello = Hello { from: terms.rank as u32, to: self.peer as u32, flags: terms.flags, nonce: random_nonce()? };
-        stream.set_write_timeout(Some(CONNECT_ATTEMPT)).map_err(|e| e.to_string())?;
-        stream.write_all(&hello.encode()).map_err(|e| format!("hello failed: {e}"))?;
-        stream.set_write_timeout(None).and_then(|_| stream.set_nonblocking(true)).map_err(|e| e.to_string())?;
+    fn connect(&self, terms: &Terms<'_>) -> std::io::Result<DialStep> {
+        let context = |what: &str| move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{what}: {e}"));
+        let mut stream = TcpStream::connect_timeout(&self.addr, CONNECT_ATTEMPT).map_err(context("could not connect"))?;
+        let nonce = random_nonce().map_err(std::io::Error::other)?;
+        let hello = Hello { from: terms.rank as u32, to: self.peer as u32, flags: terms.flags, nonce };
+        stream.set_write_timeout(Some(CONNECT_ATTEMPT))?;
+        stream.write_all(&hello.encode()).map_err(context("hello failed"))?;
+        stream.set_write_timeout(None)?;
+        stream.set_nonblocking(true)?;
         Ok(DialStep::ReadChallenge { stream, buf: [0; CHALLENGE_LEN], got: 0, hello })
     }
 
