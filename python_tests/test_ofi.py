@@ -48,7 +48,7 @@ WORKER = textwrap.dedent(
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
     try:
-        dist.init_process_group("xccl_rs", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20))
+        dist.init_process_group("xccl_rs", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
         for salt, n in enumerate([1, 1000, 400_000]):
             t = inputs(rank, n, salt)
             dist.all_reduce(t)
@@ -85,7 +85,7 @@ def _run(tmp_path, hosts, env):
         )
         for r in range(len(hosts))
     ]
-    return harness.collect_outputs(procs, timeout_s=180)
+    return harness.collect_outputs(procs, timeout_s=420)
 
 
 @pytest.mark.parametrize("hosts", [["a", "b"], ["a", "b", "c"], ["a", "a", "b", "b"]], ids=["2x1", "3x1", "2x2"])
