@@ -100,10 +100,29 @@ fn main() {
     for v in ["XCCL_RS_PYTHON", "PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE", "XCCL_RS_TORCH_FLAGS"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
+    build_ofi_shim();
     if std::env::var_os("CARGO_FEATURE_CPP").is_none() {
         return;
     }
     build_bridge();
+}
+
+/// The OFI transport's C shim (src/transport/ofi/shim.c), in every build: it compiles
+/// libfabric's inline calls against the vendored headers and opens libfabric.so.1 at run time,
+/// so neither the build nor a machine that never asks for `ofi` needs libfabric.
+fn build_ofi_shim() {
+    const DIR: &str = "src/transport/ofi";
+    println!("cargo:rerun-if-changed={DIR}/shim.c");
+    println!("cargo:rerun-if-changed={DIR}/include");
+    cc::Build::new()
+        .file(format!("{DIR}/shim.c"))
+        .include(format!("{DIR}/include"))
+        .flag("-fvisibility=hidden")
+        .flag_if_supported("-Wno-unused-parameter")
+        .opt_level(2)
+        .compile("xccl_rs_ofi_shim");
+    // dlopen lives in libc from glibc 2.34, in libdl before.
+    println!("cargo:rustc-link-lib=dl");
 }
 
 #[cfg(feature = "cpp")]

@@ -17,6 +17,19 @@ VENV="$CACHE/venv"
 export CARGO_TARGET_DIR="$CACHE/target"
 mkdir -p "$CACHE"
 
+# libfabric for the OFI transport's tests (XCCL_RS_TRANSPORT=ofi, tests/ofi.rs, python_tests/
+# test_ofi.py): loaded at run time, never needed to build. As root we install Debian's package;
+# elsewhere the tests skip, saying why.
+if ! ldconfig -p 2>/dev/null | grep -q 'libfabric\.so\.1'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing libfabric1 (Debian) for the OFI transport's tests"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libfabric1; } >/dev/null 2>&1 \
+      || echo "!! could not install libfabric1: the OFI tests will fail (they require it as root)" >&2
+  else
+    echo "== libfabric.so.1 not found and not root: the OFI transport's tests will skip"
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating $VENV"
   python3 -m venv "$VENV"

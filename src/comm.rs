@@ -401,7 +401,7 @@ impl Worker {
         OpCtx {
             op,
             seq,
-            rank: self.fabric.tcp.rank(),
+            rank: self.fabric.net.rank(),
             deadline: Instant::now().checked_add(timeout).unwrap_or_else(|| Instant::now() + Duration::from_secs(1 << 40)),
             timeout,
             abort: Some(self.abort_switch.clone()),
@@ -445,13 +445,13 @@ impl Worker {
                 let end = i + ops[i..].iter().take_while(|o| matches!(o.kind, OpKind::Send | OpKind::Recv)).count();
                 let ctx = self.ctx(op.kind, self.p2p_seq(op));
                 let r = self.with_staging(&mut staging, ops, i..end, &ctx, |w, batch| {
-                    p2p::run_batch(w.fabric.tcp.as_mut(), batch, &mut w.p2p, &ctx)
+                    p2p::run_batch(w.fabric.net.as_mut(), batch, &mut w.p2p, &ctx)
                 });
                 i = end;
                 r.map_err(|e| (ctx, e))
             } else if op.kind == OpKind::RecvAnySource {
                 let ctx = self.ctx(op.kind, 0);
-                let r = self.with_staging(&mut staging, ops, i..i + 1, &ctx, |w, one| p2p::recv_any(w.fabric.tcp.as_mut(), &one[0], &mut w.p2p, &ctx));
+                let r = self.with_staging(&mut staging, ops, i..i + 1, &ctx, |w, one| p2p::recv_any(w.fabric.net.as_mut(), &one[0], &mut w.p2p, &ctx));
                 i += 1;
                 r.map(|c| completion = c).map_err(|e| (ctx, e))
             } else {
@@ -519,7 +519,7 @@ impl Worker {
             fabric: fabric_name(shape, staged),
             start,
             duration,
-            ranks: self.fabric.tcp.size(),
+            ranks: self.fabric.net.size(),
         });
     }
 
@@ -533,7 +533,7 @@ impl Worker {
     fn run_one(&mut self, op: &Op<Buf>, index: usize, ctx: &OpCtx, staging: Option<&mut StagedJob>) -> Result<Algorithm> {
         let identity = op.identity();
         let chunk_bytes = self.config.pipeline_chunk_bytes;
-        let world_size = self.fabric.tcp.size();
+        let world_size = self.fabric.net.size();
         let mut first = None;
         pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk| {
             let fabric = FabricCaps::of(&self.fabric.parts, world_size);
@@ -541,7 +541,7 @@ impl Worker {
             first.get_or_insert(select::algorithm_of_path(path, op.kind, &fabric));
             self.first_uses.note(op.kind, &fabric, path, identity.count as usize * op.dtype.size(), ctx.rank);
             let mut step = Step {
-                transport: self.fabric.tcp.as_mut(),
+                transport: self.fabric.net.as_mut(),
                 ctx,
                 par: &self.fabric.par,
                 identity,

@@ -14,6 +14,19 @@ use std::time::Duration;
 pub enum TransportChoice {
     Auto,
     Tcp,
+    /// Shared memory within a host, libfabric between hosts (transport/ofi/).
+    Ofi,
+}
+
+impl TransportChoice {
+    /// The setting's value as a user writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Ofi => "ofi",
+        }
+    }
 }
 
 pub const DEFAULT_SHM_SLOT_BYTES: usize = 4 << 20;
@@ -95,7 +108,9 @@ settings! {
     socket_host: Option<String> = "XCCL_RS_SOCKET_HOST", default None, parse |v| Ok(Some(v.to_string()));
     /// `XCCL_RS_TRANSPORT` (default `auto`): `auto` uses shared memory between ranks on the
     /// same host (same hostname and same /dev/shm) and TCP between hosts; `tcp` forces TCP
-    /// between every pair.
+    /// between every pair; `ofi` uses shared memory within a host and libfabric between hosts
+    /// (its data path is unauthenticated: opt-in only, docs/security.md). Must be the same on
+    /// every rank.
     transport: TransportChoice = "XCCL_RS_TRANSPORT", default TransportChoice::Auto, parse transport;
     /// `XCCL_RS_TLS` (default 0): `1` runs TLS 1.3 on every TCP link of the group, with a
     /// certificate per rank published through the Store (transport/tcp/tls.rs). Must be the
@@ -183,7 +198,8 @@ fn transport(v: &str) -> Result<TransportChoice, String> {
     match v.to_ascii_lowercase().as_str() {
         "auto" => Ok(TransportChoice::Auto),
         "tcp" => Ok(TransportChoice::Tcp),
-        _ => Err("one of `auto`, `tcp`".to_string()),
+        "ofi" => Ok(TransportChoice::Ofi),
+        _ => Err("one of `auto`, `tcp`, `ofi`".to_string()),
     }
 }
 

@@ -3,8 +3,11 @@
 //! fabric's [`Shape`] (algorithms/select.rs). Terms:
 //!
 //! - the *mesh*: the TCP transport, which can link any pair of ranks. Every fabric has one:
-//!   all-to-all, point-to-point messages and abort frames use it whatever else there is. A
-//!   rank links at set-up only to the eager peers of its shape (peers.rs), to others on first use;
+//!   set-up and abort frames use it whatever else there is. A rank links at set-up only to the
+//!   eager peers of its shape (peers.rs), to others on first use;
+//! - the *net*: the transport between hosts, which all-to-all, point-to-point messages and the
+//!   steps that shared memory does not do use: the mesh itself, or with `XCCL_RS_TRANSPORT=ofi`
+//!   libfabric (transport/ofi/), which owns the mesh for its control frames;
 //! - `Mesh`: nothing else — every host has one rank, or `XCCL_RS_TRANSPORT=tcp`;
 //! - `Host`: every rank is on this host: one shared-memory group of them all;
 //! - `Mixed`: several hosts, some with two or more ranks: the host map, and a shared-memory
@@ -27,13 +30,15 @@ use crate::rendezvous::Store;
 use crate::transport::shm::heap::Heap;
 use crate::transport::shm::{ShmGroup, ShmSettings};
 use crate::transport::tcp::handshake::Secret;
+use crate::transport::choice::agree_on_transport;
+use crate::transport::ofi;
 use crate::transport::tcp::{MeshSpec, TcpTransport};
 use crate::transport::{OpCtx, RawBuf, Transport};
 
 /// The connections of one rank of a group.
 pub struct Fabric {
-    /// The mesh (see the module docs).
-    pub tcp: Box<dyn Transport>,
+    /// The net (see the module docs).
+    pub net: Box<dyn Transport>,
     /// What the ranks share besides it.
     pub parts: Parts,
     /// This rank's threads for the copies and reductions of shared-memory steps (par.rs):
@@ -114,18 +119,23 @@ impl Fabric {
     pub fn build(store: &dyn Store, rank: usize, size: usize, secret: &Secret, config: &Config) -> Result<Fabric> {
         let socket_host = config.socket_host.as_deref();
         let spec = MeshSpec { store, rank, size, secret, socket_host, tls: config.tls, timeout: config.timeout };
-        let host_map = if size > 1 && config.transport == TransportChoice::Auto {
+        agree_on_transport(store, rank, size, config.transport, config.timeout)?;
+        let host_map = if size > 1 && config.transport != TransportChoice::Tcp {
             Some(HostMap::exchange(store, rank, size, &this_host(config), config.timeout)?)
         } else {
             None
         };
-        let tcp = Box::new(TcpTransport::connect(&spec, &eager_peers(rank, size, host_map.as_ref()))?);
+        let tcp = TcpTransport::connect(&spec, &eager_peers(rank, size, host_map.as_ref()))?;
+        let net: Box<dyn Transport> = match config.transport {
+            TransportChoice::Ofi => Box::new(ofi::connect(store, tcp, config)?),
+            TransportChoice::Auto | TransportChoice::Tcp => Box::new(tcp),
+        };
         let (parts, hosts) = match host_map {
             Some(map) => Self::shared_memory(store, rank, map, config)?,
             None => (Parts::Mesh, 1),
         };
         let shm_ranks = parts.shm().map(|s| s.size());
-        let fabric = Fabric { tcp, parts, par: compute_threads(config, shm_ranks) };
+        let fabric = Fabric { net, parts, par: compute_threads(config, shm_ranks) };
         let local_ranks = shm_ranks.unwrap_or(1);
         let cma = fabric.shm().is_some_and(|s| s.cma().is_some());
         let threads = fabric.par.threads();
@@ -134,6 +144,7 @@ impl Fabric {
             rank,
             size,
             shape = ?fabric.parts.shape(),
+            transport = config.transport.name(),
             tls = config.tls,
             shm = fabric.shm().is_some(),
             cma,
@@ -193,7 +204,7 @@ impl Fabric {
     /// Tells every peer that this rank failed `ctx`'s operation: abort frames over the mesh,
     /// and the shared-memory group's abort flag (peers waiting on it fail within 100 ms).
     pub fn abort(&mut self, ctx: &OpCtx, message: &str) {
-        self.tcp.abort(ctx, message);
+        self.net.abort(ctx, message);
         if let Some(shm) = self.shm() {
             shm.abort(message);
         }
@@ -204,6 +215,6 @@ impl Fabric {
     pub fn close(&mut self) {
         self.parts = Parts::Mesh;
         self.par = Par::serial();
-        self.tcp.close();
+        self.net.close();
     }
 }

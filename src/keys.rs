@@ -12,6 +12,12 @@ pub enum Key<'a> {
     Secret,
     /// How to reach a rank over TCP: `host:port` (transport/tcp/connect.rs).
     Address(usize),
+    /// A rank's XCCL_RS_TRANSPORT setting (transport/choice.rs).
+    Transport(usize),
+    /// Rank 0's verdict on every rank's setting: `ok` or the error (transport/choice.rs).
+    TransportVerdict,
+    /// A rank's libfabric endpoint address, or why it has none (transport/ofi/setup.rs).
+    OfiAddress(usize),
     /// A rank's TLS certificate, DER (transport/tcp/tls.rs).
     TlsCert(usize),
     /// A rank's host identity (hosts.rs).
@@ -34,6 +40,9 @@ impl Key<'_> {
             Key::Secret => "xccl_rs/secret".to_string(),
             Key::Address(rank) => format!("xccl_rs/addr/{rank}"),
             Key::TlsCert(rank) => format!("xccl_rs/tls_cert/{rank}"),
+            Key::Transport(rank) => format!("xccl_rs/transport/{rank}"),
+            Key::TransportVerdict => "xccl_rs/transport_verdict".to_string(),
+            Key::OfiAddress(rank) => format!("xccl_rs/ofi_addr/{rank}"),
             Key::Host(rank) => format!("xccl_rs/host/{rank}"),
             Key::ShmSegment { namespace, rank } => format!("xccl_rs/shm{namespace}/{rank}"),
             Key::ShmMapped { namespace, rank } => format!("xccl_rs/shm_mapped{namespace}/{rank}"),
@@ -54,6 +63,9 @@ mod tests {
             Key::Secret,
             Key::Address(1),
             Key::TlsCert(1),
+            Key::Transport(1),
+            Key::TransportVerdict,
+            Key::OfiAddress(1),
             Key::Host(1),
             Key::ShmSegment { namespace: ns, rank: 1 },
             Key::ShmMapped { namespace: ns, rank: 1 },

@@ -3,10 +3,13 @@
 //! transport completes them all, concurrently, before the phase ends. Transfers to the same peer
 //! in the same direction complete in list order. Each message carries a [`MessageId`], which
 //! the receiver checks against its own before it takes a byte of the payload; how the identity
-//! travels (TCP's frame header, tcp/frame.rs) is the transport's business. TCP implements the
-//! trait, and `Subset` views some of its ranks as a smaller group; shared memory (shm/) has a
-//! block protocol of its own.
+//! travels (TCP's frame header, tcp/frame.rs; OFI's header message, ofi/header.rs) is the
+//! transport's business, and [`check_message`] words every mismatch the same way. TCP and OFI
+//! (libfabric) implement the trait, and `Subset` views some of a transport's ranks as a smaller
+//! group; shared memory (shm/) has a block protocol of its own.
 
+pub mod choice;
+pub mod ofi;
 pub mod shm;
 pub mod subset;
 pub mod tcp;
@@ -16,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::abort::AbortSwitch;
 use crate::error::{CommError, Result};
-use crate::types::OpKind;
+use crate::types::{OpKind, dtype_code_name, op_code_name};
 pub use crate::buf::RawBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +44,75 @@ pub struct MessageId {
     pub count: u64,
     /// Root of a rooted collective, tag of a point-to-point message, else 0.
     pub key: i64,
+}
+
+impl MessageId {
+    /// Bits of [`tag`](Self::tag) that hold the sequence number; the op code sits above them.
+    pub const TAG_SEQ_BITS: u32 = 56;
+
+    /// The message's 64-bit tag, the one name of an op's messages on every transport that
+    /// matches messages by tag (OFI): the op code in bits 56..63 and the low 56 bits of the
+    /// sequence number below. Bit 63 is always clear: a transport may set it for its own
+    /// messages (OFI's headers). The tag only routes a message to its receive; what it carries
+    /// is still checked in full ([`check_message`]).
+    pub fn tag(&self) -> u64 {
+        ((self.op as u64 & 0x7f) << Self::TAG_SEQ_BITS) | (self.seq & ((1 << Self::TAG_SEQ_BITS) - 1))
+    }
+}
+
+/// Compares what a peer's message says (`got`, with `got_len` payload bytes) with what this
+/// rank expects (`expect`, `expect_len` bytes); the error says what differs, in the words of
+/// every transport ("allreduce #17 on rank 0: rank 2 sent 4096 bytes, rank 0 expected 8192").
+pub fn check_message(expect: &MessageId, expect_len: u64, got: &MessageId, got_len: u64, peer: usize, ctx: &OpCtx) -> Result<()> {
+    let me = ctx.rank;
+    let what = ctx.describe();
+    if got.op != expect.op || got.seq != expect.seq {
+        return Err(CommError::mismatch(format!(
+            "{what}: rank {peer} sent data for {} #{}, but rank {me} is in {} #{} \
+             (ranks must call the same collectives in the same order)",
+            op_code_name(got.op),
+            got.seq,
+            op_code_name(expect.op),
+            expect.seq
+        )));
+    }
+    if got.dtype != expect.dtype {
+        return Err(CommError::mismatch(format!(
+            "{what}: rank {peer} sent {} elements, rank {me} expected {} (dtype mismatch)",
+            dtype_code_name(got.dtype),
+            dtype_code_name(expect.dtype)
+        )));
+    }
+    if got.reduce != expect.reduce {
+        let name = |code: u8| crate::types::ReduceOp::from_code(code).map_or("an unknown op", |r| r.name());
+        return Err(CommError::mismatch(format!(
+            "{what}: rank {peer} reduces with {}, rank {me} with {} (reduce op mismatch)",
+            name(got.reduce),
+            name(expect.reduce)
+        )));
+    }
+    if got.key != expect.key {
+        let is_p2p = OpKind::from_code(expect.op).is_some_and(|k| k.is_p2p());
+        let name = if is_p2p { "tag" } else { "root" };
+        return Err(CommError::mismatch(format!(
+            "{what}: rank {peer} used {name} {}, rank {me} used {name} {} ({name} mismatch)",
+            got.key, expect.key
+        )));
+    }
+    if got.count != expect.count {
+        return Err(CommError::mismatch(format!(
+            "{what}: rank {peer} sent {} elements of {}, rank {me} expected {} (size mismatch)",
+            got.count,
+            dtype_code_name(got.dtype),
+            expect.count
+        )));
+    }
+    if got_len != expect_len {
+        return Err(CommError::mismatch(format!(
+            "{what}: rank {peer} sent {got_len} bytes, rank {me} expected {expect_len} (size mismatch)"
+        )));
+    }
+    Ok(())
 }
 
 /// One message of a phase. For a send, `id` is what the message announces and `buf` the

@@ -22,8 +22,7 @@ use super::frame::{FrameKind, HEADER_LEN, Header, MAX_ABORT_MESSAGE, decode_wait
 use super::timeout_round::TimeoutRound;
 use super::{Peer, TcpTransport, socket};
 use crate::error::{CommError, Result};
-use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
-use crate::types::{dtype_code_name, op_code_name};
+use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport, check_message};
 
 /// Progress of the frame being read from one peer.
 enum Reading {
@@ -128,56 +127,7 @@ fn tls_failed_error(ctx: &OpCtx, peer: usize, why: &str) -> CommError {
 /// Compares a received header with the expectation (`expect`, and a payload of `expect_len`
 /// bytes); the message says what differs.
 fn check_header(expect: &MessageId, expect_len: u64, got: &Header, peer: usize, ctx: &OpCtx) -> Result<()> {
-    let (got, got_len) = (&got.id, got.payload_len);
-    let me = ctx.rank;
-    let what = ctx.describe();
-    if got.op != expect.op || got.seq != expect.seq {
-        return Err(CommError::mismatch(format!(
-            "{what}: rank {peer} sent data for {} #{}, but rank {me} is in {} #{} \
-             (ranks must call the same collectives in the same order)",
-            op_code_name(got.op),
-            got.seq,
-            op_code_name(expect.op),
-            expect.seq
-        )));
-    }
-    if got.dtype != expect.dtype {
-        return Err(CommError::mismatch(format!(
-            "{what}: rank {peer} sent {} elements, rank {me} expected {} (dtype mismatch)",
-            dtype_code_name(got.dtype),
-            dtype_code_name(expect.dtype)
-        )));
-    }
-    if got.reduce != expect.reduce {
-        let name = |code: u8| crate::types::ReduceOp::from_code(code).map_or("an unknown op", |r| r.name());
-        return Err(CommError::mismatch(format!(
-            "{what}: rank {peer} reduces with {}, rank {me} with {} (reduce op mismatch)",
-            name(got.reduce),
-            name(expect.reduce)
-        )));
-    }
-    if got.key != expect.key {
-        let is_p2p = crate::types::OpKind::from_code(expect.op).is_some_and(|k| k.is_p2p());
-        let name = if is_p2p { "tag" } else { "root" };
-        return Err(CommError::mismatch(format!(
-            "{what}: rank {peer} used {name} {}, rank {me} used {name} {} ({name} mismatch)",
-            got.key, expect.key
-        )));
-    }
-    if got.count != expect.count {
-        return Err(CommError::mismatch(format!(
-            "{what}: rank {peer} sent {} elements of {}, rank {me} expected {} (size mismatch)",
-            got.count,
-            dtype_code_name(got.dtype),
-            expect.count
-        )));
-    }
-    if got_len != expect_len {
-        return Err(CommError::mismatch(format!(
-            "{what}: rank {peer} sent {got_len} bytes, rank {me} expected {expect_len} (size mismatch)"
-        )));
-    }
-    Ok(())
+    check_message(expect, expect_len, &got.id, got.payload_len, peer, ctx)
 }
 
 fn peer_abort_error(ctx: &OpCtx, peer: usize, message: &[u8]) -> CommError {
@@ -458,6 +408,84 @@ impl TcpTransport {
 /// Milliseconds until `t` (0 when it has passed), as poll(2) takes them.
 fn ms_until(t: Instant) -> i32 {
     t.saturating_duration_since(Instant::now()).as_millis().min(i32::MAX as u128) as i32
+}
+
+/// What [`TcpTransport::watch_control`] saw.
+pub struct ControlWatch {
+    /// One of the extra descriptors became readable.
+    pub extra_ready: bool,
+}
+
+impl TcpTransport {
+    /// For a transport that moves the data elsewhere (OFI) and keeps only control frames on
+    /// these connections: waits up to `wait_ms` (0: only looks) for one of `extra` to become
+    /// readable or a peer's connection to have something, without blocking longer. Fails if a
+    /// peer sent an abort (or a timeout notice), or if a peer with `involved[peer]` set has
+    /// closed its connection; an uninvolved peer's close is remembered for later.
+    pub fn watch_control(&mut self, involved: &[bool], extra: &[RawFd], wait_ms: i32, ctx: &OpCtx) -> Result<ControlWatch> {
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.size + extra.len());
+        let mut owners = Vec::with_capacity(self.size);
+        for p in 0..self.size {
+            let Some(peer) = self.peers[p].as_ref() else { continue };
+            if peer.closed {
+                if involved.get(p).copied().unwrap_or(false) {
+                    return Err(self.closed_error(ctx, p, " earlier"));
+                }
+                continue;
+            }
+            fds.push(libc::pollfd { fd: peer.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            owners.push(p);
+        }
+        fds.extend(extra.iter().filter(|&&fd| fd >= 0).map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }));
+        socket::poll(&mut fds, wait_ms).map_err(|e| CommError::io(format!("{}: poll failed: {e}", ctx.describe())))?;
+        let mut watch = ControlWatch { extra_ready: false };
+        for (i, fd) in fds.iter().enumerate() {
+            if fd.revents == 0 {
+                continue;
+            }
+            let Some(&p) = owners.get(i) else {
+                watch.extra_ready = true;
+                continue;
+            };
+            let mut prefix = [0u8; HEADER_LEN];
+            match socket::peek(fd.fd, &mut prefix) {
+                Err(e) if socket::would_block(&e) => {}
+                Ok(0) | Err(_) => {
+                    self.peer_mut(p).closed = true;
+                    if involved.get(p).copied().unwrap_or(false) {
+                        return Err(self.closed_error(ctx, p, &format!(" while rank {} waited for it", ctx.rank)));
+                    }
+                }
+                Ok(n) if Header::peek_is_abort(&prefix[..n]) => {
+                    // Read the frame whole (a peer writes it in one call; it arrives at once).
+                    let mut st = PeerPhase::new();
+                    st.abort_pending = true;
+                    loop {
+                        self.pump_recv(p, &mut st, &[], ctx)?;
+                        if let Some(waits) = st.notice {
+                            return Err(CommError::peer(format!(
+                                "{}: rank {p} timed out waiting for ranks {waits:?} and failed the group",
+                                ctx.describe()
+                            )));
+                        }
+                        if Self::poll_timeout_ms(ctx.deadline).is_none() {
+                            return Err(self.closed_error(ctx, p, " in the middle of an abort message"));
+                        }
+                        std::thread::sleep(std::time::Duration::from_micros(100));
+                    }
+                }
+                Ok(n) if n >= 5 => {
+                    return Err(CommError::io(format!(
+                        "{}: rank {p} sent data over the control connection (do all ranks use the same XCCL_RS_TRANSPORT?)",
+                        ctx.describe()
+                    )));
+                }
+                // A frame's first bytes: look again shortly.
+                Ok(_) => std::thread::sleep(std::time::Duration::from_micros(100)),
+            }
+        }
+        Ok(watch)
+    }
 }
 
 impl Transport for TcpTransport {

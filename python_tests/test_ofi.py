@@ -1,0 +1,105 @@
+"""The OFI transport end to end: ranks as processes with XCCL_RS_TRANSPORT=ofi over libfabric's
+tcp provider on loopback, each posing as a host of its own (XCCL_RS_HOST_ID) or two to a host, so
+that the steps between hosts cross libfabric. all_reduce, broadcast and all_gather are compared
+with torch ops on every rank's inputs, regenerated locally from their seeds. A provider that
+does not exist must fail every rank, with an exit status and a message naming it.
+
+Without libfabric.so.1 the tests skip, saying why; as root (the test machines, where
+scripts/setup.sh installs it) they fail instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import harness
+from harness import IS_GLOO, free_port
+
+pytestmark = pytest.mark.skipif(IS_GLOO, reason="xccl_rs transport")
+
+
+def _libfabric_missing() -> str | None:
+    try:
+        ctypes.CDLL("libfabric.so.1")
+        return None
+    except OSError as e:
+        if os.geteuid() == 0:
+            pytest.fail(f"libfabric.so.1 is missing ({e}); as root scripts/setup.sh installs it")
+        return f"libfabric.so.1 is missing ({e}): apt-get install libfabric1"
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import xccl_rs
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+
+    def inputs(r, n, salt):
+        g = torch.Generator().manual_seed(1000 * salt + r)
+        return torch.randint(-50, 50, (n,), generator=g).to(torch.float32)
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    try:
+        dist.init_process_group("xccl_rs", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        for salt, n in enumerate([1, 1000, 400_000]):
+            t = inputs(rank, n, salt)
+            dist.all_reduce(t)
+            want = torch.stack([inputs(r, n, salt) for r in range(world)]).sum(0)
+            assert torch.equal(t, want), f"all_reduce of {n}"
+            for root in range(world):
+                t = inputs(rank, n, salt + 10 * root)
+                dist.broadcast(t, src=root)
+                assert torch.equal(t, inputs(root, n, salt + 10 * root)), f"broadcast of {n} from {root}"
+            out = torch.empty(world * n)
+            dist.all_gather_into_tensor(out, inputs(rank, n, salt))
+            assert torch.equal(out, torch.cat([inputs(r, n, salt) for r in range(world)])), f"all_gather of {n}"
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:
+        print("ERROR", type(e).__name__, e, flush=True)
+        sys.exit(3)
+    print("DONE", flush=True)
+    """
+)
+
+
+def _run(tmp_path, hosts, env):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(len(hosts)), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, XCCL_RS_TRANSPORT="ofi", XCCL_RS_HOST_ID=hosts[r], **env),
+        )
+        for r in range(len(hosts))
+    ]
+    return harness.collect_outputs(procs, timeout_s=420)
+
+
+@pytest.mark.parametrize("hosts", [["a", "b"], ["a", "b", "c"], ["a", "a", "b", "b"]], ids=["2x1", "3x1", "2x2"])
+def test_collectives_over_ofi_match_torch(tmp_path, hosts):
+    if why := _libfabric_missing():
+        pytest.skip(why)
+    for rank, (rc, out) in enumerate(_run(tmp_path, hosts, {"FI_PROVIDER": "tcp;ofi_rxm", "XCCL_RS_LOG": "info"})):
+        assert rc == 0 and "DONE" in out, f"rank {rank}:\n{out}"
+        assert "xccl_rs OFI endpoint ready" in out and "tcp;ofi_rxm" in out, f"rank {rank} did not use OFI:\n{out}"
+
+
+def test_a_provider_that_does_not_exist_fails_every_rank(tmp_path):
+    if why := _libfabric_missing():
+        pytest.skip(why)
+    for rank, (rc, out) in enumerate(_run(tmp_path, ["a", "b"], {"FI_PROVIDER": "no_such_provider"})):
+        assert rc == 3, f"rank {rank} exited {rc}:\n{out}"
+        assert 'FI_PROVIDER="no_such_provider"' in out, f"rank {rank}:\n{out}"

@@ -1,0 +1,443 @@
+//! The engine of the OFI transport: posts a phase's headers and payloads, then reads the
+//! completion queue until every post has completed, checking each header as it arrives.
+//!
+//! Waiting: the queue is polled for `XCCL_RS_SPIN_US`, then the progress thread sleeps in
+//! `poll(2)` on the queue's file descriptor (after fi_trywait says it may), the TCP control
+//! connections (a peer's abort frame or its death end the wait: tcp `watch_control`) and the
+//! group's abort switch. A provider without a descriptor is polled in 1 ms steps.
+//!
+//! A phase that fails (a mismatch, a peer's abort, the timeout) cancels its outstanding posts and
+//! reads their completions before it returns, so that no buffer of the phase is the provider's
+//! any more; if they do not all come back within [`RECLAIM`], the endpoint is closed (which ends
+//! them) and the transport refuses later phases.
+
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use super::OfiTransport;
+use super::header::{HEADER_LEN, HEADER_TAG, Header};
+use super::shim::{Completion, Endpoint, FI_ECANCELED, FI_ETRUNC, Posted};
+use crate::error::{CommError, Result};
+use crate::transport::{Direction, MessageId, OpCtx, Transfer, Transport, check_message};
+
+/// How long a failed phase waits for its cancelled posts.
+const RECLAIM: Duration = Duration::from_secs(1);
+/// The longest single sleep, so that the deadline and the abort switch are looked at often.
+const MAX_SLEEP_MS: i32 = 100;
+
+/// libfabric's FI_CONTEXT2: space the provider may use while it holds an operation.
+type Context = [u64; 8];
+
+/// What a post is for.
+#[derive(Clone, Copy, Debug)]
+enum Role {
+    /// A header or a payload this rank sends.
+    Send,
+    RecvHeader(usize),
+    RecvPayload(usize),
+    /// Receive-from-any-source's look at `peer`'s next header.
+    Probe(usize),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Waiting,
+    Posted,
+    Done,
+}
+
+/// One send or receive of a phase.
+struct Post {
+    role: Role,
+    peer: usize,
+    send: bool,
+    ptr: *mut u8,
+    len: usize,
+    tag: u64,
+    state: State,
+}
+
+/// A phase's posts, in the order they are handed to libfabric, with their contexts (which do
+/// not move: `contexts` is allocated once, before the first post).
+struct Posts {
+    list: Vec<Post>,
+    contexts: Vec<Context>,
+    next: usize,
+    outstanding: usize,
+}
+
+impl Posts {
+    fn new(list: Vec<Post>) -> Posts {
+        let contexts = vec![[0u64; 8]; list.len()];
+        Posts { list, contexts, next: 0, outstanding: 0 }
+    }
+
+    fn context(&mut self, i: usize) -> *mut c_void {
+        self.contexts[i].as_mut_ptr().cast()
+    }
+
+    /// The post whose context a completion returned, if it is one of ours.
+    fn index_of(&self, context: *mut c_void) -> Option<usize> {
+        let base = self.contexts.as_ptr() as usize;
+        let at = (context as usize).checked_sub(base)?;
+        let i = at / std::mem::size_of::<Context>();
+        (at % std::mem::size_of::<Context>() == 0 && i < self.list.len() && self.list[i].state == State::Posted).then_some(i)
+    }
+
+    /// Hands libfabric the posts not yet handed, in order, until it is busy.
+    fn post_more(&mut self, ep: &mut Endpoint, addrs: &[u64], ctx: &OpCtx) -> Result<()> {
+        while self.next < self.list.len() {
+            let i = self.next;
+            let context = self.context(i);
+            let p = &self.list[i];
+            let dest = addrs[p.peer];
+            // SAFETY: every buffer of a phase stays valid and unused by anything else until the
+            // phase ends (the Transport contract), headers live in the phase's vectors, and
+            // the phase does not end while a post is outstanding (it reclaims them first);
+            // contexts never move (allocated once).
+            let r = unsafe {
+                if p.send { ep.tsend(p.ptr, p.len, dest, p.tag, context) } else { ep.trecv(p.ptr, p.len, dest, p.tag, context) }
+            };
+            match r.map_err(|e| CommError::io(format!("{}: {e} (rank {})", ctx.describe(), p.peer)))? {
+                Posted::Busy => return Ok(()),
+                Posted::Yes => {
+                    self.list[i].state = State::Posted;
+                    self.outstanding += 1;
+                    self.next += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Peers with a post not yet done: those whose death or silence ends the phase.
+    fn involved(&self, size: usize) -> Vec<bool> {
+        let mut v = vec![false; size];
+        for p in self.list.iter().filter(|p| p.state != State::Done) {
+            v[p.peer] = true;
+        }
+        v
+    }
+
+    fn finished(&self) -> bool {
+        self.next == self.list.len() && self.outstanding == 0
+    }
+}
+
+/// When a wait started and when it last looked at the control connections.
+struct Waiting {
+    spin_until: Instant,
+    last_look: Instant,
+}
+
+impl Waiting {
+    fn new(spin: Duration) -> Waiting {
+        let now = Instant::now();
+        Waiting { spin_until: now + spin, last_look: now }
+    }
+}
+
+impl OfiTransport {
+    fn endpoint(&mut self, ctx: &OpCtx) -> Result<&mut Endpoint> {
+        match (&mut self.ep, &self.broken) {
+            (Some(ep), _) => Ok(ep),
+            (None, Some(why)) => Err(CommError::io(format!("{}: the libfabric endpoint was closed after an earlier error: {why}", ctx.describe()))),
+            (None, None) => Err(CommError::aborted(format!("{}: the group was destroyed", ctx.describe()))),
+        }
+    }
+
+    /// Nothing completed just now: spins, or sleeps until the queue, a control connection or
+    /// the abort switch has something (or [`MAX_SLEEP_MS`]). Fails on an abort, a dead
+    /// involved peer, or the deadline (with `on_timeout`'s message).
+    fn wait(&mut self, involved: &[bool], w: &mut Waiting, ctx: &OpCtx, on_timeout: impl FnOnce() -> String) -> Result<()> {
+        if let Some(e) = ctx.aborted() {
+            return Err(e);
+        }
+        let now = Instant::now();
+        if now >= ctx.deadline {
+            return Err(CommError::timeout(on_timeout()));
+        }
+        let abort_fd = ctx.abort.as_ref().and_then(|a| a.fd()).unwrap_or(-1);
+        if now < w.spin_until {
+            if now.duration_since(w.last_look) >= Duration::from_millis(1) {
+                w.last_look = now;
+                self.tcp.watch_control(involved, &[], 0, ctx)?;
+            }
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        let left_ms = ctx.deadline.saturating_duration_since(now).as_millis().clamp(1, MAX_SLEEP_MS as u128) as i32;
+        let ep = self.endpoint(ctx)?;
+        let (fds, wait_ms) = match ep.wait_fd() {
+            Some(fd) if ep.may_sleep() => ([fd, abort_fd], left_ms),
+            // The queue has something to read first: only look at the control connections.
+            Some(_) => ([-1, abort_fd], 0),
+            None => ([-1, abort_fd], 1),
+        };
+        w.last_look = now;
+        self.tcp.watch_control(involved, &fds, wait_ms, ctx)?;
+        Ok(())
+    }
+
+    /// A failed phase: cancels every outstanding post and reads completions until each is back;
+    /// gives the endpoint up if they do not come back within RECLAIM. Probe headers that did
+    /// arrive are kept for the receives they belong to (`probe_bufs`).
+    fn reclaim(&mut self, posts: &mut Posts, probe_bufs: Option<&[[u8; HEADER_LEN]]>) {
+        let Some(ep) = self.ep.as_mut() else { return };
+        for i in 0..posts.list.len() {
+            if posts.list[i].state == State::Posted {
+                let c = posts.context(i);
+                ep.cancel(c);
+            }
+        }
+        let until = Instant::now() + RECLAIM;
+        let mut done = [Completion::default(); 32];
+        while posts.outstanding > 0 && Instant::now() < until {
+            let n = match ep.poll(&mut done) {
+                Ok(n) => n,
+                Err(_) => break,
+            };
+            for c in &done[..n] {
+                let Some(i) = posts.index_of(c.context) else { continue };
+                posts.list[i].state = State::Done;
+                posts.outstanding -= 1;
+                if let (Role::Probe(peer), Some(bufs), 0) = (posts.list[i].role, probe_bufs, c.err) {
+                    if let Ok(h) = Header::decode(&bufs[peer], c.len as usize) {
+                        self.stash[peer].push_back(h);
+                    }
+                }
+            }
+            if n == 0 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        if posts.outstanding > 0 {
+            let why = format!("{} posts did not come back after a failed phase", posts.outstanding);
+            tracing::warn!(rank = self.rank, "{why}; closing the libfabric endpoint");
+            self.ep = None;
+            self.broken = Some(why);
+        }
+    }
+
+    /// The error for a failed completion: the control connections' explanation (a peer that
+    /// aborted or died) where there is one, else libfabric's.
+    fn failed_post(&mut self, post: &Post, c: &Completion, ctx: &OpCtx) -> CommError {
+        let mut involved = vec![false; self.size];
+        involved[post.peer] = true;
+        if let Err(e) = self.tcp.watch_control(&involved, &[], 0, ctx) {
+            return e;
+        }
+        let lib = self.ep.as_ref().map(|e| e.lib().strerror(c.err as i64)).unwrap_or_default();
+        let what = if post.send { "sending to" } else { "receiving from" };
+        CommError::peer(format!("{}: {what} rank {} over libfabric failed: {lib} (provider error {})", ctx.describe(), post.peer, c.prov_errno))
+    }
+
+    fn run_phase(&mut self, transfers: &[Transfer], posts: &mut Posts, got: &mut [Option<Header>], ctx: &OpCtx, inbox: &[[u8; HEADER_LEN]]) -> Result<()> {
+        let mut truncated: Vec<Option<u64>> = vec![None; transfers.len()];
+        let mut done = [Completion::default(); 32];
+        let mut w = Waiting::new(self.spin);
+        loop {
+            let addrs = std::mem::take(&mut self.addrs);
+            let r = self.endpoint(ctx).and_then(|ep| posts.post_more(ep, &addrs, ctx));
+            self.addrs = addrs;
+            r?;
+            if posts.finished() {
+                return Ok(());
+            }
+            let n = self.endpoint(ctx)?.poll(&mut done).map_err(|e| CommError::io(format!("{}: {e}", ctx.describe())))?;
+            for c in &done[..n] {
+                let Some(i) = posts.index_of(c.context) else {
+                    return Err(CommError::io(format!("{}: a libfabric completion for no post of this phase", ctx.describe())));
+                };
+                posts.list[i].state = State::Done;
+                posts.outstanding -= 1;
+                let role = posts.list[i].role;
+                match (role, c.err) {
+                    (Role::RecvPayload(t), FI_ETRUNC) => truncated[t] = Some(c.len + c.olen),
+                    (_, 0) => {}
+                    (_, _) => return Err(self.failed_post(&posts.list[i], c, ctx)),
+                }
+                match role {
+                    Role::RecvHeader(t) => {
+                        let peer = transfers[t].peer;
+                        let h = Header::decode(&inbox[t], c.len as usize)
+                            .map_err(|m| CommError::io(format!("{}: from rank {peer}: {m}", ctx.describe())))?;
+                        check_message(&transfers[t].id, transfers[t].buf.len() as u64, &h.id, h.payload_len, peer, ctx)?;
+                        got[t] = Some(h);
+                    }
+                    Role::RecvPayload(t) if c.err == 0 && c.len != transfers[t].buf.len() as u64 => truncated[t] = Some(c.len),
+                    _ => {}
+                }
+            }
+            // A payload of the wrong size is reported once its header passed (the header's
+            // error says more when it did not).
+            for (t, bad) in truncated.iter().enumerate() {
+                if let (Some(len), Some(_)) = (bad, got[t]) {
+                    return Err(CommError::mismatch(format!(
+                        "{}: rank {} sent {len} bytes, rank {} expected {} (size mismatch)",
+                        ctx.describe(),
+                        transfers[t].peer,
+                        ctx.rank,
+                        transfers[t].buf.len()
+                    )));
+                }
+            }
+            if n > 0 {
+                w = Waiting::new(self.spin);
+                continue;
+            }
+            let involved = posts.involved(self.size);
+            self.wait(&involved, &mut w, ctx, || timeout_message(posts, ctx))?;
+        }
+    }
+}
+
+/// What a phase's timeout says: whom it waited for.
+fn timeout_message(posts: &Posts, ctx: &OpCtx) -> String {
+    let pending = |send: bool| {
+        let mut v: Vec<usize> = posts.list.iter().filter(|p| p.state != State::Done && p.send == send).map(|p| p.peer).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let (silent, blocked) = (pending(false), pending(true));
+    let mut msg = format!("{}: timed out after {} ms", ctx.describe(), ctx.timeout.as_millis());
+    if !silent.is_empty() {
+        msg += &format!("; ranks not heard from: {silent:?}");
+    }
+    if !blocked.is_empty() {
+        msg += &format!("; ranks not accepting data: {blocked:?}");
+    }
+    msg
+}
+
+impl Transport for OfiTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn exchange(&mut self, transfers: &[Transfer], ctx: &OpCtx) -> Result<()> {
+        self.endpoint(ctx)?;
+        let mut got: Vec<Option<Header>> = vec![None; transfers.len()];
+        let mut outbox = vec![[0u8; HEADER_LEN]; transfers.len()];
+        let mut inbox = vec![[0u8; HEADER_LEN]; transfers.len()];
+        let mut list = Vec::with_capacity(transfers.len() * 2);
+        for (t, tr) in transfers.iter().enumerate() {
+            if tr.peer >= self.size || tr.peer == self.rank {
+                return Err(CommError::invalid(format!("{}: transfer to invalid peer {}", ctx.describe(), tr.peer)));
+            }
+            if tr.buf.len() > self.max_msg_size {
+                return Err(CommError::invalid(format!(
+                    "{}: a message of {} bytes, more than provider {}'s largest ({})",
+                    ctx.describe(),
+                    tr.buf.len(),
+                    self.provider,
+                    self.max_msg_size
+                )));
+            }
+            let post = |role, send, ptr: *mut u8, len, tag| Post { role, peer: tr.peer, send, ptr, len, tag, state: State::Waiting };
+            match tr.dir {
+                Direction::Send => {
+                    outbox[t] = Header { id: tr.id, payload_len: tr.buf.len() as u64 }.encode();
+                    list.push(post(Role::Send, true, outbox[t].as_mut_ptr(), HEADER_LEN, HEADER_TAG));
+                }
+                Direction::Recv => match self.stash[tr.peer].pop_front() {
+                    // Receive-from-any-source read this header already.
+                    Some(h) => {
+                        check_message(&tr.id, tr.buf.len() as u64, &h.id, h.payload_len, tr.peer, ctx)?;
+                        got[t] = Some(h);
+                    }
+                    None => list.push(post(Role::RecvHeader(t), false, inbox[t].as_mut_ptr(), HEADER_LEN, HEADER_TAG)),
+                },
+            }
+            if !tr.buf.is_empty() {
+                let role = if tr.dir == Direction::Send { Role::Send } else { Role::RecvPayload(t) };
+                list.push(post(role, tr.dir == Direction::Send, tr.buf.ptr(), tr.buf.len(), tr.id.tag()));
+            }
+        }
+        let mut posts = Posts::new(list);
+        let result = self.run_phase(transfers, &mut posts, &mut got, ctx, &inbox);
+        if posts.outstanding > 0 {
+            self.reclaim(&mut posts, None);
+        }
+        result
+    }
+
+    fn probe_any(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, ctx: &OpCtx) -> Result<usize> {
+        let mut excluded = vec![false; self.size];
+        excluded[self.rank] = true;
+        for p in 0..self.size {
+            if let Some(h) = self.stash[p].front() {
+                if accept(p, &h.id) {
+                    return Ok(p);
+                }
+                excluded[p] = true;
+            }
+        }
+        let mut bufs = vec![[0u8; HEADER_LEN]; self.size];
+        let list = (0..self.size)
+            .filter(|&p| !excluded[p])
+            .map(|p| Post { role: Role::Probe(p), peer: p, send: false, ptr: bufs[p].as_mut_ptr(), len: HEADER_LEN, tag: HEADER_TAG, state: State::Waiting })
+            .collect();
+        let mut posts = Posts::new(list);
+        let result = self.probe_phase(accept, &mut posts, &mut bufs, ctx);
+        if posts.outstanding > 0 || posts.next < posts.list.len() {
+            self.reclaim(&mut posts, Some(&bufs));
+        }
+        result
+    }
+
+    fn abort(&mut self, ctx: &OpCtx, message: &str) {
+        self.tcp.abort(ctx, message);
+    }
+
+    fn close(&mut self) {
+        self.ep = None;
+        self.tcp.close();
+    }
+}
+
+impl OfiTransport {
+    fn probe_phase(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, posts: &mut Posts, bufs: &mut [[u8; HEADER_LEN]], ctx: &OpCtx) -> Result<usize> {
+        let mut done = [Completion::default(); 32];
+        let mut w = Waiting::new(self.spin);
+        loop {
+            let addrs = std::mem::take(&mut self.addrs);
+            let r = self.endpoint(ctx).and_then(|ep| posts.post_more(ep, &addrs, ctx));
+            self.addrs = addrs;
+            r?;
+            let n = self.endpoint(ctx)?.poll(&mut done).map_err(|e| CommError::io(format!("{}: {e}", ctx.describe())))?;
+            for c in &done[..n] {
+                let Some(i) = posts.index_of(c.context) else {
+                    return Err(CommError::io(format!("{}: a libfabric completion for no post of this phase", ctx.describe())));
+                };
+                posts.list[i].state = State::Done;
+                posts.outstanding -= 1;
+                let Role::Probe(peer) = posts.list[i].role else { continue };
+                match c.err {
+                    0 => {}
+                    FI_ECANCELED => continue,
+                    _ => return Err(self.failed_post(&posts.list[i], c, ctx)),
+                }
+                let h = Header::decode(&bufs[peer], c.len as usize).map_err(|m| CommError::io(format!("{}: from rank {peer}: {m}", ctx.describe())))?;
+                self.stash[peer].push_back(h);
+                if accept(peer, &h.id) {
+                    return Ok(peer);
+                }
+            }
+            if n > 0 {
+                w = Waiting::new(self.spin);
+                continue;
+            }
+            let involved = posts.involved(self.size);
+            let timeout = ctx.timeout;
+            self.wait(&involved, &mut w, ctx, || {
+                format!("{}: timed out after {} ms: no rank sent a matching message", ctx.describe(), timeout.as_millis())
+            })?;
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! The OFI transport: messages between ranks over libfabric, for the fabrics TCP cannot use
+//! well (verbs, EFA, CXI, PSM3) and, through libfabric's `tcp` provider, anywhere.
+//!
+//! It carries data only. A group that asks for it (`XCCL_RS_TRANSPORT=ofi`) still builds the
+//! TCP mesh first, with its authenticated handshake (tcp/handshake.rs): set-up, abort frames and
+//! the detection of a dead peer stay there, and this transport owns that [`TcpTransport`] and
+//! watches its connections while it waits. Terms:
+//!
+//! - *endpoint*: one reliable unconnected libfabric endpoint (FI_EP_RDM) per rank, with tagged
+//!   messages and a completion queue that our progress thread reads (libfabric's manual
+//!   progress: nothing moves unless we read it). Peers' addresses come through the Store
+//!   (setup.rs) into the endpoint's address vector, one entry per rank, so any subset of the
+//!   group can talk;
+//! - *header* and *payload*: each transfer is two tagged messages, a 40-byte header on the
+//!   pair's header tag, which the receiver checks like TCP's frame header, and the payload on
+//!   the message's tag ([`MessageId::tag`](crate::transport::MessageId::tag)) straight from and
+//!   into the algorithm's buffers (header.rs);
+//! - *post*: one send or receive handed to libfabric, with a context that comes back in its
+//!   completion; a buffer is the provider's from its post to its completion, so a phase that
+//!   fails cancels what it posted and waits for it before it returns (exchange.rs).
+
+mod exchange;
+pub mod header;
+mod setup;
+pub mod shim;
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use header::Header;
+use shim::Endpoint;
+
+use crate::transport::tcp::TcpTransport;
+pub use setup::connect;
+
+/// One rank's libfabric endpoint, its peers' addresses, and the TCP mesh for control.
+pub struct OfiTransport {
+    rank: usize,
+    size: usize,
+    /// The control connections (abort frames, dead peers).
+    tcp: TcpTransport,
+    /// `None` once closed, or given up after a phase whose posts could not be reclaimed.
+    ep: Option<Endpoint>,
+    /// Why the endpoint was given up, for later phases' errors.
+    broken: Option<String>,
+    /// Each rank's handle in the address vector (this rank's own entry unused).
+    addrs: Vec<u64>,
+    /// The provider's largest message.
+    max_msg_size: usize,
+    /// Headers that receive-from-any-source read ahead, per peer, for the receives to come.
+    stash: Vec<VecDeque<Header>>,
+    /// How long a wait polls the completion queue before it sleeps (XCCL_RS_SPIN_US).
+    spin: Duration,
+    /// The provider in use, for logs and errors ("tcp;ofi_rxm").
+    provider: String,
+}
+
+impl OfiTransport {
+    /// The libfabric provider this transport uses.
+    pub fn provider(&self) -> &str {
+        &self.provider
+    }
+}
