@@ -389,6 +389,8 @@ def w_versions(rank, world_size):
         held = {n: t for n, (v, t) in r._held.items()}
         seen = {}
         for name in new:
+            if compare({name: old[name]}, [(name, new[name])], "") == []:
+                continue  # the same at both steps (the empty tensor): either version fits
             a = held[name]
             if compare({name: a}, [(name, new[name])], "") == []:
                 seen.setdefault(versions[name], set()).add("new")
@@ -547,6 +549,9 @@ def test_forged_delta(what):
         if what == "shape":
             assert "rank 1" in msg, (r, msg)
         if r == 2:
-            assert "'layers.0" in msg or "'lm_head.weight'" in msg, msg
-            assert ("holds nothing" if what == "base" else "[97, 64]") in msg, msg
+            if what == "base":  # the first tensor it could not apply, named
+                assert "a delta of 'embed_tokens.weight'" in msg and "holds nothing of it" in msg, msg
+            else:
+                assert "a delta of 'lm_head.weight' (torch.bfloat16 [64, 97])" in msg, msg
+                assert "torch.bfloat16 [97, 64]" in msg, msg
         assert v["repaired"] == "no error" and not v.get("problems"), (r, v)

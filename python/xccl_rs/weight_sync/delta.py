@@ -179,7 +179,7 @@ class SenderBases:
         """After every range of ``piece`` this sender sends was packed: its copy is now ``piece``
         at ``version`` (in the memory of ``old``, its previous copy, when it has one)."""
         base = self.bases[name] = old
-        if base is None:
+        if base is None or base.tensor.shape != piece.shape or base.tensor.dtype != piece.dtype:
             device = torch.device("cpu") if self.where == "cpu" else piece.device
             base = self.bases[name] = _Base(version, torch.empty(piece.shape, dtype=piece.dtype, device=device))
         base.tensor.copy_(piece)
