@@ -88,11 +88,11 @@ def _changes(prev, cur) -> tuple[int, int, dict]:
     for (_, a), (_, b) in zip(prev, cur):
         diff = a.reshape(-1).view(torch.int16) != b.reshape(-1).view(torch.int16)
         elements += diff.numel()
-        changed += int(diff.sum())
+        changed += int(diff.count_nonzero())
         for size in BLOCKS:
             pad = (-diff.numel()) % size
             per = torch.nn.functional.pad(diff, (0, pad)).view(-1, size).any(1)
-            blocks[size][0] += int(per.sum())
+            blocks[size][0] += int(per.count_nonzero())
             blocks[size][1] += per.numel()
     return elements, changed, blocks
 
@@ -115,7 +115,8 @@ def _worker(proc: int, args, port: int, queue) -> None:
             model = model.to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         g = torch.Generator().manual_seed(1)
-        roles = {p: WeightSender(pg, bucket_bytes=bucket, payload=p) for p in PAYLOADS}
+        shared = None if args.shared_memory else False
+        roles = {p: WeightSender(pg, bucket_bytes=bucket, payload=p, shared_memory=shared) for p in PAYLOADS}
         prev = _bf16_state(model)
         quantized = sum(t.numel() for n, t in prev if Fp8Rule().select(n, t))
         queue.put(("model", sum(t.numel() for _, t in prev), quantized))
@@ -181,7 +182,8 @@ def run(args) -> int:
             print(f"payloads: 1 trainer -> {args.rollouts} rollouts, a {args.layers}-layer transformer of "
                   f"{params / 1e6:.1f}M parameters (d={args.hidden}, vocab {args.vocab}), {args.master} master "
                   f"weights sent as bf16 ({2 * params / 1e6:.1f} MB), AdamW lr {args.lr:g}, {args.warmup} warm-up "
-                  f"steps, then {args.steps} measured, buckets of {args.bucket_mb} MiB, shared window, "
+                  f"steps, then {args.steps} measured, buckets of {args.bucket_mb} MiB, "
+                  f"{'shared window' if args.shared_memory else 'buckets sent'}, "
                   f"torch {torch.__version__}; fp8 quantizes {quantized / params:.1%} of the parameters (the "
                   "2-D weights of the blocks; the embedding, the head and the norms stay bf16)", flush=True)
         elif msg[0] == "changes":
@@ -191,6 +193,8 @@ def run(args) -> int:
         elif msg[0] == "sync":
             _, step, payload, proc, seconds, info = msg
             syncs.setdefault((step, payload), []).append((proc, seconds, info))
+    for p in procs:  # a trainer that ran autograd can take a while to exit on a loaded machine
+        p.join(timeout=args.timeout)
     if not join_all(procs, "bench_payloads"):
         return 1
     del launcher
