@@ -400,11 +400,13 @@ def w_versions(rank, world_size):
                 seen.setdefault(versions[name], set()).add("neither")
         out["after_lost"] = {str(v): sorted(k) for v, k in seen.items()}
     sync(5, label="after a lost round")
-    # a sender restarted: no copies, so everything in full
+    # a sender restarted: no copies, so everything in full (this one keeps its copies in host memory)
     if rank == 0:
-        s = WeightSender(pg, bucket_bytes=BUCKET, payload="delta")
+        s = WeightSender(pg, bucket_bytes=BUCKET, payload="delta", delta_base="cpu")
     sync(6, label="after a sender restart")
     sync(7, label="delta after the sender restart")
+    if rank == 0:
+        out["base_bytes"] = s.delta_base_bytes
     # a tensor whose shape changed: in full, the rest as deltas
     items = model(8)
     reshaped = [(n, t.reshape(t.shape[1], t.shape[0]) if n == "lm_head.weight" else t) for n, t in items]
@@ -428,6 +430,8 @@ def test_versions_repair():
     assert sender["after a sender restart"][0] == n_ranges, sender
     assert sender["delta after the sender restart"][0] == 0, sender
     assert res.value(0)["reshaped"][0] == 1, res.value(0)["reshaped"]  # the reshaped one only
+    # what the sender keeps: a copy of every tensor it sent
+    assert res.value(0)["base_bytes"] == sum(t.numel() * t.element_size() for _, t in model(0))
     for r in (1, 2):
         v = res.value(r)
         for label, step, probs in v["steps"]:
