@@ -16,7 +16,9 @@ class WeightSyncError(RuntimeError):
 
 @dataclass
 class SyncStats:
-    """What one ``send``/``receive`` moved. ``bytes`` counts tensor payload (no padding)."""
+    """What one ``send``/``receive`` moved. ``bytes`` counts the bytes of the buckets' entries (no
+    padding): the tensors' bytes, except in a delta sync (their encoding) and an fp8 sync (the
+    fp8 values and the scales)."""
 
     bytes: int = 0
     tensors: int = 0
@@ -24,6 +26,15 @@ class SyncStats:
     seconds: float = 0.0
     #: The buckets went through the shared window (read in place), not broadcast.
     shared_window: bool = False
+    #: The sender's payload ("full", "delta" or "fp8"); a receiver learns it from the hello.
+    payload: str = "full"
+    #: The bytes of the tensors (or ranges) brought up to date: ``bytes`` before encoding.
+    tensor_bytes: int = 0
+    #: A delta sync: the elements it covered, how many of them changed, and how many ranges
+    #: travelled in full (no base, or a delta that would not have been smaller).
+    elements: int = 0
+    changed: int = 0
+    full_ranges: int = 0
 
     @property
     def gbps(self) -> float:

@@ -21,7 +21,9 @@ from typing import Optional
 import torch
 
 from ._common import WeightSyncError, all_gather
-from .format import ABORTED_ROUND, FINAL, RECEIVING, SENDING, STATUS_NAMES, Hello, RoundRecord
+from .format import (
+    ABORTED_ROUND, FINAL, NO_PAYLOAD, PAYLOAD_NAMES, RECEIVING, SENDING, STATUS_NAMES, Hello, RoundRecord,
+)
 
 
 def senders_hash(senders: list[int], size: int) -> int:
@@ -49,10 +51,14 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def hello(group, senders: list[int], host: int, device: torch.device) -> list[Hello]:
+def hello(
+    group, senders: list[int], host: int, device: torch.device, payload: int = NO_PAYLOAD, sync: int = 0
+) -> list[Hello]:
     """Step 1 of every sync, on every rank: each rank's :class:`Hello` (``host``: its host hash, or
-    -1 when it will not share memory). Raises when the ranks disagree about who sends."""
-    mine = Hello(senders_hash(senders, group.size()), host)
+    -1 when it will not share memory; ``payload``: a sender's payload code, and ``sync`` the
+    version its delta sync brings). Raises when the ranks disagree about who sends, when a
+    receiver says it sends a payload or a sender none, and when the senders' payloads differ."""
+    mine = Hello(senders_hash(senders, group.size()), host, payload, sync)
     records = [
         Hello.decode(v, f"the hello from rank {r}")
         for r, v in enumerate(all_gather(group, torch.tensor(mine.encode(), dtype=torch.int64, device=device)))
@@ -63,6 +69,21 @@ def hello(group, senders: list[int], host: int, device: torch.device) -> list[He
         raise WeightSyncError(
             f"weight sync: the ranks disagree about who sends: {_ranks(same)} name the senders {senders}, "
             f"{_ranks(differ)} other ones (every rank of the group must pass the same senders, in the same order)"
+        )
+    for r, h in enumerate(records):
+        if (h.payload == NO_PAYLOAD) != (r not in senders):
+            raise WeightSyncError(
+                f"weight sync: the hello from rank {r} says payload {h.payload}, not "
+                f"{'a receiver' if r not in senders else 'a sender'}'s"
+            )
+    payloads: dict[int, list[int]] = {}
+    for s in senders:
+        payloads.setdefault(records[s].payload, []).append(s)
+    if len(payloads) > 1:
+        shown = "; ".join(f"{_ranks(ranks)}: payload={PAYLOAD_NAMES[p]!r}" for p, ranks in sorted(payloads.items()))
+        raise WeightSyncError(
+            f"weight sync: the senders were made with different payloads ({shown}); every sender of a group must "
+            "pass the same WeightSender(payload=...)"
         )
     return records
 

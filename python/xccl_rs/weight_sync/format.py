@@ -20,15 +20,35 @@ The messages (the package docstring gives their order):
   that is not split has ``chunk_offset`` 0 and ``nbytes == total_nbytes``. With a box,
   ``[[start, length], ...]`` (one pair per dimension: the shard is
   ``tensor[start_0:start_0 + length_0, ...]``), ``chunk_offset`` is where its bytes start in the
-  shard's flat bytes.
+  shard's flat bytes. A ninth field (the eighth, ``box``, is then ``null`` for no box) is the
+  entry's *encoding* (:class:`Encoding`), in syncs from a ``payload="delta"`` sender (delta.py):
+  ``{"k": kind, "v": version, "b": base, "n": count, "d": dense_nbytes}``. It brings bytes
+  ``[chunk_offset, chunk_offset + dense_nbytes)`` of the tensor (or shard) to version ``v``, and
+  ``nbytes`` is then what the bucket holds of it: kind ``"full"`` the bytes themselves
+  (``nbytes == dense_nbytes``, ``b`` 0); ``"idx"`` the ``n`` changed elements' new values, then
+  (at the next multiple of 4 bytes) their ``n`` indices in the range as int32, strictly
+  increasing; ``"bits"`` the ``n`` values, then a bitmap of the range's elements (bit ``j % 8``
+  of byte ``j // 8``; the bits past the range are 0; ``n`` bits set). Both apply to the tensor
+  the receiver holds at version ``b``, and to no other.
+* **base list** (:class:`BaseList`) -- in a delta sync, right after the hello, each sender in
+  turn broadcasts the versions of the tensors it can send as deltas: its length (``int64[1]``),
+  then ``{"n": [name, ...], "v": [version, ...]}``. Every rank then gives, per listed tensor
+  (the senders' lists one after another), 1 if it holds that version (a sender: 1), and a MIN
+  all-reduce of these ``int32`` flags says which bases every receiver holds.
+* **confirmation** -- at the end of a delta sync, every rank's ``int64[2]`` (all-gather):
+  ``[status, tensors]``; ``status`` 0, or 1 when the rank could not apply ``tensors`` of the
+  tensors it received (its error names them). Every rank raises when one did not.
 * **announcement** (:class:`Announcement`) -- a shared window:
   ``{"name": file in /dev/shm, "host": host identity, "bytes": 2 * bucket_bytes, "reused": bool}``.
   Its second offer (window.py) travels as its length (``int64[1]``, 0 for no offer), then
   its JSON.
-* **hello** (:class:`Hello`) -- ``int64[4]`` from every rank (all-gather), once per sync before
-  anything else: ``[MAGIC, VERSION, senders, host]``; ``senders`` is a hash of the senders'
-  group ranks, which every rank must give alike; ``host`` a hash of the host identity, or -1
-  for a rank that will not share memory (window.py, step 1).
+* **hello** (:class:`Hello`) -- ``int64[6]`` from every rank (all-gather), once per sync before
+  anything else: ``[MAGIC, VERSION, senders, host, payload, sync]``; ``senders`` is a hash of
+  the senders' group ranks, which every rank must give alike; ``host`` a hash of the host
+  identity, or -1 for a rank that will not share memory (window.py, step 1); ``payload`` the
+  sender's payload code (:data:`PAYLOADS`: 0 full, 1 delta, 2 fp8; -1 on a receiver), the
+  same on every sender; ``sync`` the version a delta sync brings its tensors to (the first
+  sender's is the sync's; 0 otherwise).
 * **round record** (:class:`RoundRecord`) -- ``int64[6]`` from every rank (all-gather) before
   each round when there are several senders: ``[MAGIC, VERSION, round, status, plan, 0]``.
   ``status`` is ``RECEIVING`` on a receiver, and on a sender ``SENDING``, ``FINAL`` (its last
@@ -54,7 +74,8 @@ from ._common import WeightSyncError
 MAGIC = 0x58434C5753594E43  # "XCLWSYNC"
 #: 2: the second window offer is not voted on when the sender offered nothing.
 #: 3: several senders (the hello, round records, boxes, a window in each sender's first bucket).
-VERSION = 3
+#: 4: payloads (the hello's payload and sync fields, entry encodings, the base list, the confirmation).
+VERSION = 4
 HEADER_LEN = 8
 ABORTED = -1  # a header's `last` field on an abort notice
 MIN_BUCKET_BYTES = 256
@@ -68,6 +89,14 @@ MAX_NAME_CHARS = 4096
 #: One tensor's bytes: a split tensor is allocated whole on the receiver before its chunks arrive.
 MAX_TENSOR_BYTES = 1 << 40
 MAX_DIMS = 64
+#: The payloads a sender can send (``WeightSender(payload=...)``), by their code in the hello.
+PAYLOADS = {"full": 0, "delta": 1, "fp8": 2}
+PAYLOAD_NAMES = {v: k for k, v in PAYLOADS.items()}
+NO_PAYLOAD = -1  # a receiver's hello
+#: Entry encodings (module docstring) of a delta sync.
+ENCODINGS = ("full", "idx", "bits")
+#: A base list's bytes (a few dozen per tensor).
+MAX_BASE_LIST_BYTES = 1 << 30
 _MAX_INT64 = (1 << 63) - 1
 
 #: The dtypes that travel: every one can be allocated, viewed from bytes and copied on CPU.
@@ -213,6 +242,56 @@ class Header:
         return cls(got_index, meta_nbytes, used, bucket, last=last == 1, aborted=aborted)
 
 
+def _align4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How an entry's bytes bring a range of a tensor to a version (module docstring)."""
+
+    kind: str  # one of ENCODINGS
+    version: int
+    base: int  # 0 for "full"
+    count: int  # changed elements ("idx", "bits"); the range's elements for "full"
+    dense: int  # the range's bytes in the tensor
+
+    def wire_nbytes(self, elsize: int) -> int:
+        """What the bucket holds of it."""
+        if self.kind == "full":
+            return self.dense
+        if self.kind == "idx":
+            return _align4(self.count * elsize) + 4 * self.count
+        return self.count * elsize + (self.dense // elsize + 7) // 8
+
+    def encode(self) -> dict:
+        return {"k": self.kind, "v": self.version, "b": self.base, "n": self.count, "d": self.dense}
+
+    @classmethod
+    def decode(cls, raw: Any, where: str, elsize: int, dense_limit: int) -> "Encoding":
+        if not isinstance(raw, dict) or set(raw) != {"k", "v", "b", "n", "d"}:
+            raise _bad(where, "encoding", raw, 'a JSON object of exactly "k", "v", "b", "n" and "d"')
+        kind = raw["k"]
+        if kind not in ENCODINGS:
+            raise _bad(where, "encoding.k", kind, " or ".join(map(repr, ENCODINGS)))
+        version = _int(where, "encoding.v", raw["v"], 1, _MAX_INT64)
+        if kind == "full":
+            base = _int(where, "encoding.b", raw["b"], 0, 0, "0 (a full range has no base)")
+        else:
+            base = _int(where, "encoding.b", raw["b"], 1, _MAX_INT64)
+            if base == version:
+                raise _bad(where, "encoding.b", base, f"a version other than the one it brings ({version})")
+        dense = _int(where, "encoding.d", raw["d"], 0, dense_limit)
+        if dense % elsize:
+            raise _bad(where, "encoding.d", dense, f"a multiple of the element size {elsize}")
+        elements = dense // elsize
+        if kind == "full":
+            count = _int(where, "encoding.n", raw["n"], elements, elements, f"{elements} (the range's elements)")
+        else:
+            count = _int(where, "encoding.n", raw["n"], 0, elements, f"in [0, {elements}] (the range's elements)")
+        return cls(kind, version, base, count, dense)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor, or one piece of a tensor, in a bucket (module docstring)."""
@@ -227,6 +306,8 @@ class Entry:
     #: The shard this piece belongs to, ``((start, length), ...)`` per dimension, when it is not
     #: a run of the tensor's flat bytes (``chunk_offset`` then counts in the shard's bytes).
     box: Optional[tuple[tuple[int, int], ...]] = None
+    #: How the bytes encode the range (a delta sync), or None: they are the range itself.
+    enc: Optional[Encoding] = None
 
     @property
     def end(self) -> int:
@@ -234,21 +315,30 @@ class Entry:
         return self.offset + self.nbytes
 
     @property
+    def dense(self) -> int:
+        """The bytes of the tensor (or shard) it covers, from ``chunk_offset``."""
+        return self.nbytes if self.enc is None else self.enc.dense
+
+    @property
     def whole(self) -> bool:
         """The whole tensor (not a piece of one)."""
-        return self.chunk_offset == 0 and self.nbytes == self.total and self.box is None
+        return self.chunk_offset == 0 and self.dense == self.total and self.box is None
 
     def encode(self) -> list:
         out = [self.name, dtype_name(self.dtype), list(self.shape), self.offset, self.nbytes, self.chunk_offset, self.total]
-        if self.box is not None:
-            out.append([list(b) for b in self.box])
+        if self.box is not None or self.enc is not None:
+            out.append(None if self.box is None else [list(b) for b in self.box])
+        if self.enc is not None:
+            out.append(self.enc.encode())
         return out
 
     @classmethod
     def decode(cls, raw: Any, where: str, used_bytes: int) -> "Entry":
         """An entry of a bucket whose first ``used_bytes`` bytes are sent."""
-        if not isinstance(raw, list) or len(raw) not in (7, 8):
-            raise _bad(where, "entry", raw, "[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes(, box)]")
+        if not isinstance(raw, list) or len(raw) not in (7, 8, 9):
+            raise _bad(
+                where, "entry", raw, "[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes(, box(, encoding))]"
+            )
         name, dname, shape, offset, nbytes, chunk_offset, total = raw[:7]
         where = f"{where} ({_str(where, 'name', name, MAX_NAME_CHARS)[:100]!r})"
         dtype = dtype_of(dname, where)
@@ -266,10 +356,13 @@ class Entry:
         _int(where, "total_nbytes", total, 0, MAX_TENSOR_BYTES)
         box = None
         span_bytes = total  # the bytes chunk_offset counts in: the tensor's, or its shard's
-        if len(raw) == 8:
+        if len(raw) >= 8 and (raw[7] is not None or len(raw) == 8):
             box, span_bytes = _decode_box(raw[7], where, shape, elsize)
         _int(where, "offset", offset, 0, used_bytes, f"in [0, {used_bytes}] (the bucket's used bytes)")
         _int(where, "chunk_offset", chunk_offset, 0, span_bytes)
+        if len(raw) == 9:
+            return cls._decode_encoded(raw[8], where, name, dtype, tuple(shape), offset, nbytes, chunk_offset, total,
+                                       box, span_bytes, used_bytes)
         _int(where, "nbytes", nbytes, 1 if span_bytes else 0, min(span_bytes - chunk_offset, used_bytes - offset),
              f"in [{1 if span_bytes else 0}, {min(span_bytes - chunk_offset, used_bytes - offset)}] (within the "
              f"{'shard' if box else 'tensor'} from chunk_offset {chunk_offset}, and within the bucket's {used_bytes} "
@@ -278,6 +371,24 @@ class Entry:
             if v % elsize:
                 raise _bad(where, what, v, f"a multiple of {dname}'s {elsize} bytes")
         return cls(name, dtype, tuple(shape), offset, nbytes, chunk_offset, total, box)
+
+    @classmethod
+    def _decode_encoded(cls, raw, where, name, dtype, shape, offset, nbytes, chunk_offset, total, box, span_bytes,
+                        used_bytes) -> "Entry":
+        """An entry with an encoding: its range within the tensor (or shard), its bytes within the
+        bucket, exactly as many as the encoding says, aligned for its values and indices."""
+        elsize = dtype.itemsize
+        enc = Encoding.decode(raw, where, elsize, span_bytes - chunk_offset)
+        if span_bytes and enc.dense == 0:
+            raise _bad(where, "encoding.d", 0, "at least one element")
+        want = enc.wire_nbytes(elsize)
+        _int(where, "nbytes", nbytes, want, want, f"{want} (what its encoding {enc.encode()} takes)")
+        _int(where, "nbytes", nbytes, 0, used_bytes - offset, f"within the bucket's {used_bytes} used bytes from {offset}")
+        align = max(elsize, 4) if enc.kind == "idx" else elsize
+        for what, v, a in (("offset", offset, align), ("chunk_offset", chunk_offset, elsize)):
+            if v % a:
+                raise _bad(where, what, v, f"a multiple of {a}")
+        return cls(name, dtype, shape, offset, nbytes, chunk_offset, total, box, enc)
 
 
 def _decode_box(raw: Any, where: str, shape: list, elsize: int) -> tuple[tuple[tuple[int, int], ...], int]:
@@ -415,20 +526,50 @@ def _record(values: Any, where: str, length: int, what: str) -> list:
 
 @dataclass(frozen=True)
 class Hello:
-    """One rank's ``int64[4]`` at the start of a sync (module docstring)."""
+    """One rank's ``int64[6]`` at the start of a sync (module docstring)."""
 
     senders: int
     host: int
+    payload: int = NO_PAYLOAD
+    sync: int = 0
 
     def encode(self) -> list[int]:
-        return [MAGIC, VERSION, self.senders, self.host]
+        return [MAGIC, VERSION, self.senders, self.host, self.payload, self.sync]
 
     @classmethod
     def decode(cls, values: Any, where: str) -> "Hello":
-        senders, host = _record(values, where, 4, "hello")
+        senders, host, payload, sync = _record(values, where, 6, "hello")
         _int(where, "senders", senders, 0, _MAX_INT64)
         _int(where, "host", host, -1, _MAX_INT64)
-        return cls(senders, host)
+        _int(where, "payload", payload, NO_PAYLOAD, max(PAYLOAD_NAMES))
+        _int(where, "sync", sync, 0, _MAX_INT64)
+        return cls(senders, host, payload, sync)
+
+
+@dataclass(frozen=True)
+class BaseList:
+    """The tensors a sender of a delta sync can send as deltas, and the version of each (module
+    docstring)."""
+
+    names: tuple[str, ...]
+    versions: tuple[int, ...]
+
+    def encode(self) -> bytes:
+        return _dumps({"n": list(self.names), "v": list(self.versions)})
+
+    @classmethod
+    def decode(cls, raw: bytes, where: str) -> "BaseList":
+        obj = _json(raw, where, "base list")
+        if set(obj) != {"n", "v"}:
+            raise _bad(where, "base list", sorted(obj), 'exactly the keys "n" and "v"')
+        names, versions = obj["n"], obj["v"]
+        if not isinstance(names, list) or not isinstance(versions, list) or len(names) != len(versions):
+            raise _bad(where, "base list", obj, "two lists of the same length")
+        names = [_str(where, "n", n, MAX_NAME_CHARS) for n in names]
+        if len(set(names)) != len(names):
+            raise _bad(where, "n", names, "names listed once each")
+        versions = [_int(where, "v", v, 1, _MAX_INT64) for v in versions]
+        return cls(tuple(names), tuple(versions))
 
 
 #: A round record's ``status`` (module docstring).

@@ -9,9 +9,11 @@ from typing import Iterator, Optional
 
 import torch
 
+from . import delta as delta_mod
 from . import window
 from ._common import (
     SyncStats,
+    read_flat_range,
     WeightSyncError,
     broadcast,
     describe,
@@ -23,7 +25,12 @@ from ._common import (
     write_flat_range,
 )
 from .agreement import RECEIVING, agree_round, hello, window_hosts
-from .format import HEADER_LEN, Announcement, BucketMeta, Entry, Header, RoundRecord
+from .format import HEADER_LEN, PAYLOAD_NAMES, PAYLOADS, Announcement, BucketMeta, Entry, Header, RoundRecord
+
+
+def _bytes_of(buf: Optional[torch.Tensor], e: Entry) -> torch.Tensor:
+    """Entry ``e``'s bytes in a received bucket (a bucket of no bytes is never received)."""
+    return buf[e.offset : e.end] if e.nbytes else torch.empty(0, dtype=torch.uint8)
 
 
 def _overlaps(a: tuple, b: tuple) -> bool:
@@ -38,13 +45,21 @@ class _Pending:
     ``runs``: the byte ranges received, merged and sorted (of the tensor's flat bytes, or per box
     of its shard's), so that a piece received twice, or overlapping another, is refused."""
 
-    __slots__ = ("name", "dtype", "shape", "tensor", "bytes", "done", "total", "runs", "boxes")
+    __slots__ = ("name", "dtype", "shape", "tensor", "bytes", "done", "total", "runs", "boxes", "base", "failed")
 
-    def __init__(self, entry: Entry, device: torch.device):
+    def __init__(self, entry: Entry, device: torch.device, base: Optional[tuple[int, torch.Tensor]] = None):
         self.name = entry.name
         self.dtype = entry.dtype
         self.shape = entry.shape
-        self.tensor = torch.empty(entry.shape, dtype=entry.dtype, device=device)  # contiguous
+        # A delta sync assembles into a copy of the tensor held (its base), so that a sync that
+        # fails halfway leaves the held tensor whole, at its version.
+        self.base = None  # the version copied
+        if base is not None and base[1].shape == entry.shape and base[1].dtype == entry.dtype:
+            self.base = base[0]
+            self.tensor = base[1].clone()
+        else:
+            self.tensor = torch.empty(entry.shape, dtype=entry.dtype, device=device)  # contiguous
+        self.failed: Optional[str] = None  # why a piece could not be applied
         self.bytes = self.tensor.view(-1).view(torch.uint8)
         self.done = 0
         self.total = entry.total
@@ -73,14 +88,21 @@ class _Pending:
         return True
 
     def add(self, e: Entry, src: torch.Tensor, where: str) -> None:
-        """Writes piece ``e`` (``src``: its bytes) where it belongs; refuses overlaps."""
+        """Writes piece ``e`` (``src``: its bytes) where it belongs; refuses overlaps. A piece of a
+        delta sync that cannot be applied (delta.apply) leaves the tensor failed, not raised."""
+        dense = e.dense
         if e.box is None:
-            if self.boxes or not self._take(self.runs, e.chunk_offset, e.chunk_offset + e.nbytes):
+            if self.boxes or not self._take(self.runs, e.chunk_offset, e.chunk_offset + dense):
                 raise WeightSyncError(
-                    f"weight sync: {where}: bytes [{e.chunk_offset}, {e.chunk_offset + e.nbytes}) of {e.name!r} "
+                    f"weight sync: {where}: bytes [{e.chunk_offset}, {e.chunk_offset + dense}) of {e.name!r} "
                     "overlap bytes already received"
                 )
-            self.bytes[e.chunk_offset : e.chunk_offset + e.nbytes].copy_(src)
+            if e.enc is not None:
+                size = self.dtype.itemsize
+                self._apply(e, self.tensor.view(-1)[e.chunk_offset // size : (e.chunk_offset + dense) // size], src,
+                            where)
+            else:
+                self.bytes[e.chunk_offset : e.chunk_offset + e.nbytes].copy_(src)
         else:
             runs = self.boxes.get(e.box)
             if runs is None:
@@ -91,15 +113,36 @@ class _Pending:
                         f"{'the shard ' + str(list(map(list, other))) if other else 'bytes'} already received"
                     )
                 runs = self.boxes[e.box] = []
-            if not self._take(runs, e.chunk_offset, e.chunk_offset + e.nbytes):
+            if not self._take(runs, e.chunk_offset, e.chunk_offset + dense):
                 raise WeightSyncError(
-                    f"weight sync: {where}: bytes [{e.chunk_offset}, {e.chunk_offset + e.nbytes}) of the shard "
+                    f"weight sync: {where}: bytes [{e.chunk_offset}, {e.chunk_offset + dense}) of the shard "
                     f"{list(map(list, e.box))} of {e.name!r} overlap bytes already received"
                 )
             view = self.tensor[tuple(slice(s, s + n) for s, n in e.box)]
             size = self.dtype.itemsize
-            write_flat_range(view, src.view(self.dtype), e.chunk_offset // size, (e.chunk_offset + e.nbytes) // size)
-        self.done += e.nbytes
+            e0, e1 = e.chunk_offset // size, (e.chunk_offset + dense) // size
+            if e.enc is not None:
+                flat = torch.empty(e1 - e0, dtype=self.dtype, device=self.tensor.device)
+                read_flat_range(flat, view, e0, e1)
+                if self._apply(e, flat, src, where):
+                    write_flat_range(view, flat, e0, e1)
+            else:
+                write_flat_range(view, src.view(self.dtype), e0, e1)
+        self.done += dense
+
+    def _apply(self, e: Entry, target: torch.Tensor, src: torch.Tensor, where: str) -> bool:
+        if self.failed is None and e.enc.kind != "full" and self.base != e.enc.base:
+            held = "nothing" if self.base is None else f"version {self.base:#x}"
+            self.failed = (f"weight sync: {where}: a delta of {e.name!r} against version {e.enc.base:#x}, but this "
+                           f"receiver holds {held} of it ({self.dtype} {list(self.shape)})")
+        if self.failed is not None:
+            return False
+        try:
+            delta_mod.apply(target, e.enc, src, f"{where} ({e.name!r})")
+        except WeightSyncError as err:
+            self.failed = str(err)
+            return False
+        return True
 
 
 class WeightReceiver:
@@ -130,6 +173,20 @@ class WeightReceiver:
         self.device = resolve_device(device) if device is not None else self.bucket_device
         self._bufs: list[Optional[torch.Tensor]] = [None, None]
         self.last_stats: Optional[SyncStats] = None
+        # The tensors of delta syncs, by name: (the version held, the tensor), each a base
+        # that the next delta sync updates (delta.py).
+        self._held: dict[str, tuple[int, torch.Tensor]] = {}
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """The version of each tensor this receiver holds from a delta sync (the tensors it handed
+        out, which later delta syncs update in place). A tensor received in a sync that failed
+        before it was complete keeps its previous version (or has none)."""
+        return {n: v for n, (v, _) in self._held.items()}
+
+    def forget(self) -> None:
+        """Drops the tensors held for delta syncs: the next delta sync sends them in full."""
+        self._held.clear()
 
     def release(self) -> None:
         """Frees the receive buckets and the shared windows kept mapped."""
@@ -185,7 +242,13 @@ class WeightReceiver:
         rollout engine's ``param.copy_(tensor)``): a tensor that arrived whole in one bucket
         is then a view into the receive bucket, valid only until the next item is requested
         (clone it to keep it). Tensors assembled from pieces (split across buckets, or shards
-        from several senders), and tensors for another ``device``, are new tensors either way."""
+        from several senders), and tensors for another ``device``, are new tensors either way.
+
+        In a sync from a ``payload="delta"`` sender, every tensor yielded is the one this receiver
+        holds (its base for the next delta, :attr:`versions`): treat it as read-only; the next
+        delta sync updates it in place. ``copy`` does not apply to them.
+        In an ``"fp8"`` sync, a quantized weight arrives as ``(name, float8_e4m3fn tensor)``
+        followed by its scales (``name + "_scale_inv"`` or ``name + "_scale"``, fp8.py)."""
         t0 = time.perf_counter()
         stats = SyncStats()
         bar = None
@@ -201,7 +264,17 @@ class WeightReceiver:
         try:
             try:
                 cpu = self.bucket_device.type == "cpu"
-                hello(self.group, self.senders, window.host_hash() if cpu else -1, self.bucket_device)
+                records = hello(self.group, self.senders, window.host_hash() if cpu else -1, self.bucket_device)
+                first = records[self.senders[0]]
+                stats.payload = PAYLOAD_NAMES[first.payload]
+                self._delta = first.payload == PAYLOADS["delta"]
+                self._version = first.sync
+                self._failed: list[str] = []  # why tensors of a delta sync could not be applied
+                if self._delta:
+                    delta_mod.check_bases(
+                        self.group, self.senders, None,
+                        lambda n, v: n in self._held and self._held[n][0] == v, self.bucket_device,
+                    )
             except WeightSyncError:
                 raise
             except Exception as e:
@@ -272,6 +345,14 @@ class WeightReceiver:
                     f"weight sync: the sync ended with {len(pending)} tensor(s) incomplete: {p.name!r} "
                     f"({p.done} of {p.total} bytes)"
                 )
+            if self._delta:
+                try:
+                    delta_mod.confirm(self.group, len(self._failed), self.bucket_device,
+                                      self._failed[0] if self._failed else "")
+                except WeightSyncError:
+                    raise
+                except Exception as e:
+                    raise WeightSyncError(f"weight sync: the confirmation of the delta sync failed: {e}") from e
         finally:
             if bar is not None:
                 bar.close()
@@ -335,6 +416,25 @@ class WeightReceiver:
                 if e.name in self._names:  # the decoder checks one bucket; this, the whole sync
                     raise WeightSyncError(f"weight sync: bucket {index}: {e.name!r} was already received in this sync")
                 self._names.add(e.name)
+                if e.enc is not None and e.enc.version != self._version:
+                    raise WeightSyncError(
+                        f"weight sync: bucket {index}: {e.name!r} brings version {e.enc.version:#x}, but this sync's is "
+                        f"{self._version:#x}"
+                    )
+                if e.enc is None:
+                    self._held.pop(e.name, None)  # replaced by a tensor of no version
+                if e.whole and e.enc is not None:
+                    out = self._apply_whole(e, _bytes_of(buf, e), f"bucket {index}")
+                    if out is None:
+                        continue
+                    if bar is not None:
+                        bar.update(e.nbytes)
+                    stats.tensors += 1
+                    stats.bytes += e.nbytes
+                    stats.tensor_bytes += e.total
+                    yield e.name, out
+                    out = None
+                    continue
                 if e.whole:
                     if e.total == 0:
                         out = torch.empty(e.shape, dtype=e.dtype, device=self.device)
@@ -348,6 +448,7 @@ class WeightReceiver:
                         bar.update(e.nbytes)
                     stats.tensors += 1
                     stats.bytes += e.total
+                    stats.tensor_bytes += e.total
                     yield e.name, out
                     out = src = None  # the consumer's now: hold no reference to it
                     continue
@@ -362,21 +463,50 @@ class WeightReceiver:
                             f"weight sync: bucket {index}: unexpected chunk of {e.name!r} at byte {e.chunk_offset} "
                             "(its first piece; one sender sends a tensor's pieces in order)"
                         )
-                p = pending[e.name] = _Pending(e, self.device)
+                p = pending[e.name] = _Pending(e, self.device, self._held.get(e.name) if e.enc is not None else None)
             elif not p.matches(e) or (ordered and (p.done != e.chunk_offset or e.box is not None)):
                 raise WeightSyncError(
                     f"weight sync: bucket {index}: unexpected chunk of {e.name!r} at byte "
                     f"{e.chunk_offset} (assembling {p.name!r}: {p.dtype} {list(p.shape)}, {p.done} of {p.total} bytes)"
                 )
-            p.add(e, buf[e.offset : e.end], f"bucket {index}")
+            p.add(e, _bytes_of(buf, e), f"bucket {index}")
             if bar is not None:
                 bar.update(e.nbytes)
+            stats.bytes += e.nbytes
             if p.done < p.total:
                 continue
             del pending[e.name]
+            if p.failed is not None:
+                self._failed.append(p.failed)
+                continue
             stats.tensors += 1
-            stats.bytes += e.total
+            stats.tensor_bytes += e.total
+            if e.enc is not None:
+                self._held[e.name] = (e.enc.version, p.tensor)
             out, p = p.tensor, None
             yield e.name, out
             out = None
         return pending
+
+    def _apply_whole(self, e: Entry, src: torch.Tensor, where: str) -> Optional[torch.Tensor]:
+        """A whole tensor of a delta sync, applied to the tensor held (in place), or received
+        into a new one; None when it cannot be applied (the failure is recorded: the held tensor
+        is untouched and keeps its version)."""
+        held = self._held.get(e.name)
+        fits = held is not None and held[1].shape == e.shape and held[1].dtype == e.dtype
+        if e.enc.kind != "full" and (not fits or held[0] != e.enc.base):
+            what = "nothing" if held is None else (
+                f"version {held[0]:#x}" + ("" if fits else f" as {held[1].dtype} {list(held[1].shape)}"))
+            self._failed.append(
+                f"weight sync: {where}: a delta of {e.name!r} ({e.dtype} {list(e.shape)}) against version "
+                f"{e.enc.base:#x}, but this receiver holds {what} of it"
+            )
+            return None
+        out = held[1] if fits else torch.empty(e.shape, dtype=e.dtype, device=self.device)
+        try:
+            delta_mod.apply(out.view(-1), e.enc, src, f"{where} ({e.name!r})")
+        except WeightSyncError as err:
+            self._failed.append(str(err))
+            return None
+        self._held[e.name] = (e.enc.version, out)
+        return out

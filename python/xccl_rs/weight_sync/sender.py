@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from . import delta as delta_mod
 from . import window
 from ._common import (
     SyncStats,
@@ -30,8 +31,9 @@ from ._common import (
 from .agreement import ABORTED_ROUND, FINAL, SENDING, PlanHash, agree_round, hello, window_hosts
 from .format import (
     DEFAULT_BUCKET_BYTES, HEADER_LEN, MAX_BUCKET_BYTES, MAX_NAME_CHARS, MAX_TENSOR_BYTES, MIN_BUCKET_BYTES,
-    Announcement, BucketMeta, Entry, Header, RoundRecord, check_dtype,
+    PAYLOADS, Announcement, BucketMeta, Entry, Header, RoundRecord, check_dtype,
 )
+from .fp8 import Fp8Rule
 from .plan import EVERY, NEXT_ROUND, RoundPlanner, shard_boxes
 
 
@@ -165,11 +167,25 @@ class WeightSender:
     kept for the next ``send`` until :meth:`release`. ``shared_memory`` (default: when ``group``
     is an xccl_rs group) puts CPU buckets in a shared window that receivers on this host read in
     place (the package docstring); ``False`` always sends them.
+
+    ``payload`` says what travels (every sender of a group must pass the same; the receivers
+    learn it from the wire, so :class:`WeightReceiver` takes no such option):
+
+    * ``"full"`` (default) -- every tensor as it is;
+    * ``"delta"`` -- after a tensor's first full sync, only its elements that changed since the
+      version every receiver holds (delta.py: versions are checked before every sync, and what
+      a receiver lacks travels in full). ``delta_base`` says where the sender keeps its copy of
+      what it sent: ``"copy"`` (default) where each tensor lives, ``"cpu"`` in host memory;
+    * ``"fp8"`` -- the weights that ``fp8_select(name, tensor)`` selects (default: 2-D
+      ``...weight`` tensors other than embeddings, the head and norms) as ``float8_e4m3fn`` with
+      float32 scales ``<name>_scale_inv`` (``fp8_scale="block"``: 128x128 blocks, vLLM's
+      block-fp8 checkpoint layout) or ``<name>_scale`` (``"channel"``, ``"tensor"``); the rest
+      as they are (fp8.py). A DTensor that is quantized is gathered (``full_tensor()``) first.
     """
 
     def __init__(
         self, group, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device=None, shared_memory=None,
-        senders=None,
+        senders=None, payload: str = "full", fp8_scale: str = "block", fp8_select=None, delta_base: str = "copy",
     ):
         rank, size, senders = group_senders(group, senders, src, "WeightSender")
         if rank not in senders:
@@ -189,6 +205,11 @@ class WeightSender:
         self.senders = senders
         self.receivers = [r for r in range(size) if r not in senders]
         self.bucket_bytes = bucket_bytes
+        if payload not in PAYLOADS:
+            raise ValueError(f"WeightSender: payload must be one of {sorted(PAYLOADS)}, got {payload!r}")
+        self.payload = payload
+        self._fp8 = Fp8Rule(fp8_scale, fp8_select) if payload == "fp8" else None
+        self._bases = delta_mod.SenderBases(delta_base) if payload == "delta" else None
         self.device = resolve_device(device)
         self._slots = [_Slot(), _Slot()]
         self.last_stats: Optional[SyncStats] = None
@@ -204,6 +225,11 @@ class WeightSender:
             s.wait()
             s.buf = None
         window.drop_kept(self.bucket_bytes)
+
+    @property
+    def delta_base_bytes(self) -> int:
+        """What this sender keeps to compute deltas (its copies), in bytes; 0 for other payloads."""
+        return self._bases.nbytes if self._bases is not None else 0
 
     def send(self, named_tensors: Iterable, progress: bool = False) -> SyncStats:
         """Sends every ``(name, tensor)`` of ``named_tensors`` (consumed lazily, one at a time,
@@ -254,9 +280,19 @@ class SendStream:
         self.shared = [False] * self.n
         self.later: list = []  # barriers of other senders' buckets, waited for at the end
         self.round = 0  # the round being packed (the planner may be further on)
+        self.stats.payload = s.payload
+        self.bases = s._bases  # the delta payload's copies, else None
+        self.cursor = 0  # a delta sync packs its encoded ranges one after another, from here
         with self._breaking("the first step with the receivers"):
-            records = hello(s.group, s.senders, window.host_hash() if s.shared_memory else -1, s.device)
+            sync = delta_mod.new_version() if self.bases is not None else 0
+            host = window.host_hash() if s.shared_memory else -1
+            records = hello(s.group, s.senders, host, s.device, PAYLOADS[s.payload], sync)
             self.co_located = window_hosts(records, s.senders)[self.me]
+            self.version = records[s.senders[0]].sync
+            if self.bases is not None:
+                mine = self.bases.base_list()
+                flags = delta_mod.check_bases(s.group, s.senders, mine, None, s.device)
+                self.bases.keep_only(list(mine.names), flags)
 
     @contextlib.contextmanager
     def _breaking(self, what: str):
@@ -300,7 +336,24 @@ class SendStream:
         """Plans one tensor and packs this sender's part of it (sending the rounds it completes)."""
         if self.done:
             raise WeightSyncError("weight sync: add() after finish()")
+        rule = self.s._fp8
+        if rule is None or not isinstance(t, torch.Tensor):
+            return self._add_one(name, t)
+        try:
+            dtensor = _dtensor_class()
+            if dtensor is not None and isinstance(t, dtensor) and rule.select(name, t):
+                t = t.full_tensor()  # a 128x128 block may straddle shards: quantize the whole weight
+            parts = rule.split(name, t.detach())
+        except Exception as e:
+            raise WeightSyncError(f"weight sync: send failed in round {self.round} while quantizing {name!r}: "
+                                  f"{type(e).__name__}: {e}") from e
+        for part_name, part in parts:
+            self._add_one(part_name, part)
+
+    def _add_one(self, name: str, t: torch.Tensor) -> None:
         sent, contributed = 0, False
+        dense = 0
+        base = None
         try:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
@@ -318,6 +371,9 @@ class SendStream:
             if t.numel() * elsize > MAX_TENSOR_BYTES:
                 raise ValueError(f"{name!r} has {t.numel() * elsize} bytes, above the limit of {MAX_TENSOR_BYTES}")
             piece = _piece(name, t, self.n)
+            if self.bases is not None:
+                base = self.bases.usable(name, piece.src)
+                self.bases.forget(name)  # until every range of it is packed
             self.names.add(name)
             self.plan.add(piece.token)
             if piece.footprint is None:
@@ -340,9 +396,13 @@ class SendStream:
                     entry = Entry(name, t.dtype, piece.shape, place.offset, nbytes, offset, piece.total, piece.box)
                 else:
                     continue
+                if self.bases is not None:
+                    entry = self._encode_range(entry, piece, start, base)
+                    dense += entry.dense
                 self.entries.append(entry)
                 contributed = True
-                if entry.nbytes == 0:
+                if entry.nbytes == 0 or self.bases is not None:
+                    sent += entry.nbytes
                     continue
                 dst = self._buffer()[entry.offset : entry.end].view(t.dtype)
                 if entry.whole and piece.src.shape == piece.shape:
@@ -360,9 +420,31 @@ class SendStream:
             ) from e
         if contributed:
             self.stats.tensors += 1
+            if self.bases is not None:
+                self.bases.update(name, piece.src, self.version, base)
         self.stats.bytes += sent
+        self.stats.tensor_bytes += dense if self.bases is not None else sent
         if self.bar is not None:
             self.bar.update(sent)
+
+    def _encode_range(self, entry: Entry, piece: _Piece, start: int, base) -> Entry:
+        """A delta sync's entry: the range of ``entry`` encoded against ``base`` (delta.py), packed
+        right after the bucket's previous entry (the plan's offsets are for the full ranges, so
+        the encoded ones always fit)."""
+        elsize = entry.dtype.itemsize
+        e0 = start // elsize
+        enc, write = self.bases.encode(entry.name, piece.src, e0, e0 + entry.nbytes // elsize, self.version, base)
+        off = -(-self.cursor // delta_mod.ALIGN) * delta_mod.ALIGN
+        wire = enc.wire_nbytes(elsize)
+        self.cursor = off + wire
+        if wire:
+            write(self._buffer()[off : off + wire])
+        if enc.kind == "full":
+            self.stats.full_ranges += 1
+        else:
+            self.stats.changed += enc.count
+        self.stats.elements += enc.dense // elsize
+        return Entry(entry.name, entry.dtype, entry.shape, off, wire, entry.chunk_offset, entry.total, entry.box, enc)
 
     # ---- sending a round -------------------------------------------------------------
 
@@ -397,6 +479,7 @@ class SendStream:
             if final:
                 self._done_reading(self.round * self.n + self.n - 1)
         self.entries = []
+        self.cursor = 0
         self.round += 1
         if not final:
             # The next round reuses the other buffer: its last transfer (or, with the shared
@@ -536,6 +619,9 @@ class SendStream:
             if self.s.device.type != "cpu":
                 # An accelerator backend's wait() only orders streams: finish the transfers.
                 synchronize(self.s.device)
+            if self.bases is not None:
+                with self._breaking("the confirmation of the delta sync"):
+                    delta_mod.confirm(self.s.group, 0, self.s.device)
         finally:
             self._drop_window()
             if self.bar is not None:
