@@ -11,26 +11,26 @@ The matrix, mode x payload x door x transport:
 * mode: one sender (trainer rank 0; trainer rank 1 takes no part, or drains its generator),
   several senders (both trainers, the same full tensors, shared out) and sharded (both
   trainers, DTensor shards of a mesh of the two, as they are);
-* payload: what travels (``full``; ``delta`` and ``fp8`` where the weight sync has payloads);
+* payload: what travels: ``full`` (the tensors bit for bit), ``delta`` (the second sync changes
+  5 % of the elements: it must arrive bit for bit in less than half the bytes) and ``fp8`` (the
+  weights the default rule selects must equal torch's own block quantization of the trainer's);
 * transport: through the shared window (the default on one host), or sent (``shared_memory=False``:
   broadcast from one sender, point to point from several).
 
 Four processes: trainers 0, 1 and rollouts 2, 3. One spawn per door and mode runs every
 payload and transport, two syncs each (the second over the kept group and window). Every
 rollout's tensors must equal, bit for bit, what the test regenerates from the seed (never what
-the engine assembled); each sync must have taken the transport asked for, and each byte must
-have been sent once.
+the engine assembled); each sync must have taken the transport and the payload asked for.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import pytest
 
-from harness import ctx, run_ranks
-from test_multi_sender import as_sent, compare, make_full, make_mesh
+from harness import ctx, run_ranks, seed_of
+from test_multi_sender import compare, make_mesh
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("XCCL_RS_TEST_BACKEND", "xccl_rs") != "xccl_rs", reason="the doors build xccl_rs groups"
@@ -43,22 +43,76 @@ PAYLOADS = ("full", "delta", "fp8")
 DOORS = ("plain", "verl")
 TRANSPORTS = ("window", "sent")
 STEPS = 2
+CHANGED = 0.05  # the share of the elements the second sync changes
 
 
-def payloads_available() -> tuple[str, ...]:
-    from xccl_rs.weight_sync import WeightSender
+def _reference(case: str) -> list:
+    """Each sync's ``[(name, tensor, placements on the trainers' mesh)]``, seeded (every rank
+    builds the same): normal values (fp8 quantizes them), names that the fp8 payload's default
+    rule selects (2-D ``...weight``) and keeps (embeddings, the head, norms, biases, 1-D), uneven
+    shards, ``Shard(1)``, replicated tensors, tensors larger than a bucket. The second sync
+    changes ``CHANGED`` of the elements, as a training step at a small learning rate does."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
 
-    return PAYLOADS if "payload" in inspect.signature(WeightSender).parameters else ("full",)
+    g = torch.Generator().manual_seed(seed_of("doors", case))
+    S0, S1, R = [Shard(0)], [Shard(1)], [Replicate()]
+    first = [
+        ("model.embed_tokens.weight", torch.randn(203, 64, generator=g), S0),  # 52 KB: larger than a bucket
+        ("layers.0.mlp.up.weight", torch.randn(129, 77, generator=g).bfloat16(), S0),  # quantized
+        ("layers.0.attn.o.weight", torch.randn(33, 300, generator=g), S1),  # quantized; larger than a bucket
+        ("layers.0.row.weight", torch.randn(1, 300, generator=g), S0),  # quantized; fewer rows than trainers
+        ("layers.0.norm.weight", torch.randn(64, generator=g).bfloat16(), R),
+        ("layers.0.mlp.up.bias", torch.randn(5, generator=g).bfloat16(), R),
+        ("scalar", torch.randn((), generator=g), R),
+        ("lm_head.weight", torch.randn(9, 2 * BUCKET // 9 + 1, generator=g).bfloat16(), S0),
+    ]
+    second = []
+    for name, t, p in first:
+        mask = torch.rand(t.shape, generator=g) < CHANGED
+        second.append((name, torch.where(mask, torch.randn(t.shape, generator=g).to(t.dtype), t), p))
+    return [first, second]
 
 
-def _reference(case: str):
-    """[(name, tensor)] of one sync (seeded: every rank builds the same) with the placements of each."""
-    return make_full(case)
+def _sent_by(mode: str, tensors, mesh):
+    """What a sending trainer gives the door in ``mode``: the full tensors, or DTensor shards."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if mode != "sharded":
+        return [(name, t) for name, t, _ in tensors]
+    return [(name, distribute_tensor(t, mesh, p, src_data_rank=None)) for name, t, p in tensors]
 
 
-def _sent_by(mode: str, full, mesh):
-    """What a sending trainer gives the door in ``mode``."""
-    return as_sent(full, "shard" if mode == "sharded" else "whole", mesh)
+def _fp8_block(w):
+    """torch's block-fp8 quantization (vLLM's ``per_block_cast_to_fp8``, 128x128 blocks): the
+    weight as float8_e4m3fn and its float32 scales (one per block: amax / 448)."""
+    import torch
+
+    rows, cols = w.shape
+    out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(-(-rows // 128), -(-cols // 128), dtype=torch.float32)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            amax = block.abs().amax().clamp(min=1e-4)
+            out[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block * (448.0 / amax)).to(torch.float8_e4m3fn)
+            scales[i, j] = amax / 448.0
+    return out, scales
+
+
+def expected(tensors, payload: str) -> list:
+    """What every rollout must receive of ``tensors``: the tensors themselves, except that the
+    fp8 payload turns each 2-D ``...weight`` other than the embeddings, the head and the norms
+    into its fp8 values and ``<name>_scale_inv``."""
+    out = []
+    for name, t, _ in tensors:
+        quantized = t.dim() == 2 and name.endswith("weight") and not any(k in name for k in ("embed", "lm_head", "norm"))
+        if payload == "fp8" and quantized:
+            q, scales = _fp8_block(t)
+            out += [(name, q), (name + "_scale_inv", scales)]
+        else:
+            out.append((name, t))
+    return out
 
 
 class _Plain:
@@ -78,9 +132,8 @@ class _Plain:
         self.group = xccl_rs.new_group(dist.PrefixStore(f"plain/{tag}/", store), ranks.index(rank), len(ranks))
         senders = list(range(n))
         if rank < TRAINERS:
-            kw = {} if payload == "full" else {"payload": payload}
             self.role = WeightSender(self.group, senders=senders, bucket_bytes=BUCKET,
-                                     shared_memory=None if transport == "window" else False, **kw)
+                                     shared_memory=None if transport == "window" else False, payload=payload)
         else:
             self.role = WeightReceiver(self.group, senders=senders, bucket_bytes=BUCKET)
 
@@ -91,8 +144,8 @@ class _Plain:
         return {"bytes": stats.bytes}
 
     def receive(self, step: int):
-        got = dict(self.role.receive())
-        return got, self.role.last_stats.shared_window
+        got = {name: t.clone() for name, t in self.role.receive()}  # delta: the receiver's own, updated later
+        return got, self.role.last_stats
 
     def close(self):
         import xccl_rs
@@ -139,12 +192,12 @@ class _Verl:
         self._join(step)
 
         async def run():
-            return {name: t async for name, t in self.engine.receive_weights(global_steps=step)}
+            return {name: t.clone() async for name, t in self.engine.receive_weights(global_steps=step)}
 
         got = asyncio.run(run())
-        shared = self.engine.sync.role.last_stats.shared_window
+        stats = self.engine.sync.role.last_stats
         self.engine.finalize()
-        return got, shared
+        return got, stats
 
     def close(self):
         self.engine._drop_group()
@@ -158,22 +211,22 @@ def w_doors(rank, world_size, door, mode):
     store = ctx().connect_store()
     mesh = make_mesh(TRAINERS)  # every rank takes part in its set-up
     out = {}
-    for payload in payloads_available():
+    for payload in PAYLOADS:
         for transport in TRANSPORTS:
             case = f"{payload}/{transport}"
+            steps = _reference(f"{door}/{mode}/{case}")
             d = DOOR_CLASSES[door](store, rank, mode, payload, transport, f"{mode}/{case}")
-            rec = out[case] = {"problems": [], "bytes": [], "shared": []}
-            for step in range(STEPS):
-                full = _reference(f"{door}/{mode}/{case}/{step}")
+            rec = out[case] = {"problems": [], "bytes": [], "shared": [], "payload": []}
+            for step, tensors in enumerate(steps):
                 if rank < TRAINERS:
                     if mode == "one" and rank > 0 and door == "plain":
                         continue  # not in the group
-                    items = _sent_by(mode, full, mesh)
-                    rec["bytes"].append(d.send(step, items).get("bytes", 0))
+                    rec["bytes"].append(d.send(step, _sent_by(mode, tensors, mesh)).get("bytes", 0))
                 else:
-                    got, shared = d.receive(step)
-                    rec["shared"].append(shared)
-                    rec["problems"] += compare(got, [(n, t) for n, t, _, _ in full], f"step {step}")
+                    got, stats = d.receive(step)
+                    rec["shared"].append(stats.shared_window)
+                    rec["payload"].append(stats.payload)
+                    rec["problems"] += compare(got, expected(tensors, payload), f"step {step}")
             d.close()
     return out
 
@@ -197,8 +250,6 @@ def door_runs():
 @pytest.mark.parametrize("payload", PAYLOADS)
 @pytest.mark.parametrize("mode", MODES)
 def test_door(door_runs, mode, payload, door, transport):
-    if payload not in payloads_available():
-        pytest.skip(f"payload {payload!r}: this weight sync sends the tensors as they are")
     case = f"{payload}/{transport}"
     values = door_runs(door, mode)
     problems = []
@@ -207,19 +258,24 @@ def test_door(door_runs, mode, payload, door, transport):
         problems += [f"rollout {r}: {p}" for p in rec["problems"]]
         if rec["shared"] != [transport == "window"] * STEPS:
             problems.append(f"rollout {r}: shared_window {rec['shared']}, asked for {transport}")
+        if rec["payload"] != [payload] * STEPS:
+            problems.append(f"rollout {r}: payload {rec['payload']}, asked for {payload}")
     assert not problems, "\n".join(problems)
-    # every byte sent once, by the senders the mode names (payload "full": the tensors' own bytes)
+    # the senders the mode names sent: every byte once (full), less (fp8; delta after the first sync)
     sent = [values[r][case]["bytes"] for r in range(TRAINERS)]
-    for step in range(STEPS):
-        full = _reference(f"{door}/{mode}/{case}/{step}")
-        total = sum(t.numel() * t.element_size() for _, t, _, _ in full)
+    for step, tensors in enumerate(_reference(f"{door}/{mode}/{case}")):
+        total = sum(t.numel() * t.element_size() for _, t, _ in tensors)
         by = [s[step] if step < len(s) else 0 for s in sent]
         if mode == "one":
             assert by[1:] == [0] * (TRAINERS - 1) and by[0] > 0, by
         else:
             assert all(b > 0 for b in by), by
-        if payload == "full":
+        if payload == "full" or (payload == "delta" and step == 0):
             assert sum(by) == total, (step, by, total)
+        elif payload == "delta":
+            assert sum(by) < total / 2, (step, by, total)
+        else:
+            assert sum(by) < total, (step, by, total)
 
 
 def test_options_checked_at_every_door():
@@ -229,6 +285,8 @@ def test_options_checked_at_every_door():
 
     cls = ve.XcclRsCheckpointEngine or ve._EngineImpl
     for kw, what in (({"senders": "some"}, "senders 'some'"), ({"payload": "zip"}, "payload 'zip'"),
+                     ({"fp8_scale": "row"}, "fp8_scale 'row'"), ({"delta_base": "disk"}, "delta_base 'disk'"),
+                     ({"fp8_select": "down_proj("}, r"fp8_select 'down_proj\(' is not a regular expression"),
                      ({"shared_memory": "yes"}, "shared_memory 'yes'")):
         with pytest.raises(ValueError, match=f"xccl_rs verl engine: {what}"):
             cls(bucket_size=BUCKET, **kw)

@@ -26,25 +26,28 @@ module is the rest, written once:
 
 from __future__ import annotations
 
-import inspect
 import logging
+import re
 import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from .weight_sync import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
+from .weight_sync.delta import BASES
+from .weight_sync.fp8 import SCALES
 
 logger = logging.getLogger(__name__)
 
 #: Who sends: trainer rank 0 alone, every trainer rank its share, or the trainer ranks on trainer
 #: rank 0's node.
 SENDERS = ("rank0", "all", "node")
-#: What travels: the tensors as they are, only what changed since the last sync, or fp8.
+#: What travels: the tensors as they are, only what changed since the last sync, or fp8
+#: (weight_sync/delta.py, weight_sync/fp8.py).
 PAYLOADS = ("full", "delta", "fp8")
 #: The process groups a door can run on: xccl_rs's (the default), or gloo's, for comparisons
 #: (``python -m xccl_rs.bench_vllm``) and as a fallback.
@@ -79,13 +82,20 @@ class SyncOptions:
     """What a user sets, the same through every door (verl's ``engine_kwargs``, vLLM's
     ``XcclRsTrainerInitInfo``), checked at construction with ``who`` (the door) in every error.
 
-    ``payload`` and ``shared_memory`` matter on the senders only: a receiver learns the payload
-    from the wire and offers the shared window whenever its buckets are on the CPU."""
+    The payload's options are :class:`WeightSender`'s: ``fp8_scale`` (``"block"``,
+    ``"channel"``, ``"tensor"``) and ``fp8_select`` with ``payload="fp8"`` -- here also a
+    regular expression, matched (``re.search``) against each tensor's name, for doors configured
+    by text (verl's YAML, vLLM's JSON) -- and ``delta_base`` (``"copy"``, ``"cpu"``) with
+    ``payload="delta"``. They and ``shared_memory`` matter on the senders only: a receiver learns
+    the payload from the wire and offers the shared window whenever its buckets are on the CPU."""
 
     who: str = "weight sync"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     senders: str = "rank0"
     payload: str = "full"
+    fp8_scale: str = "block"
+    fp8_select: Union[None, str, Callable] = None
+    delta_base: str = "copy"
     #: None: the shared window where the group is an xccl_rs group on one host; False: never.
     shared_memory: Optional[bool] = None
     timeout_s: float = 600.0
@@ -94,14 +104,21 @@ class SyncOptions:
     def __post_init__(self) -> None:
         _choice(self.who, "senders", self.senders, SENDERS)
         _choice(self.who, "payload", self.payload, PAYLOADS)
+        _choice(self.who, "fp8_scale", self.fp8_scale, SCALES)
+        _choice(self.who, "delta_base", self.delta_base, BASES)
         _choice(self.who, "group_backend", self.group_backend, GROUP_BACKENDS)
         if self.shared_memory not in (None, True, False):
             raise ValueError(f"{self.who}: shared_memory {self.shared_memory!r} is not None, True or False")
         if not float(self.timeout_s) > 0:
             raise ValueError(f"{self.who}: timeout_s {self.timeout_s!r} is not a positive number of seconds")
-        if self.payload != "full" and "payload" not in inspect.signature(WeightSender).parameters:
-            raise ValueError(f"{self.who}: payload {self.payload!r} needs a weight sync with payloads; this one "
-                             "sends the tensors as they are (payload 'full')")
+        if isinstance(self.fp8_select, str):
+            try:
+                re.compile(self.fp8_select)
+            except re.error as e:
+                raise ValueError(f"{self.who}: fp8_select {self.fp8_select!r} is not a regular expression: {e}") from e
+        elif self.fp8_select is not None and not callable(self.fp8_select):
+            raise ValueError(f"{self.who}: fp8_select must be a regular expression or a callable(name, tensor), "
+                             f"got {type(self.fp8_select).__name__}")
 
     @property
     def timeout(self) -> timedelta:
@@ -109,9 +126,15 @@ class SyncOptions:
 
     def sender_kwargs(self) -> dict:
         """The keyword arguments of :class:`WeightSender` that these options set."""
-        out = {"bucket_bytes": int(self.bucket_bytes), "shared_memory": self.shared_memory}
-        if self.payload != "full":
-            out["payload"] = self.payload
+        out = {"bucket_bytes": int(self.bucket_bytes), "shared_memory": self.shared_memory, "payload": self.payload}
+        if self.payload == "fp8":
+            select = self.fp8_select
+            if isinstance(select, str):
+                pattern = re.compile(select)
+                select = lambda name, tensor: pattern.search(name) is not None  # noqa: E731
+            out.update(fp8_scale=self.fp8_scale, fp8_select=select)
+        elif self.payload == "delta":
+            out["delta_base"] = self.delta_base
         return out
 
 

@@ -94,8 +94,13 @@ class _EngineImpl:
             generator), ``"all"`` (every trainer rank sends its share; each must be given the
             same weights, or DTensors that are shards of them) or ``"node"`` (the trainer ranks
             on trainer rank 0's node send their shares of the same full tensors; the others drain).
-        payload: ``"full"`` (the tensors as they are), ``"delta"`` or ``"fp8"``: what the
-            senders put on the wire (the receivers learn it from there).
+        payload: ``"full"`` (the tensors as they are), ``"delta"`` (only what changed since the
+            version every rollout holds) or ``"fp8"`` (the selected weights as float8_e4m3fn
+            with float32 scales): what the senders put on the wire (the rollouts learn it
+            from there). ``fp8_scale`` (``"block"``, ``"channel"``, ``"tensor"``) and
+            ``fp8_select`` (a regular expression on the names; default: the 2-D ``...weight``
+            tensors but embeddings, the head and norms) go with ``"fp8"``, ``delta_base``
+            (``"copy"``, ``"cpu"``: where the senders keep what they sent) with ``"delta"``.
         shared_memory: ``None`` (the shared window when every rank is on one host) or ``False``
             (the buckets are always sent).
     """
@@ -114,12 +119,16 @@ class _EngineImpl:
         progress: bool = False,
         senders: str = "rank0",
         payload: str = "full",
+        fp8_scale: str = "block",
+        fp8_select: Optional[str] = None,
+        delta_base: str = "copy",
         shared_memory: Optional[bool] = None,
         **unused: Any,
     ) -> None:
         if unused:
             logger.info("%s: ignoring engine kwargs %s", WHO, sorted(unused))
         self.options = SyncOptions(who=WHO, bucket_bytes=int(bucket_size), senders=senders, payload=payload,
+                                   fp8_scale=fp8_scale, fp8_select=fp8_select, delta_base=delta_base,
                                    shared_memory=shared_memory, timeout_s=timeout_s)
         self.bucket_size = int(bucket_size)
         self.is_master = bool(is_master)

@@ -87,9 +87,14 @@ def make_infos(base) -> tuple[type, type, type]:
         shared out.
 
         ``payload``: what the senders put on the wire: ``"full"`` (the tensors as they are),
-        ``"delta"`` or ``"fp8"`` (the workers learn it from the wire). ``shared_memory``:
-        ``None`` (the shared window where trainer and workers share a host) or ``False`` (the
-        buckets are always sent)."""
+        ``"delta"`` (only what changed since the version every worker holds) or ``"fp8"`` (the
+        selected weights as float8_e4m3fn with float32 scales, in vLLM's fp8 layout); the
+        workers learn it from the wire. With ``"fp8"``: ``fp8_scale`` (``"block"``,
+        ``"channel"``, ``"tensor"``) and ``fp8_select`` (a regular expression on the names, or
+        a callable ``(name, tensor) -> bool``; default: the 2-D ``...weight`` tensors but
+        embeddings, the head and norms); with ``"delta"``: ``delta_base`` (``"copy"``,
+        ``"cpu"``). ``shared_memory``: ``None`` (the shared window where trainer and workers
+        share a host) or ``False`` (the buckets are always sent)."""
 
         backend: ClassVar[str] = BACKEND
 
@@ -105,6 +110,9 @@ def make_infos(base) -> tuple[type, type, type]:
         num_trainer_ranks: int = 1
         sharded: bool = False
         payload: str = "full"
+        fp8_scale: str = "block"
+        fp8_select: Any = field(default=None, compare=False)
+        delta_base: str = "copy"
         shared_memory: Optional[bool] = None
         trainer_group: Any = field(default=None, repr=False, compare=False)
 

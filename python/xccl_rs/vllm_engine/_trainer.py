@@ -75,7 +75,8 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
         def options_of(info: XcclRsTrainerInitInfo) -> SyncOptions:
             """The door's options of ``info`` (checked: a bad one raises, naming the field)."""
             return SyncOptions(who="XcclRsTrainerInitInfo", bucket_bytes=int(info.bucket_bytes), senders=info.senders,
-                               payload=info.payload, shared_memory=info.shared_memory,
+                               payload=info.payload, fp8_scale=info.fp8_scale, fp8_select=info.fp8_select,
+                               delta_base=info.delta_base, shared_memory=info.shared_memory,
                                timeout_s=float(info.timeout_s), group_backend=info.group_backend)
 
         @classmethod
