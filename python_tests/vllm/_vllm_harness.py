@@ -611,9 +611,15 @@ def trainer_main(conn, client_conn, rank: int, n: int, store_path: str, cfg: Cfg
 
     def init(world_size: int, options: dict):
         """The engine, made as vLLM's trainer makes it; ``options``: the init info's fields (``rank``
-        too, to give a wrong one), and ``source`` (False: made without a WeightSource)."""
+        too, to give a wrong one), ``source`` (False: made without a WeightSource) and ``node``
+        ({trainer rank: the node address it reports}, for ``senders="node"``)."""
         options = dict(options)
         source = options.pop("source", True)
+        node = options.pop("node", {}).get(rank)  # senders="node": the node address this rank reports
+        import xccl_rs.door
+        import xccl_rs.vllm_engine._trainer as trainer_side
+
+        trainer_side.node_address = (lambda: node) if node is not None else xccl_rs.door.node_address
         options.setdefault("rank", rank)
         info = XcclRsTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=world_size, **options)
         client = ProxyClient(client_conn) if rank == 0 else NoClient(rank)

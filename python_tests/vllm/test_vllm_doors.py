@@ -2,9 +2,10 @@
 transport, through vLLM's own classes (python_tests/test_doors.py has the other doors).
 
 * mode: one sender (``senders="rank0"``: trainer rank 0 sends, rank 1 only runs the source's
-  gathers), several senders (``senders="all"``: the full tensors of ``iter_full()`` shared out)
-  and sharded (``senders="all", sharded=True``: each trainer's FSDP2 shards from
-  ``iter_local()``, as they are);
+  gathers), several senders (``senders="all"``: the full tensors of ``iter_full()`` shared out),
+  sharded (``senders="all", sharded=True``: each trainer's FSDP2 shards from ``iter_local()``,
+  as they are) and node (``senders="node"``, trainer rank 1 reporting another node's address:
+  rank 0 sends, rank 1 runs the source and waits for rank 0's word on the round);
 * payload: ``full``; ``delta`` and ``fp8`` where the weight sync has payloads;
 * transport: the shared window (the default on one host) or sent (``shared_memory=False``).
 
@@ -37,7 +38,8 @@ N = 2  # trainer ranks
 WORKERS = 2  # single-worker replicas
 BUCKET = 8 << 10
 SHAPE = dict(vocab=257, hidden=64, inter=129)
-MODES = {"one": dict(senders="rank0"), "several": dict(senders="all"), "sharded": dict(senders="all", sharded=True)}
+MODES = {"one": dict(senders="rank0"), "several": dict(senders="all"), "sharded": dict(senders="all", sharded=True),
+         "node": dict(senders="node", node={1: "192.0.2.1"})}  # trainer rank 1 on another node (TEST-NET-1)
 PAYLOADS = ("full", "delta", "fp8")
 TRANSPORTS = ("window", "sent")
 FP8_NAME = "model.layers.1.mlp.down_proj.weight"  # what the fp8 payload is told to quantize
@@ -106,10 +108,10 @@ def test_vllm_door(clusters, mode, payload, transport):
             for w in client.workers:
                 problems = H.compare(w.call("params"), expected(worker_cfg, ref, payload))
                 assert not problems, f"step {step}, {w}: " + "; ".join(problems)
-            senders = [0] if mode == "one" else list(range(N))
+            senders = [0] if mode in ("one", "node") else list(range(N))
             assert [res[r]["shared"] for r in senders] == [transport == "window"] * len(senders), res
             assert all(res[r]["bytes"] > 0 for r in senders), res
-            if mode == "one":
+            if mode in ("one", "node"):
                 assert res[1]["bytes"] == 0 and res[1]["allocated"] == [], res
             if payload == "full":
                 assert sum(o["bytes"] for o in res) == sum(t.numel() * t.element_size() for t in ref.values()), res
