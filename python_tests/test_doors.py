@@ -298,6 +298,8 @@ def test_options_checked_at_every_door():
             cls(bucket_size=BUCKET, **kw)
         with pytest.raises(ValueError, match=f"my door: {what}"):
             SyncOptions(who="my door", **kw)
+    with pytest.raises(ValueError, match="xccl_rs verl engine: bucket_bytes 16 is not in"):
+        cls(bucket_size=16)
     with pytest.raises(ValueError, match="my door: group_backend 'mpi'"):
         SyncOptions(who="my door", group_backend="mpi")
 

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from .weight_sync import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
 from .weight_sync.delta import BASES
+from .weight_sync.format import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
 from .weight_sync.fp8 import SCALES
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,9 @@ class SyncOptions:
         _choice(self.who, "group_backend", self.group_backend, GROUP_BACKENDS)
         if self.shared_memory not in (None, True, False):
             raise ValueError(f"{self.who}: shared_memory {self.shared_memory!r} is not None, True or False")
+        if not MIN_BUCKET_BYTES <= int(self.bucket_bytes) <= MAX_BUCKET_BYTES:
+            raise ValueError(f"{self.who}: bucket_bytes {self.bucket_bytes} is not in [{MIN_BUCKET_BYTES}, "
+                             f"{MAX_BUCKET_BYTES}]")
         if not float(self.timeout_s) > 0:
             raise ValueError(f"{self.who}: timeout_s {self.timeout_s!r} is not a positive number of seconds")
         if isinstance(self.fp8_select, str):
