@@ -492,10 +492,14 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
             mesh = self._meshes.get(key)
             if mesh is None:
                 ranks = torch.tensor(m.owners, dtype=torch.int).view(m.mesh_shape)
-                try:  # no process group of its own: the mesh only says where this rank's piece goes
-                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=False, _rank=self.rank)
+                # Without a process group of its own the mesh only says where this rank's piece
+                # goes; the fp8 payload gathers each weight it quantizes (full_tensor()), so it
+                # gets the default group's (every trainer rank makes the meshes in the same order).
+                gathers = self.options.payload == "fp8"
+                try:
+                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=gathers, _rank=self.rank)
                 except TypeError:  # a torch without _rank: the default group's rank (the trainer rank)
-                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=False)
+                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=gathers)
                 self._meshes[key] = mesh
             shape = torch.Size(m.shape)
             stride, acc = [], 1
