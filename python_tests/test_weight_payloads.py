@@ -75,8 +75,8 @@ def model(step: int, nan: bool = True):
             idx = torch.randperm(n, generator=gs)[:k]
             flat[idx] = (torch.randn(k, generator=gs) * 0.05).to(dtype)
             flat[idx[0]] = float("nan") if nan else 1.5
-            if k > 2:
-                flat[idx[1]] = -flat[idx[1]] if flat[idx[1]] == 0 else 0.0
+            if n > 1:
+                flat[-1] = 0.0 if s % 2 else -0.0  # the sign of zero flips: equal as numbers, not as bits
             if s == 2 and t.dim() == 2 and t.shape[0] > 2:
                 t[1] = (torch.randn(t.shape[1], generator=gs)).to(dtype)  # a whole row changes
         out.append((name, t))
@@ -389,6 +389,8 @@ def w_versions(rank, world_size):
         held = {n: t for n, (v, t) in r._held.items()}
         seen = {}
         for name in new:
+            if compare({name: old[name]}, [(name, new[name])], "") == []:
+                continue  # the same at both steps (the empty tensor): either version fits
             a = held[name]
             if compare({name: a}, [(name, new[name])], "") == []:
                 seen.setdefault(versions[name], set()).add("new")
@@ -398,11 +400,13 @@ def w_versions(rank, world_size):
                 seen.setdefault(versions[name], set()).add("neither")
         out["after_lost"] = {str(v): sorted(k) for v, k in seen.items()}
     sync(5, label="after a lost round")
-    # a sender restarted: no copies, so everything in full
+    # a sender restarted: no copies, so everything in full (this one keeps its copies in host memory)
     if rank == 0:
-        s = WeightSender(pg, bucket_bytes=BUCKET, payload="delta")
+        s = WeightSender(pg, bucket_bytes=BUCKET, payload="delta", delta_base="cpu")
     sync(6, label="after a sender restart")
     sync(7, label="delta after the sender restart")
+    if rank == 0:
+        out["base_bytes"] = s.delta_base_bytes
     # a tensor whose shape changed: in full, the rest as deltas
     items = model(8)
     reshaped = [(n, t.reshape(t.shape[1], t.shape[0]) if n == "lm_head.weight" else t) for n, t in items]
@@ -426,6 +430,8 @@ def test_versions_repair():
     assert sender["after a sender restart"][0] == n_ranges, sender
     assert sender["delta after the sender restart"][0] == 0, sender
     assert res.value(0)["reshaped"][0] == 1, res.value(0)["reshaped"]  # the reshaped one only
+    # what the sender keeps: a copy of every tensor it sent
+    assert res.value(0)["base_bytes"] == sum(t.numel() * t.element_size() for _, t in model(0))
     for r in (1, 2):
         v = res.value(r)
         for label, step, probs in v["steps"]:
@@ -547,6 +553,103 @@ def test_forged_delta(what):
         if what == "shape":
             assert "rank 1" in msg, (r, msg)
         if r == 2:
-            assert "'layers.0" in msg or "'lm_head.weight'" in msg, msg
-            assert ("holds nothing" if what == "base" else "[97, 64]") in msg, msg
+            if what == "base":  # the first tensor it could not apply, named
+                assert "a delta of 'embed_tokens.weight'" in msg and "holds nothing of it" in msg, msg
+            else:
+                assert "a delta of 'lm_head.weight' (torch.bfloat16 [64, 97])" in msg, msg
+                assert "torch.bfloat16 [97, 64]" in msg, msg
         assert v["repaired"] == "no error" and not v.get("problems"), (r, v)
+
+
+# --------------------------------------------------------------------------------------
+# the new fields' checked decoding (in-process)
+# --------------------------------------------------------------------------------------
+
+_USED = 4096
+# an idx entry of 2 changed bf16 elements of a range of 100: 4 value bytes, then 2 int32 indices
+_IDX = ["w", "bfloat16", [10, 10], 0, 12, 0, 200, None, {"k": "idx", "v": 9, "b": 8, "n": 2, "d": 200}]
+
+_ENTRY_CASES = [
+    ("encoding not a dict", "encoding", lambda e: e[:8] + [[1]]),
+    ("encoding extra key", "encoding", lambda e: e[:8] + [dict(e[8], x=1)]),
+    ("unknown kind", "encoding.k", lambda e: e[:8] + [dict(e[8], k="xor")]),
+    ("version zero", "encoding.v", lambda e: e[:8] + [dict(e[8], v=0)]),
+    ("base of a full range", "encoding.b", lambda e: e[:8] + [{"k": "full", "v": 9, "b": 8, "n": 100, "d": 200}]),
+    ("base equal to version", "encoding.b", lambda e: e[:8] + [dict(e[8], b=9)]),
+    ("range past the tensor", "encoding.d", lambda e: e[:8] + [dict(e[8], d=202)]),
+    ("range of half an element", "encoding.d", lambda e: e[:8] + [dict(e[8], d=199)]),
+    ("more changed than elements", "encoding.n", lambda e: e[:8] + [dict(e[8], n=101)]),
+    ("full count not the range", "encoding.n", lambda e: e[:4] + [200] + e[5:8] + [{"k": "full", "v": 9, "b": 0, "n": 99, "d": 200}]),
+    ("bytes not what the encoding takes", "nbytes", lambda e: e[:4] + [14] + e[5:]),
+    ("bytes past the bucket", "nbytes", lambda e: e[:3] + [_USED - 8] + e[4:]),
+    ("indices misaligned", "offset", lambda e: e[:3] + [2] + e[4:]),
+    ("box not a list", "box", lambda e: e[:7] + [5] + e[8:]),
+]
+
+
+@pytest.mark.parametrize("field,mutate", [c[1:] for c in _ENTRY_CASES], ids=[c[0] for c in _ENTRY_CASES])
+def test_encoded_entry_decoder_rejects(field, mutate):
+    from xccl_rs.weight_sync import WeightSyncError
+    from xccl_rs.weight_sync.format import Entry
+
+    good = Entry.decode(list(_IDX), "bucket 0", _USED)
+    assert good.enc.kind == "idx" and good.dense == 200 and good.nbytes == 12 and good.whole
+    assert Entry.decode(good.encode(), "bucket 0", _USED) == good
+    with pytest.raises(WeightSyncError, match=f"bucket 0 \\('w'\\): field '{field}'"):
+        Entry.decode(mutate(list(_IDX)), "bucket 0", _USED)
+
+
+def test_base_list_and_hello_decoders_reject():
+    from xccl_rs.weight_sync import WeightSyncError
+    from xccl_rs.weight_sync.format import MAGIC, VERSION, BaseList, Hello
+
+    good = BaseList(("a", "b"), (5, 7))
+    assert BaseList.decode(good.encode(), "t") == good
+    for raw, field in [(b'{"n": ["a", "a"], "v": [1, 2]}', "n"), (b'{"n": ["a"], "v": [0]}', "v"),
+                       (b'{"n": ["a"], "v": [1, 2]}', "base list"), (b'{"n": ["a"], "v": [1], "x": 1}', "base list"),
+                       (b'{"n": [3], "v": [1]}', "n"), (b"[]", "base list")]:
+        with pytest.raises(WeightSyncError, match=f"field '{field}'"):
+            BaseList.decode(raw, "t")
+    assert Hello.decode([MAGIC, VERSION, 1, -1, 2, 0], "t").payload == 2
+    for values, field in [([MAGIC, VERSION, 1, -1, 3, 0], "payload"), ([MAGIC, VERSION, 1, -1, -2, 0], "payload"),
+                          ([MAGIC, VERSION, 1, -1, 1, -5], "sync"), ([MAGIC, VERSION, 1, -1], "hello")]:
+        with pytest.raises(WeightSyncError, match=f"field '{field}'"):
+            Hello.decode(values, "t")
+
+
+def test_delta_apply_checks_indices_and_bitmaps():
+    """delta.apply against a dense reference; bad indices or bitmaps are refused, the target untouched."""
+    import torch
+
+    from xccl_rs.weight_sync import WeightSyncError
+    from xccl_rs.weight_sync.delta import SenderBases, apply
+    from xccl_rs.weight_sync.format import Encoding
+
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(1000, generator=g).to(torch.bfloat16)
+    for frac in (0.0, 0.01, 0.2, 0.97):
+        new = old.clone()
+        idx = torch.randperm(1000, generator=g)[: int(1000 * frac)]
+        new[idx] = torch.randn(idx.numel(), generator=g).to(torch.bfloat16) + 10
+        bases = SenderBases()
+        bases.update("w", old, 5, None)
+        enc, write = bases.encode("w", new, 0, 1000, 6, bases.usable("w", new))
+        assert enc.kind == ("idx" if frac <= 0.01 else "bits" if frac < 0.9 else "full"), (frac, enc)
+        wire = torch.zeros(enc.wire_nbytes(2), dtype=torch.uint8)
+        write(wire)
+        got = old.clone()
+        apply(got, enc, wire, "t")
+        assert torch.equal(got.view(torch.int16), new.view(torch.int16)), frac
+    # refused, nothing written
+    idx_enc = Encoding("idx", 6, 5, 2, 2000)
+    for indices in ([3, 3], [5, 2], [-1, 4], [4, 1000]):
+        wire = torch.cat([torch.zeros(4, dtype=torch.uint8), torch.tensor(indices, dtype=torch.int32).view(torch.uint8)])
+        target = old.clone()
+        with pytest.raises(WeightSyncError, match="indices are not strictly increasing"):
+            apply(target, idx_enc, wire, "t")
+        assert torch.equal(target.view(torch.int16), old.view(torch.int16))
+    bits_enc = Encoding("bits", 6, 5, 1, 2 * 12)  # 12 elements: a bitmap of 2 bytes
+    for bitmap in ([3, 0], [0, 16], [0, 0]):  # two bits set; a bit past the range; none
+        wire = torch.cat([torch.zeros(2, dtype=torch.uint8), torch.tensor(bitmap, dtype=torch.uint8)])
+        with pytest.raises(WeightSyncError, match="bitmap"):
+            apply(old[:12].clone(), bits_enc, wire, "t")

@@ -22,6 +22,9 @@ before it: the window's pages count on the senders, and on the rollouts that rea
 place). By default the buckets go through each sender's shared window (one host);
 ``--no-shared-memory`` sends them instead (a broadcast with one sender, point to point with
 several).
+
+``--payloads`` runs another comparison instead: the payloads full, delta and fp8 after real
+AdamW steps of a small transformer (bench_payloads.py says what it measures).
 """
 
 from __future__ import annotations
@@ -177,8 +180,13 @@ def main(argv=None) -> int:
     p.add_argument("--gather", action="store_true",
                    help="single and multi gather each full tensor from the trainers' shards (an FSDP2 trainer)")
     p.add_argument("--timeout", type=float, default=600.0, help="group timeout, seconds")
+    from xccl_rs import bench_payloads
+
+    bench_payloads.add_arguments(p)
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.payloads:
+        return bench_payloads.run(args)
     dtype = DTYPES[args.dtype]
     numel = sum(torch.Size(s).numel() for _, s in qwen25_05b_shapes(args.layers))
     nbytes = numel * dtype.itemsize

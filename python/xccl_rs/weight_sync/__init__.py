@@ -64,9 +64,22 @@ reused window, the sender offers a fresh window that already holds its first buc
 its length, then its JSON announcement; empty if it could not make one), and a second vote
 decides (no vote when the offer is empty).
 
+**Payloads** (``WeightSender(payload=...)``; every sender of a group passes the same, and the
+hello tells the receivers, which take no option for it): ``"full"`` sends every tensor as it is;
+``"fp8"`` (fp8.py) sends the selected 2-D weights as float8_e4m3fn values and float32 scales,
+in the layout of vLLM's block-fp8 checkpoints (``<name>_scale_inv``), as two tensors through the
+same buckets; ``"delta"`` (delta.py) sends, after a tensor's first full sync, only what changed
+since the version every receiver holds. A delta sync adds three steps to the order above: right
+after the hello, each sender's base list and a MIN all-reduce of every rank's flags (which
+copies every receiver holds); and after the last bucket, the confirmation (an all-gather: did
+every receiver apply everything). Its entries carry an encoding (format.py) and are packed one
+after another in a sender's bucket: the plan is still computed on the full sizes (so every
+sender plans alike without knowing the others' deltas), and an encoded range never takes more
+room than the plan gave it.
+
 Modules: format.py (the wire format), plan.py (the packing plan), agreement.py (the hello and
 the round agreement), window.py (the shared window and its protocol), sender.py and
-receiver.py (the two roles).
+receiver.py (the two roles), fp8.py and delta.py (the payloads).
 """
 
 from __future__ import annotations

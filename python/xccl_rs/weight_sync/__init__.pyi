@@ -1,6 +1,6 @@
 # Type stubs of the weight-sync engine's public API (python/xccl_rs/weight_sync/__init__.py).
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Union
+from typing import Callable, Literal, Union
 
 import torch
 import torch.distributed as dist
@@ -19,8 +19,23 @@ class SyncStats:
     buckets: int
     seconds: float
     shared_window: bool
+    payload: str
+    tensor_bytes: int
+    elements: int
+    changed: int
+    full_ranges: int
     def __init__(
-        self, bytes: int = 0, tensors: int = 0, buckets: int = 0, seconds: float = 0.0, shared_window: bool = False
+        self,
+        bytes: int = 0,
+        tensors: int = 0,
+        buckets: int = 0,
+        seconds: float = 0.0,
+        shared_window: bool = False,
+        payload: str = "full",
+        tensor_bytes: int = 0,
+        elements: int = 0,
+        changed: int = 0,
+        full_ranges: int = 0,
     ) -> None: ...
     @property
     def gbps(self) -> float: ...
@@ -40,6 +55,7 @@ class WeightSender:
     bucket_bytes: int
     device: torch.device
     shared_memory: bool
+    payload: str
     last_stats: SyncStats | None
     def __init__(
         self,
@@ -49,7 +65,13 @@ class WeightSender:
         device: _Device = None,
         shared_memory: bool | None = None,
         senders: Sequence[int] | None = None,
+        payload: Literal["full", "delta", "fp8"] = "full",
+        fp8_scale: Literal["block", "channel", "tensor"] = "block",
+        fp8_select: Callable[[str, torch.Tensor], bool] | None = None,
+        delta_base: Literal["copy", "cpu"] = "copy",
     ) -> None: ...
+    @property
+    def delta_base_bytes(self) -> int: ...
     def release(self) -> None: ...
     def send(self, named_tensors: _NamedTensors, progress: bool = False) -> SyncStats: ...
     def stream(self, progress: bool = False, total_bytes: int | None = None) -> SendStream: ...
@@ -71,5 +93,8 @@ class WeightReceiver:
         bucket_device: _Device = None,
         senders: Sequence[int] | None = None,
     ) -> None: ...
+    @property
+    def versions(self) -> dict[str, int]: ...
+    def forget(self) -> None: ...
     def release(self) -> None: ...
     def receive(self, progress: bool = False, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]: ...

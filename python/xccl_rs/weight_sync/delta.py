@@ -150,18 +150,20 @@ class SenderBases:
         changed = None
         if base is not None and n_el:
             old = base.tensor.view(-1)[e0:e1]
-            changed = _changed(new.to(old.device), old)
+            new = new.to(old.device)  # delta_base="cpu": compared (and gathered) in host memory
+            changed = _changed(new, old)
         if changed is None:
             enc = Encoding("full", version, 0, n_el, n_el * elsize)
             return enc, lambda dst: dst.view(piece.dtype).copy_(new)
-        count = int(changed.sum())
+        where = changed.nonzero().view(-1)  # (a bool tensor's sum() is many times slower)
+        count = where.numel()
         kind = choose(count, n_el, elsize)
         if kind == "full":
             return Encoding("full", version, 0, n_el, n_el * elsize), lambda dst: dst.view(piece.dtype).copy_(new)
         enc = Encoding(kind, version, base.version, count, n_el * elsize)
-        values = new.to(changed.device)[changed]
+        values = new.index_select(0, where)
         if kind == "idx":
-            idx = changed.nonzero().view(-1).to(torch.int32)
+            idx = where.to(torch.int32)
 
             def write(dst):
                 dst[: count * elsize].view(piece.dtype).copy_(values)
@@ -179,7 +181,7 @@ class SenderBases:
         """After every range of ``piece`` this sender sends was packed: its copy is now ``piece``
         at ``version`` (in the memory of ``old``, its previous copy, when it has one)."""
         base = self.bases[name] = old
-        if base is None:
+        if base is None or base.tensor.shape != piece.shape or base.tensor.dtype != piece.dtype:
             device = torch.device("cpu") if self.where == "cpu" else piece.device
             base = self.bases[name] = _Base(version, torch.empty(piece.shape, dtype=piece.dtype, device=device))
         base.tensor.copy_(piece)
@@ -286,9 +288,9 @@ def apply(target: torch.Tensor, enc: Encoding, wire: torch.Tensor, where: str) -
         target.index_copy_(0, idx, values)
         return
     mask = _unpack_bits(wire[n * elsize :].to(target.device))
-    if bool(mask[elements:].any()) or int(mask.sum()) != n:
+    if bool(mask[elements:].any()) or int(mask.count_nonzero()) != n:
         raise WeightSyncError(
-            f"weight sync: {where}: the delta's bitmap has {int(mask.sum())} bits set (expected {n}), "
+            f"weight sync: {where}: the delta's bitmap has {int(mask.count_nonzero())} bits set (expected {n}), "
             f"or bits past the range's {elements} elements"
         )
     target[mask[:elements]] = values

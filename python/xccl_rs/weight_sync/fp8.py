@@ -71,9 +71,12 @@ def quantize(name: str, w: torch.Tensor, scale: str = "block") -> tuple[torch.Te
     x = w.float()
     if scale == "block":
         rows, cols = -(-out // BLOCK), -(-inp // BLOCK)
-        padded = x.new_zeros(rows * BLOCK, cols * BLOCK)  # whole blocks; the zeros change no max
-        padded[:out, :inp] = x
-        blocks = padded.view(rows, BLOCK, cols, BLOCK)
+        if out % BLOCK or inp % BLOCK:
+            padded = x.new_zeros(rows * BLOCK, cols * BLOCK)  # whole blocks; the zeros change no max
+            padded[:out, :inp] = x
+        else:
+            padded = x  # whole blocks already (read only: nothing below writes into it)
+        blocks = padded.contiguous().view(rows, BLOCK, cols, BLOCK)
         amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR)
         q = (blocks * (amax.reciprocal() * FP8_MAX)).view(rows * BLOCK, cols * BLOCK)[:out, :inp].to(torch.float8_e4m3fn)
         return q.contiguous(), (amax / FP8_MAX).view(rows, cols).to(torch.float32)

@@ -440,7 +440,7 @@ class SendStream:
         if wire:
             write(self._buffer()[off : off + wire])
         if enc.kind == "full":
-            self.stats.full_ranges += 1
+            self.stats.full_ranges += 1 if enc.dense else 0  # an empty tensor is not a range sent in full
         else:
             self.stats.changed += enc.count
         self.stats.elements += enc.dense // elsize
