@@ -1,38 +1,42 @@
 """A verl checkpoint engine, ``"xccl_rs"``: the trainer ranks send weights to the rollout workers
 over a private xccl_rs process group, with :mod:`xccl_rs.weight_sync` -- trainer rank 0 alone
-(``senders: rank0``, the default), or every trainer rank its share (``senders: all``).
+(``senders: rank0``, the default), every trainer rank its share (``senders: all``), or the
+trainer ranks on trainer rank 0's node (``senders: node``).
 
 Use it from a verl config::
 
     actor_rollout_ref.rollout.checkpoint_engine.backend: xccl_rs
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module: xccl_rs.verl_engine
     actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs:
-      xccl_rs: {rebuild_group: false, device: cuda, timeout_s: 600, senders: all}
+      xccl_rs: {rebuild_group: false, device: cuda, timeout_s: 600, senders: all, payload: full}
 
 verl imports ``custom_backend_module`` in every trainer and rollout worker, which registers
 the engine in ``verl.checkpoint_engine.CheckpointEngineRegistry``. Importing this module
 without verl installed does nothing (``XcclRsCheckpointEngine`` is then ``None``).
 
+This file keeps what verl's interface requires; the options, the store, the senders, the
+groups and the roles are the door layer's (door.py), shared with the vLLM engine.
+
 How an update runs (verl's ``CheckpointEngineManager.update_weights``):
 
 1. ``prepare()`` on every worker. The master (trainer rank 0, ``is_master=True``) starts a
    TCPStore on a free port once and reports its address; every worker reports the group it
-   holds (if any).
-2. ``build_topology`` (a classmethod, in the manager): the ``S`` senders are group ranks
-   ``0 .. S-1`` -- trainer rank 0 alone (``senders: rank0``; the other trainer ranks get rank
-   -1, not in the group), or every trainer rank (``senders: all``); rollout worker ``i`` is
-   group rank ``S + i``. The group is kept when every member already holds the same one
-   (same master, generation, size and rank) and ``rebuild_group`` is off; otherwise a new
-   generation is built on the store prefix ``<group_name>/gen<generation>/`` (so elastic
-   changes of either side rebuild it).
+   holds (if any), and with ``senders: node`` its node's address.
+2. ``build_topology`` (a classmethod, in the manager): the ``S`` senders
+   (:func:`xccl_rs.door.pick_senders`) are group ranks ``0 .. S-1`` in trainer-rank order; the
+   other trainer ranks get rank -1 (not in the group); rollout worker ``i`` is group rank
+   ``S + i``. The group is kept when every member already holds the same one (same master,
+   generation, size and rank) and ``rebuild_group`` is off; otherwise a new generation is built
+   on its own store prefix (so elastic changes of either side rebuild it).
 3. ``init_process_group(rank, world_size, master, generation)`` builds the group with
    ``xccl_rs.new_group``.
 4. ``send_weights`` on every trainer rank (rank -1 ranks drain the generator, since producing
    the weights is collective over the trainers) and ``receive_weights`` on the rollout side.
-   With ``senders: all`` every trainer rank is given the same weights: whole tensors (what
-   verl's generators yield, ``full_tensor()`` on every rank) are shared out bucket by bucket,
-   and DTensors (a trainer's FSDP2 state dict as it is) are sent shard by shard, each rank its
-   own, never gathered (docs/usage.md, "Several senders").
+   With several senders every sender is given the same weights: whole tensors (what verl's
+   generators yield, ``full_tensor()`` on every rank) are shared out bucket by bucket, and
+   DTensors (a trainer's FSDP2 state dict as it is; ``senders: all`` only, the mesh being every
+   trainer rank) are sent shard by shard, each rank its own, never gathered (docs/usage.md,
+   "Several senders").
 5. ``finalize()`` frees the buckets, and the group too when ``rebuild_group``.
 """
 
@@ -40,66 +44,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import uuid
-from datetime import timedelta
 from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
-
-from .weight_sync import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender, WeightSyncError
+from .door import SyncGroup, SyncOptions, TrainerStore, default_device, destroy_group, make_group, node_address, pick_senders
+from .weight_sync import DEFAULT_BUCKET_BYTES
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["XcclRsCheckpointEngine", "make_group", "destroy_group"]
 
-
-def make_group(store, rank: int, world_size: int, timeout: timedelta, device=None, name: str = "xccl_rs_verl"):
-    """A private xccl_rs ProcessGroup on ``store`` (nothing registered in the default world)."""
-    import xccl_rs
-
-    return xccl_rs.new_group(store, rank, world_size, timeout=timeout, device=device, name=name)
-
-
-def destroy_group(pg) -> None:
-    import xccl_rs
-
-    try:
-        xccl_rs.destroy_group(pg)
-    except Exception as e:  # noqa: BLE001 - a dead peer must not stop the next rebuild
-        logger.warning("xccl_rs verl engine: destroying the weight-sync group failed: %s", e)
-
-
-def _node_address() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address().strip("[]")
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-def _default_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return "xpu"
-    return "cpu"
+WHO = "xccl_rs verl engine"
 
 
 async def _drain(weights) -> None:
-    if hasattr(weights, "__aiter__"):
-        async for _ in weights:
-            pass
-    else:
-        for _ in weights:
-            pass
+    async for _ in _aiter(weights):
+        pass
 
 
 async def _aiter(weights):
@@ -120,18 +80,29 @@ class _EngineImpl:
     Args (``engine_kwargs``):
         bucket_size: bucket bytes (verl passes ``update_weights_bucket_megabytes << 20``).
         is_master: trainer rank 0 (verl passes it on the trainer side).
-        group_name: store prefix of the group.
+        group_name: store prefix of the groups.
         rebuild_group: build a new group at every update (and destroy it in ``finalize``).
         device: where received tensors are placed (default: the accelerator, else CPU).
         bucket_device: where buckets live (default CPU; "xpu"/"cuda" keeps them on the device,
             which xccl_rs stages through pinned host memory).
         timeout_s: the group's collective timeout, and the rendezvous timeout.
         master_addr / master_port: address the master's TCPStore binds and advertises
-            (default: Ray's node IP / the host's address, and a free port).
+            (default: :func:`xccl_rs.door.node_address` -- Ray's node IP in a Ray cluster --
+            and a free port).
         progress: show a tqdm bar on long syncs.
         senders: ``"rank0"`` (trainer rank 0 sends everything; the others only drain their
-            generator) or ``"all"`` (every trainer rank sends its share; each must be given
-            the same weights, or DTensors that are shards of them).
+            generator), ``"all"`` (every trainer rank sends its share; each must be given the
+            same weights, or DTensors that are shards of them) or ``"node"`` (the trainer ranks
+            on trainer rank 0's node send their shares of the same full tensors; the others drain).
+        payload: ``"full"`` (the tensors as they are), ``"delta"`` (only what changed since the
+            version every rollout holds) or ``"fp8"`` (the selected weights as float8_e4m3fn
+            with float32 scales): what the senders put on the wire (the rollouts learn it
+            from there). ``fp8_scale`` (``"block"``, ``"channel"``, ``"tensor"``) and
+            ``fp8_select`` (a regular expression on the names; default: the 2-D ``...weight``
+            tensors but embeddings, the head and norms) go with ``"fp8"``, ``delta_base``
+            (``"copy"``, ``"cpu"``: where the senders keep what they sent) with ``"delta"``.
+        shared_memory: ``None`` (the shared window when every rank is on one host) or ``False``
+            (the buckets are always sent).
     """
 
     def __init__(
@@ -147,47 +118,55 @@ class _EngineImpl:
         master_port: int = 0,
         progress: bool = False,
         senders: str = "rank0",
+        payload: str = "full",
+        fp8_scale: str = "block",
+        fp8_select: Optional[str] = None,
+        delta_base: str = "copy",
+        shared_memory: Optional[bool] = None,
         **unused: Any,
     ) -> None:
         if unused:
-            logger.info("xccl_rs verl engine: ignoring engine kwargs %s", sorted(unused))
+            logger.info("%s: ignoring engine kwargs %s", WHO, sorted(unused))
+        self.options = SyncOptions(who=WHO, bucket_bytes=int(bucket_size), senders=senders, payload=payload,
+                                   fp8_scale=fp8_scale, fp8_select=fp8_select, delta_base=delta_base,
+                                   shared_memory=shared_memory, timeout_s=timeout_s)
         self.bucket_size = int(bucket_size)
         self.is_master = bool(is_master)
         self.group_name = group_name
         self.rebuild_group = bool(rebuild_group)
         self.device = device
         self.bucket_device = bucket_device
-        self.timeout = timedelta(seconds=float(timeout_s))
+        self.timeout = self.options.timeout
         self.master_addr = master_addr
         self.master_port = int(master_port)
         self.progress = bool(progress)
-        if senders not in ("rank0", "all"):
-            raise ValueError(f"xccl_rs verl engine: senders must be 'rank0' or 'all', got {senders!r}")
         self.senders = senders
         self.n_senders = 1  # the group's first ranks send (from build_topology)
         self.nonce = uuid.uuid4().hex if self.is_master else None
         self.rank: Optional[int] = None
         self.world_size: Optional[int] = None
-        self.group = None
-        self.group_key = None  # (master nonce, generation, world_size, rank)
+        self.sync = SyncGroup(self.options, name="xccl_rs_verl")  # its key: (master nonce, generation, world_size, rank)
         self.generation = 0  # the master's latest generation
-        self._server = None  # the master's TCPStore
-        self._client = None  # (addr, port, store) of a non-master worker
-        self._sender: Optional[WeightSender] = None
-        self._receiver: Optional[WeightReceiver] = None
+        self._store: Optional[TrainerStore] = None  # the master's (served), or a client of it
+
+    @property
+    def group(self):
+        return self.sync.group
+
+    @property
+    def group_key(self):
+        return self.sync.key
 
     # ---- topology -----------------------------------------------------------------------
 
     def prepare(self) -> dict:
-        meta = {"is_master": self.is_master, "group": self.group_key}
+        meta = {"is_master": self.is_master, "group": self.sync.key}
+        if self.senders == "node":
+            meta["host"] = node_address()
         if self.is_master:
-            if self._server is None:
-                addr = self.master_addr or _node_address()
-                self._server = dist.TCPStore(
-                    addr, self.master_port, None, True, timeout=self.timeout, wait_for_workers=False
-                )
-                self._addr = addr
-            meta.update(addr=self._addr, port=self._server.port, nonce=self.nonce,
+            if self._store is None:
+                self._store = TrainerStore.serve(self.master_addr, self.master_port, self.timeout)
+            meta.update(addr=self._store.address, port=self._store.port, nonce=self.nonce,
                         generation=self.generation, rebuild_group=self.rebuild_group, senders=self.senders)
         return meta
 
@@ -196,14 +175,16 @@ class _EngineImpl:
         master = metadata[0]
         if not (isinstance(master, dict) and master.get("is_master")):
             raise ValueError(
-                "xccl_rs verl engine: metadata[0] must come from the master (trainer rank 0 with "
-                f"is_master=True), got {master!r}"
+                f"{WHO}: metadata[0] must come from the master (trainer rank 0 with is_master=True), got {master!r}"
             )
-        n_send = actor_world_size if master.get("senders", "rank0") == "all" else 1
+        mode = master.get("senders", "rank0")
+        hosts = [metadata[t].get("host") for t in range(actor_world_size)] if mode == "node" else None
+        senders = pick_senders(mode, actor_world_size, hosts)
+        n_send = len(senders)
         world_size = n_send + rollout_world_size
-        actor_ranks = list(range(n_send)) + [-1] * (actor_world_size - n_send)
+        actor_ranks = [senders.index(t) if t in senders else -1 for t in range(actor_world_size)]
         rollout_ranks = list(range(n_send, world_size))
-        members = [(metadata[i], i) for i in range(n_send)] + [
+        members = [(metadata[t], actor_ranks[t]) for t in senders] + [
             (metadata[actor_world_size + i], rollout_ranks[i]) for i in range(rollout_world_size)
         ]
         gen = master["generation"]
@@ -217,22 +198,16 @@ class _EngineImpl:
         )
         generation = gen if keep else gen + 1
         where = {"addr": master["addr"], "port": master["port"], "nonce": master["nonce"]}
-        actor_kwargs = {
-            "rank": actor_ranks,
-            "world_size": [world_size] * actor_world_size,
-            "master_metadata": [where] * actor_world_size,
-            "generation": [generation] * actor_world_size,
-        }
-        rollout_kwargs = {
-            "rank": rollout_ranks,
-            "world_size": [world_size] * rollout_world_size,
-            "master_metadata": [where] * rollout_world_size,
-            "generation": [generation] * rollout_world_size,
-        }
-        if n_send > 1:
-            actor_kwargs["senders"] = [n_send] * actor_world_size
-            rollout_kwargs["senders"] = [n_send] * rollout_world_size
-        return actor_kwargs, rollout_kwargs
+
+        def kwargs(ranks: list) -> dict:
+            n = len(ranks)
+            out = {"rank": ranks, "world_size": [world_size] * n, "master_metadata": [where] * n,
+                   "generation": [generation] * n}
+            if n_send > 1:
+                out["senders"] = [n_send] * n
+            return out
+
+        return kwargs(actor_ranks), kwargs(rollout_ranks)
 
     def init_process_group(self, rank: int, world_size: int, master_metadata: dict, generation: int, senders: int = 1):
         """Joins (or keeps) the group of ``generation``; group ranks ``0 .. senders-1`` send."""
@@ -240,55 +215,39 @@ class _EngineImpl:
         if rank < 0:
             return
         key = (master_metadata["nonce"], generation, world_size, rank)
-        if self.group is not None and self.group_key == key:
+        if self.sync.holds(key):
             return
-        self._drop_group()
-        if self.is_master:
-            store = self._server
-        else:
+        if not self.is_master:
             addr, port = master_metadata["addr"], master_metadata["port"]
-            if self._client is None or self._client[:2] != (addr, port):
-                self._client = (addr, port, dist.TCPStore(addr, port, None, False, timeout=self.timeout))
-            store = self._client[2]
-        prefix = dist.PrefixStore(f"{self.group_name}/gen{generation}/", store)
-        self.group = make_group(prefix, rank, world_size, self.timeout, device=self.bucket_device)
-        self.group_key = key
+            if self._store is None or not self._store.reaches(addr, port):
+                self._store = TrainerStore.connect(addr, port, self.timeout)
+        self.sync.join(self._store.under(self.group_name), generation, rank, world_size, self.n_senders, key=key,
+                       device=self.bucket_device)
         if self.is_master:
             self.generation = generation
-        logger.info("xccl_rs verl engine: rank %d of %d, generation %d", rank, world_size, generation)
+        logger.info("%s: rank %d of %d, generation %d", WHO, rank, world_size, generation)
 
     def _drop_group(self) -> None:
-        if self._sender is not None:
-            self._sender.release()
-        self._sender = self._receiver = None
-        if self.group is not None:
-            destroy_group(self.group)
-        self.group = None
-        self.group_key = None
+        self.sync.drop()
 
     def _forget_group_after_failure(self, error: BaseException) -> None:
         """A failed sync may leave the group failed on every member (a dead or stalled peer), and
         a failed group refuses every later op. So this worker gives it up: its next
         ``prepare()`` reports no group, and the next update builds a new generation (with
         whichever workers are alive then) even with ``rebuild_group`` off."""
-        logger.warning("xccl_rs verl engine: the sync failed (%s); the next update builds a new group", error)
-        if self._receiver is not None:
-            self._receiver.release()
-        self._drop_group()
+        logger.warning("%s: the sync failed (%s); the next update builds a new group", WHO, error)
+        self.sync.drop()
 
     def finalize(self):
-        if self._sender is not None:
-            self._sender.release()
-        if self._receiver is not None:
-            self._receiver.release()
+        self.sync.release()
         if self.rebuild_group:
-            self._drop_group()
+            self.sync.drop()
 
     # ---- transfer -----------------------------------------------------------------------
 
     def _check_member(self, what: str) -> None:
         if self.rank is None:
-            raise RuntimeError(f"xccl_rs verl engine: {what} before init_process_group")
+            raise RuntimeError(f"{WHO}: {what} before init_process_group")
 
     async def send_weights(self, weights, global_steps: Optional[int] = None):
         """On every trainer rank: the senders send (their shares); the others only drain ``weights``."""
@@ -297,11 +256,8 @@ class _EngineImpl:
             await _drain(weights)
             return {}
         if self.rank >= self.n_senders:
-            raise RuntimeError(f"xccl_rs verl engine: rank {self.rank} is a rollout rank; it cannot send")
-        if self._sender is None:
-            self._sender = WeightSender(self.group, bucket_bytes=self.bucket_size, device=self.bucket_device,
-                                        senders=list(range(self.n_senders)))
-        stream = self._sender.stream(progress=self.progress)
+            raise RuntimeError(f"{WHO}: rank {self.rank} is a rollout rank; it cannot send")
+        stream = self.sync.sender(self.bucket_device).stream(progress=self.progress)
         name = "<first tensor>"
         try:
             async for name, tensor in _aiter(weights):
@@ -312,7 +268,7 @@ class _EngineImpl:
             stream.abort(f"{type(e).__name__} after {name!r}: {e}")
             self._forget_group_after_failure(e)
             raise
-        logger.info("xccl_rs verl engine: step %s sent %s", global_steps, stats)
+        logger.info("%s: step %s sent %s", WHO, global_steps, stats)
         return {
             "xccl_rs/sync_seconds": stats.seconds,
             "xccl_rs/sync_bytes": stats.bytes,
@@ -324,13 +280,9 @@ class _EngineImpl:
         run in a worker thread, so the event loop stays free."""
         self._check_member("receive_weights")
         if self.rank < self.n_senders:
-            raise RuntimeError(f"xccl_rs verl engine: rank {self.rank} does not receive weights")
-        if self._receiver is None:
-            self._receiver = WeightReceiver(
-                self.group, bucket_bytes=self.bucket_size, device=self.device or _default_device(),
-                bucket_device=self.bucket_device, senders=list(range(self.n_senders)),
-            )
-        it = self._receiver.receive(progress=self.progress)
+            raise RuntimeError(f"{WHO}: rank {self.rank} does not receive weights")
+        receiver = self.sync.receiver(self.device or default_device(), self.bucket_device)
+        it = receiver.receive(progress=self.progress)
         try:
             while True:
                 try:
@@ -346,7 +298,7 @@ class _EngineImpl:
                 it.close()
             except ValueError:  # still running in the worker thread (the consumer was cancelled)
                 pass
-        logger.info("xccl_rs verl engine: step %s received %s", global_steps, self._receiver.last_stats)
+        logger.info("%s: step %s received %s", WHO, global_steps, receiver.last_stats)
 
 
 try:

@@ -7,15 +7,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .door import SyncGroup, SyncOptions
+
 def make_group(
     store: dist.Store,
     rank: int,
     world_size: int,
     timeout: timedelta,
     device: str | torch.device | None = None,
-    name: str = "xccl_rs_verl",
+    name: str = "xccl_rs_weight_sync",
+    backend: str = "xccl_rs",
 ) -> dist.ProcessGroup: ...
-def destroy_group(pg: dist.ProcessGroup | None) -> None: ...
+def destroy_group(group: dist.ProcessGroup | None) -> None: ...
 
 class _Engine:
     bucket_size: int
@@ -27,6 +30,12 @@ class _Engine:
     timeout: timedelta
     senders: str
     n_senders: int
+    options: SyncOptions
+    sync: SyncGroup
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def group_key(self) -> tuple[str, int, int, int] | None: ...
     def __init__(
         self,
         bucket_size: int,
@@ -41,6 +50,11 @@ class _Engine:
         master_port: int = 0,
         progress: bool = False,
         senders: str = "rank0",
+        payload: str = "full",
+        fp8_scale: str = "block",
+        fp8_select: str | None = None,
+        delta_base: str = "copy",
+        shared_memory: bool | None = None,
         **unused: Any,
     ) -> None: ...
     def prepare(self) -> dict[str, Any]: ...

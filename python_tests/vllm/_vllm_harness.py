@@ -489,18 +489,22 @@ class PipeClient(SyncClient):
 
 
 @torch.no_grad()
-def set_weights(model: nn.Module, seed: int) -> None:
+def set_weights(model: nn.Module, seed: int, changed: float = 1.0) -> None:
     """New values in every parameter (deterministic from ``seed``), also when they are FSDP2's
-    DTensor shards: each rank writes its own piece of the same full values, with no collective."""
+    DTensor shards: each rank writes its own piece of the same full values, with no collective.
+    ``changed`` below 1: only that fraction of the elements (chosen from ``seed``) get new values,
+    as after a training step at a small learning rate."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     g = torch.Generator().manual_seed(seed)
     for _, p in model.named_parameters():
         full = torch.randn(p.shape, generator=g).to(p.dtype)
+        mask = torch.rand(p.shape, generator=g) < changed
         if isinstance(p, DTensor):
-            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
-        else:
-            p.copy_(full)
+            full, mask = (distribute_tensor(x, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                          for x in (full, mask))
+        local = p.to_local() if isinstance(p, DTensor) else p
+        local.copy_(torch.where(mask, full, local))
 
 
 class ProxyClient(SyncClient):
@@ -607,9 +611,15 @@ def trainer_main(conn, client_conn, rank: int, n: int, store_path: str, cfg: Cfg
 
     def init(world_size: int, options: dict):
         """The engine, made as vLLM's trainer makes it; ``options``: the init info's fields (``rank``
-        too, to give a wrong one), and ``source`` (False: made without a WeightSource)."""
+        too, to give a wrong one), ``source`` (False: made without a WeightSource) and ``node``
+        ({trainer rank: the node address it reports}, for ``senders="node"``)."""
         options = dict(options)
         source = options.pop("source", True)
+        node = options.pop("node", {}).get(rank)  # senders="node": the node address this rank reports
+        import xccl_rs.door
+        import xccl_rs.vllm_engine._trainer as trainer_side
+
+        trainer_side.node_address = (lambda: node) if node is not None else xccl_rs.door.node_address
         options.setdefault("rank", rank)
         info = XcclRsTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=world_size, **options)
         client = ProxyClient(client_conn) if rank == 0 else NoClient(rank)
@@ -628,9 +638,9 @@ def trainer_main(conn, client_conn, rank: int, n: int, store_path: str, cfg: Cfg
         p = params["model.norm.weight"]
         return [("model.norm.weight", p.full_tensor() if isinstance(p, DTensor) else p.detach().clone())]
 
-    def send(seed: int, how: str = "source"):
+    def send(seed: int, how: str = "source", changed: float = 1.0):
         engine = state["engine"]
-        set_weights(model, seed)
+        set_weights(model, seed, changed)
         source = engine.source
         if state["die_after"] is not None:  # this trainer dies mid-round, after that many tensors
             count, inner = [0], (source.iter_local if engine.info.sharded else source.iter_full)
@@ -651,11 +661,12 @@ def trainer_main(conn, client_conn, rank: int, n: int, store_path: str, cfg: Cfg
                 engine.send_weights(items) if items is not None else engine.send_weights()
         except BaseException as e:  # noqa: BLE001
             return {"error": f"{type(e).__name__}: {e}", "elapsed": time.monotonic() - t0}
-        sender = engine._sender
-        st = engine.last_stats
-        return {"bytes": st.bytes, "tensors": st.tensors, "buckets": st.buckets, "shared": st.shared_window,
-                "full_tensor_calls": gathers[0], "rss": mem.extra, "generation": engine._generation,
-                "allocated": [slot.buf is not None for slot in sender._slots]}
+        sender = engine._sync.role  # None on a trainer rank that does not send
+        st = engine.last_stats if sender is not None else None
+        return {"bytes": st.bytes if st else 0, "tensors": st.tensors if st else 0, "buckets": st.buckets if st else 0,
+                "shared": st.shared_window if st else None, "full_tensor_calls": gathers[0], "rss": mem.extra,
+                "generation": engine._generation,
+                "allocated": [slot.buf is not None for slot in sender._slots] if sender is not None else []}
 
     def reference():
         """torch's own full tensors of every parameter (``full_tensor()``: its all-gather),

@@ -236,7 +236,7 @@ def test_trainer_rank_that_does_not_send():
     engine.send_weights()
     engine.send_weights()
     assert source.passes == 2 and client.calls == []
-    assert engine._server is None and engine._group is None and engine._sender is None
+    assert engine._store is None and engine._sync.group is None and engine._sync.role is None
 
 
 def test_registered_by_entry_point_alone():

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
+from ..door import GROUP_BACKENDS
 from ..weight_sync import DEFAULT_BUCKET_BYTES
 from . import BACKEND
-from ._session import GROUP_BACKENDS
 
 
 def make_infos(base) -> tuple[type, type, type]:
@@ -77,12 +77,24 @@ def make_infos(base) -> tuple[type, type, type]:
         shared window).
 
         ``senders``: ``"rank0"`` (the default: trainer rank 0 sends everything, the other ranks
-        only iterate the source) or ``"all"`` (every trainer rank sends its share). With
-        ``"all"``: ``num_trainer_ranks`` is the number of trainer ranks, and the trainers must
-        be the ranks of ``trainer_group`` (default: the initialised default process group),
-        each ``rank`` its rank there; ``sharded=True`` sends each rank's pieces from the
-        source's ``iter_local()`` as they are (FSDP shards: nothing gathered), otherwise the full
-        tensors of ``iter_full()`` are shared out."""
+        only iterate the source), ``"all"`` (every trainer rank sends its share) or ``"node"``
+        (the trainer ranks on trainer rank 0's node send their shares; the others only iterate
+        the source). With ``"all"`` or ``"node"``: ``num_trainer_ranks`` is the number of
+        trainer ranks, and the trainers must be the ranks of ``trainer_group`` (default: the
+        initialised default process group), each ``rank`` its rank there; with ``"all"``,
+        ``sharded=True`` sends each rank's pieces from the source's ``iter_local()`` as they are
+        (FSDP shards: nothing gathered), otherwise the full tensors of ``iter_full()`` are
+        shared out.
+
+        ``payload``: what the senders put on the wire: ``"full"`` (the tensors as they are),
+        ``"delta"`` (only what changed since the version every worker holds) or ``"fp8"`` (the
+        selected weights as float8_e4m3fn with float32 scales, in vLLM's fp8 layout); the
+        workers learn it from the wire. With ``"fp8"``: ``fp8_scale`` (``"block"``,
+        ``"channel"``, ``"tensor"``) and ``fp8_select`` (a regular expression on the names, or
+        a callable ``(name, tensor) -> bool``; default: the 2-D ``...weight`` tensors but
+        embeddings, the head and norms); with ``"delta"``: ``delta_base`` (``"copy"``,
+        ``"cpu"``). ``shared_memory``: ``None`` (the shared window where trainer and workers
+        share a host) or ``False`` (the buckets are always sent)."""
 
         backend: ClassVar[str] = BACKEND
 
@@ -97,6 +109,11 @@ def make_infos(base) -> tuple[type, type, type]:
         senders: str = "rank0"
         num_trainer_ranks: int = 1
         sharded: bool = False
+        payload: str = "full"
+        fp8_scale: str = "block"
+        fp8_select: Any = field(default=None, compare=False)
+        delta_base: str = "copy"
+        shared_memory: Optional[bool] = None
         trainer_group: Any = field(default=None, repr=False, compare=False)
 
     return XcclRsWeightTransferInitInfo, XcclRsWeightTransferUpdateInfo, XcclRsTrainerInitInfo

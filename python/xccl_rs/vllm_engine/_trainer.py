@@ -9,16 +9,15 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict
-from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..weight_sync import WeightSender
+from ..door import SyncGroup, SyncOptions, TrainerStore, node_address, pick_senders
 from ..weight_sync._common import vote
 from . import WeightTransferError
-from ._session import GROUP_BACKENDS, SENDERS, _Keys, _describe, _destroy_group, _make_group, _node_address, _publish
+from ._session import GROUP_NAME, _Keys, _describe, _publish
 
 logger = logging.getLogger("xccl_rs.vllm_engine")
 
@@ -35,7 +34,7 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
         calls ``trainer_init`` and ``send_weights``. Rank 0 drives the rounds (the store, the
         client's calls); with ``senders="rank0"`` it alone sends and the others only run the
         source's iteration (for its collectives) and allocate nothing; with ``senders="all"``
-        every rank sends its share."""
+        every rank sends its share, with ``senders="node"`` every rank on rank 0's node."""
 
         init_info_cls = XcclRsTrainerInitInfo
 
@@ -43,36 +42,49 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
                      info: Optional[XcclRsTrainerInitInfo] = None) -> None:
             super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
             self.info = info
-            self.timeout = timedelta(seconds=float(info.timeout_s if info is not None else 600.0))
-            self._server = None  # the TCPStore (rank 0)
-            self._client_store = None  # a client of it (the other ranks, senders="all")
-            self._root = None  # the session prefix over either
+            self.options = self.options_of(info) if info is not None else SyncOptions(who="XcclRsTrainerInitInfo")
+            self.timeout = self.options.timeout
+            self._store: Optional[TrainerStore] = None  # served (rank 0), or a client of it (senders="all"/"node")
+            self._root = None  # the session prefix over it
             self.session = ""
-            self.address = ""
-            self.port = 0
-            self._trainers = None  # the trainers' process group (senders="all")
-            self.n_senders = 1  # group ranks 0 .. n_senders-1 send
+            self._trainers = None  # the trainers' process group (senders="all"/"node")
+            self._sending = [0]  # the trainer ranks that send: group ranks 0 .. n_senders-1
             self._round = 0
             self._generation = 0
-            self._group = None
+            self._sync = SyncGroup(self.options, name=GROUP_NAME)
             self._members: list[int] = []
-            self._sender: Optional[WeightSender] = None
             self._who: dict[int, dict] = {}  # member id -> its registration
             self._meshes: dict = {}  # (device type, owners, mesh shape) -> DeviceMesh (sharded sources)
             self.last_stats = None
 
+        @property
+        def n_senders(self) -> int:
+            return len(self._sending)
+
+        @property
+        def address(self) -> str:
+            return self._store.address if self._store is not None else ""
+
+        @property
+        def port(self) -> int:
+            return self._store.port if self._store is not None else 0
+
         # ---- set-up ------------------------------------------------------------------
+
+        @staticmethod
+        def options_of(info: XcclRsTrainerInitInfo) -> SyncOptions:
+            """The door's options of ``info`` (checked: a bad one raises, naming the field)."""
+            return SyncOptions(who="XcclRsTrainerInitInfo", bucket_bytes=int(info.bucket_bytes), senders=info.senders,
+                               payload=info.payload, fp8_scale=info.fp8_scale, fp8_select=info.fp8_select,
+                               delta_base=info.delta_base, shared_memory=info.shared_memory,
+                               timeout_s=float(info.timeout_s), group_backend=info.group_backend)
 
         @classmethod
         def trainer_init(cls, init_info: XcclRsTrainerInitInfo, *, client, source: Optional[WeightSource] = None):
             # Without a source, every send_weights() gets its tensors as an argument.
-            if init_info.senders not in SENDERS:
-                raise ValueError(f"XcclRsTrainerInitInfo: senders {init_info.senders!r} is not one of {SENDERS}")
-            if init_info.group_backend not in GROUP_BACKENDS:
-                raise ValueError(f"XcclRsTrainerInitInfo: group_backend {init_info.group_backend!r} is not one of "
-                                 f"{GROUP_BACKENDS}")
-            if init_info.senders == "all":
-                return cls._init_all(init_info, client, source)
+            cls.options_of(init_info)
+            if init_info.senders != "rank0":
+                return cls._init_several(init_info, client, source)
             if init_info.sharded:
                 raise ValueError(
                     "XcclRsTrainerInitInfo: sharded=True sends every trainer rank's own pieces, so every rank "
@@ -114,42 +126,48 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
                 )
 
         @classmethod
-        def _init_all(cls, info: XcclRsTrainerInitInfo, client, source: Optional[WeightSource]):
-            """``senders="all"``: every trainer rank checks what it can, the ranks agree (one
-            all-gather over the trainers' group: all raise, or none), then rank 0 opens the
-            session and shares its store's address and prefix with the others."""
+        def _init_several(cls, info: XcclRsTrainerInitInfo, client, source: Optional[WeightSource]):
+            """``senders="all"`` or ``"node"``: every trainer rank checks what it can, the ranks
+            agree (one all-gather over the trainers' group, which also tells where each runs:
+            all raise, or none), then rank 0 opens the session and shares its store's address
+            and prefix with the others."""
             n = int(info.num_trainer_ranks)
+            mode = info.senders
             group = info.trainer_group
             if group is None and dist.is_available() and dist.is_initialized():
                 group = dist.group.WORLD
             if group is None:
                 raise ValueError(
-                    "xccl_rs trainer engine: senders='all' makes every trainer rank a sender, and the trainer ranks "
-                    "share the session through a torch.distributed process group, but there is none: call "
+                    f"xccl_rs trainer engine: senders={mode!r} makes several trainer ranks senders, and the trainer "
+                    "ranks share the session through a torch.distributed process group, but there is none: call "
                     "torch.distributed.init_process_group on every trainer rank (or pass trainer_group), or use "
                     "senders='rank0'"
                 )
             if group.size() != n:
                 raise ValueError(
-                    f"xccl_rs trainer engine: senders='all' with num_trainer_ranks {n}, but the trainer process group "
-                    f"has {group.size()} ranks: every trainer rank is a sender, so they must be the same (set "
-                    "num_trainer_ranks to the trainers' group size, or pass the trainers' group as trainer_group)"
+                    f"xccl_rs trainer engine: senders={mode!r} with num_trainer_ranks {n}, but the trainer process "
+                    f"group has {group.size()} ranks: they must be the same (set num_trainer_ranks to the trainers' "
+                    "group size, or pass the trainers' group as trainer_group)"
                 )
             mine = None
             try:
                 cls._check_counts(info)
                 if info.rank != group.rank():
                     raise ValueError(f"its rank is {info.rank}, but it is rank {group.rank()} of the trainer group")
+                if info.sharded and mode != "all":
+                    raise ValueError(f"sharded=True sends every trainer rank's own pieces, so every rank must send: "
+                                     f"it needs senders='all', not {mode!r}")
                 cls._check_source_all(source, n, bool(info.sharded))
             except Exception as e:  # noqa: BLE001 - every rank raises, below
                 mine = f"{type(e).__name__}: {e}"
             everyone = [None] * n
-            dist.all_gather_object(everyone, mine, group=group)
-            bad = [f"trainer rank {r}: {e}" for r, e in enumerate(everyone) if e is not None]
+            dist.all_gather_object(everyone, (mine, node_address() if mode == "node" else None), group=group)
+            bad = [f"trainer rank {r}: {e}" for r, (e, _) in enumerate(everyone) if e is not None]
             if bad:
-                raise ValueError("xccl_rs trainer engine (senders='all') refused: " + "; ".join(bad))
+                raise ValueError(f"xccl_rs trainer engine (senders={mode!r}) refused: " + "; ".join(bad))
             engine = cls(client=client, source=source, is_sender=info.is_sender, rank=info.rank, info=info)
-            engine._trainers, engine.n_senders = group, n
+            engine._trainers = group
+            engine._sending = pick_senders(mode, n, [host for _, host in everyone])
             where, error = [None], None
             if engine.is_sender:
                 try:
@@ -190,14 +208,9 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
                     )
 
         def _serve(self) -> None:
-            info = self.info
-            self.address = info.master_address or _node_address()
-            self._server = dist.TCPStore(
-                self.address, int(info.master_port), None, True, timeout=self.timeout, wait_for_workers=False
-            )
-            self.port = int(self._server.port)
+            self._store = TrainerStore.serve(self.info.master_address, int(self.info.master_port), self.timeout)
             self.session = f"xccl_rs_vllm/{uuid.uuid4().hex}"
-            self._root = dist.PrefixStore(self.session + "/", self._server)
+            self._root = self._store.under(self.session)
 
         def _start_session(self) -> None:
             """Rank 0: the workers' engines connect to the store and register."""
@@ -212,15 +225,15 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
                 )
 
         def _connect(self, where: dict) -> None:
-            """The other trainer ranks (``senders="all"``): a client of rank 0's store."""
-            self.address, self.port, self.session = where["address"], int(where["port"]), where["session"]
-            self._client_store = dist.TCPStore(self.address, self.port, None, False, timeout=self.timeout)
-            self._root = dist.PrefixStore(self.session + "/", self._client_store)
+            """The other trainer ranks (``senders="all"``/``"node"``): a client of rank 0's store."""
+            self._store = TrainerStore.connect(where["address"], int(where["port"]), self.timeout)
+            self.session = where["session"]
+            self._root = self._store.under(self.session)
 
         @property
         def worker_init_info(self) -> dict:
             """The init info every worker gets (``init_weight_transfer_engine``'s payload)."""
-            if self._server is None:
+            if self._store is None or not self._store.served:
                 raise RuntimeError("xccl_rs trainer engine: only trainer rank 0 has the worker init info")
             workers = int(self.info.world_size) - int(self.info.num_trainer_ranks)
             info = XcclRsWeightTransferInitInfo(
@@ -259,7 +272,7 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
 
         def _who_is(self, rank: int) -> str:
             if 0 <= rank < self.n_senders:
-                return f"trainer rank {rank}" if self.n_senders > 1 else ""
+                return f"trainer rank {self._sending[rank]}" if self.n_senders > 1 else ""
             if self.n_senders <= rank < self.n_senders + len(self._members):
                 return _describe(self._who.get(self._members[rank - self.n_senders], {}))
             return ""
@@ -281,15 +294,7 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
                 logger.warning("xccl_rs trainer engine: ending the failed round on the workers failed: %s", e)
 
         def _drop_group(self) -> None:
-            if self._sender is not None:
-                try:
-                    self._sender.release()
-                except Exception as e:  # noqa: BLE001
-                    logger.warning("xccl_rs trainer engine: releasing the buckets failed: %s", e)
-            self._sender = None
-            if self._group is not None:
-                _destroy_group(self._group)
-            self._group = None
+            self._sync.drop()
 
         def send_weights(self, weights=None) -> None:
             """One round: the source's tensors, checked against its metadata; or, when
@@ -333,20 +338,20 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
             """The round's number, members and generation, decided by rank 0 (with
             ``senders="all"``, told to the other trainer ranks through their group, which also
             tells rank 0 whether each still holds the last generation's group)."""
-            held = self._generation if self._group is not None else 0
+            held = self._generation if self._sync.group is not None else 0
             plan, error = None, None
             if self.is_sender:
                 try:
                     members = self._open_round()
                     plan = {"round": self._round, "members": members, "generation": self._generation,
-                            "keep": self._group is not None and members == self._members}
+                            "keep": self._sync.group is not None and members == self._members}
                 except BaseException as e:
                     error, plan = e, {"error": str(e)}
             helds = [held]
             if self._trainers is not None:
-                everyone = [None] * self.n_senders
+                everyone = [None] * self._trainers.size()
                 dist.all_gather_object(everyone, {"held": held, "plan": plan}, group=self._trainers)
-                plan, helds = everyone[0]["plan"], [x["held"] for x in everyone]
+                plan, helds = everyone[0]["plan"], [everyone[r]["held"] for r in self._sending]
             if error is not None:
                 raise error
             if "error" in plan:
@@ -360,6 +365,11 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
 
         def _transfer(self, pairs) -> None:
             k, generation, members, n = self._round, self._generation, self._members, self.n_senders
+            if self.rank not in self._sending:  # senders="node": a rank off rank 0's node
+                for _ in pairs:  # the producer's collectives
+                    pass
+                self._await_report(k)
+                return
             exe = future = None
             if self.is_sender:
                 update_info = asdict(XcclRsWeightTransferUpdateInfo(round=k, generation=generation,
@@ -368,15 +378,11 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
                 future = exe.submit(self.client.update_weights, update_info)
             try:
                 try:
-                    if self._group is None:
-                        store = dist.PrefixStore(_Keys.generation(generation), self._root)
-                        rank = self.rank if self._trainers is not None else 0
-                        self._group = _make_group(store, rank, n + len(members), self.timeout, self.info.device,
-                                                  self.info.group_backend)
-                        self._sender = WeightSender(self._group, senders=list(range(n)),
-                                                    bucket_bytes=int(self.info.bucket_bytes), device=self.info.device)
-                    stats = self._sender.send(pairs)
-                    all_ok = vote(self._group, True)
+                    if self._sync.group is None:
+                        self._sync.join(self._root, generation, self._sending.index(self.rank), n + len(members), n,
+                                        device=self.info.device)
+                    stats = self._sync.sender(self.info.device).send(pairs)
+                    all_ok = vote(self._sync.group, True)
                 except BaseException as e:
                     self._drop_group()
                     text = str(e)
@@ -384,11 +390,14 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
                         text += f" (the workers' update_weights: {future.exception()})"
                     where = f" on trainer rank {self.rank}" if n > 1 else ""
                     senders = f", {n} sending trainer ranks" if n > 1 else ""
-                    raise WeightTransferError(
+                    error = WeightTransferError(
                         f"xccl_rs weight transfer: round {k} (generation {generation}, {len(members)} "
                         f"workers{senders}) failed{where}: {text}{self._named(text)}. The next send_weights() "
                         "builds a new group over the workers that check in"
-                    ) from e
+                    )
+                    if self.is_sender:  # the trainer ranks that do not send wait for its word
+                        self._report(k, str(error))
+                    raise error from e
                 # The protocol ran to its end (the vote): rank 0 sees the workers' calls return and
                 # tells the other trainer ranks how the round ended.
                 if self.is_sender:
@@ -433,8 +442,8 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
             self.client.finish_weight_update()
 
         def _report(self, k: int, error: Optional[str]) -> None:
-            """Rank 0 (``senders="all"``): how round ``k`` ended, for the other trainer ranks."""
-            if self._trainers is None or self.n_senders < 2:
+            """Rank 0 (``senders="all"``/``"node"``): how round ``k`` ended, for the other trainer ranks."""
+            if self._trainers is None or self._trainers.size() < 2:
                 return
             try:
                 _publish(self._root, _Keys.outcome(k), json.dumps({"error": error}))
@@ -483,10 +492,14 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
             mesh = self._meshes.get(key)
             if mesh is None:
                 ranks = torch.tensor(m.owners, dtype=torch.int).view(m.mesh_shape)
-                try:  # no process group of its own: the mesh only says where this rank's piece goes
-                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=False, _rank=self.rank)
+                # Without a process group of its own the mesh only says where this rank's piece
+                # goes; the fp8 payload gathers each weight it quantizes (full_tensor()), so it
+                # gets the default group's (every trainer rank makes the meshes in the same order).
+                gathers = self.options.payload == "fp8"
+                try:
+                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=gathers, _rank=self.rank)
                 except TypeError:  # a torch without _rank: the default group's rank (the trainer rank)
-                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=False)
+                    mesh = DeviceMesh(local.device.type, ranks, _init_backend=gathers)
                 self._meshes[key] = mesh
             shape = torch.Size(m.shape)
             stride, acc = [], 1
@@ -526,7 +539,6 @@ def make_trainer_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTr
         def shutdown(self) -> None:
             self._drop_group()
             self._root = None
-            self._server = None
-            self._client_store = None
+            self._store = None
 
     return XcclRsTrainerWeightTransferEngine

@@ -6,17 +6,15 @@ import json
 import logging
 import os
 import socket
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from ..weight_sync import WeightReceiver
+from ..door import SyncGroup, SyncOptions, TrainerStore
 from ..weight_sync._common import vote
 from . import WeightTransferError, _loading
 from ._loading import _cancel_layerwise_reload, _dtype_guard, _load_one
-from ._session import _Keys, _describe, _destroy_group, _make_group, _publish
+from ._session import GROUP_NAME, _Keys, _describe, _publish
 
 logger = logging.getLogger("xccl_rs.vllm_engine")
 
@@ -37,12 +35,10 @@ def make_worker_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTra
         def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
             super().__init__(config, vllm_config, device, model)
             self._info: Optional[XcclRsWeightTransferInitInfo] = None
-            self._store = None  # (client TCPStore, session PrefixStore)
+            self._store = None  # (the trainer's TrainerStore, the session's PrefixStore)
             self._member: Optional[int] = None
             self._round: Optional[int] = None  # the round this worker checked in for
-            self._group = None
-            self._generation = 0
-            self._receiver: Optional[WeightReceiver] = None
+            self._sync: Optional[SyncGroup] = None  # the group of a generation (its key)
             self._reloading = False
             self._guard = _dtype_guard()
             self.last_stats = None
@@ -58,9 +54,10 @@ def make_worker_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTra
         def init_transfer_engine(self, init_info: XcclRsWeightTransferInitInfo) -> None:
             """Connects to the trainer's store and registers this worker as a member."""
             self.shutdown()
-            timeout = timedelta(seconds=float(init_info.timeout_s))
-            client = dist.TCPStore(init_info.master_address, int(init_info.master_port), None, False, timeout=timeout)
-            root = dist.PrefixStore(init_info.session.rstrip("/") + "/", client)
+            options = SyncOptions(who="xccl_rs vLLM worker", timeout_s=float(init_info.timeout_s),
+                                  group_backend=init_info.group_backend)
+            client = TrainerStore.connect(init_info.master_address, int(init_info.master_port), options.timeout)
+            root = client.under(init_info.session)
             pc = self.parallel_config
             me = {
                 "dp": int(getattr(pc, "data_parallel_index", 0) or 0),
@@ -72,6 +69,7 @@ def make_worker_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTra
             member = int(root.add(_Keys.MEMBERS, 1))
             _publish(root, _Keys.member(member), json.dumps(me))
             self._info, self._store, self._member = init_info, (client, root), member
+            self._sync = SyncGroup(options, name=GROUP_NAME)
             logger.info("xccl_rs vLLM engine: member %d of session %s (%s)", member, init_info.session, _describe(me))
 
         def _root(self):
@@ -106,7 +104,7 @@ def make_worker_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTra
         def _join(self, generation: int, members: list, senders: int) -> None:
             """The group of ``generation`` (kept while the trainer keeps it): trainer ranks
             ``0 .. senders-1`` send, this worker is rank ``senders`` + its place in ``members``."""
-            if self._group is not None and self._generation == generation:
+            if self._sync.holds(generation):
                 return
             self._drop_group()
             if self._member not in members:
@@ -116,23 +114,13 @@ def make_worker_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTra
                 )
             if senders < 1:
                 raise WeightTransferError(f"xccl_rs weight transfer: the update info names {senders} senders")
-            info = self._info
             rank = senders + members.index(self._member)
-            store = dist.PrefixStore(_Keys.generation(generation), self._root())
-            timeout = timedelta(seconds=float(info.timeout_s))
-            self._group = _make_group(store, rank, senders + len(members), timeout, info.bucket_device,
-                                      info.group_backend)
-            self._generation = generation
-            self._receiver = WeightReceiver(self._group, senders=list(range(senders)), device=self.device,
-                                            bucket_device=info.bucket_device)
+            self._sync.join(self._root(), generation, rank, senders + len(members), senders,
+                            device=self._info.bucket_device)
 
         def _drop_group(self) -> None:
-            if self._receiver is not None:
-                self._receiver.release()
-            self._receiver = None
-            if self._group is not None:
-                _destroy_group(self._group)
-            self._group = None
+            if self._sync is not None:
+                self._sync.drop()
 
         def _cancel_reload(self) -> None:
             """After a failed round: vLLM's layerwise reload ends, each layer holding whole weights."""
@@ -164,10 +152,11 @@ def make_worker_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTra
                 if isinstance(e, WeightTransferError):
                     raise
                 raise WeightTransferError(f"xccl_rs weight transfer: round {k}: joining the group failed: {e}") from e
-            rank = self._group.rank()
+            rank = self._sync.group.rank()
+            receiver = self._sync.receiver(self.device, self._info.bucket_device)
             refused: Optional[str] = None
             try:
-                for name, tensor in self._receiver.receive(copy=True):
+                for name, tensor in receiver.receive(copy=True):
                     if refused is not None:
                         continue  # drained: the sender waits for every receiver
                     try:
@@ -177,14 +166,14 @@ def make_worker_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTra
                     del tensor
                 if refused is not None:
                     _publish(root, _Keys.refusal(k, rank), refused)
-                all_ok = vote(self._group, refused is None)
+                all_ok = vote(self._sync.group, refused is None)
             except Exception as e:
                 self._failed()
                 raise WeightTransferError(
                     f"xccl_rs weight transfer: round {k} failed on group rank {rank}: {e}; the next round "
                     "builds a new group"
                 ) from e
-            self.last_stats = self._receiver.last_stats
+            self.last_stats = receiver.last_stats
             if refused is not None:
                 self._cancel_reload()  # the group ran the round to its end: kept
                 raise WeightTransferError(f"xccl_rs weight transfer: round {k}: this worker (group rank {rank}) "
@@ -203,6 +192,7 @@ def make_worker_engine(base, XcclRsWeightTransferInitInfo: type, XcclRsWeightTra
 
         def shutdown(self) -> None:
             self._drop_group()
+            self._sync = None
             self._store = None
             self._info = None
             self._member = None

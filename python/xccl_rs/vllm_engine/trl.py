@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ..weight_sync import DEFAULT_BUCKET_BYTES
 
 
@@ -19,11 +21,14 @@ class TRLWeightTransfer:
 
     def __init__(self, vllm_client, *, master_address: str = "", master_port: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 1800.0, device: str = "cpu",
-                 worker_bucket_device: str = "cpu", group_backend: str = "xccl_rs") -> None:
+                 worker_bucket_device: str = "cpu", group_backend: str = "xccl_rs", payload: str = "full",
+                 fp8_scale: str = "block", fp8_select=None, delta_base: str = "copy",
+                 shared_memory: Optional[bool] = None) -> None:
         self.vllm = vllm_client
         self.options = dict(master_address=master_address, master_port=master_port, bucket_bytes=bucket_bytes,
                             timeout_s=timeout_s, device=device, worker_bucket_device=worker_bucket_device,
-                            group_backend=group_backend)
+                            group_backend=group_backend, payload=payload, fp8_scale=fp8_scale,
+                            fp8_select=fp8_select, delta_base=delta_base, shared_memory=shared_memory)
         self.engine = None
 
     def init_weight_transfer(self) -> None:
