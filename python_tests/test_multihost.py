@@ -15,7 +15,9 @@ this build has no OFI transport).
   layouts when XCCL_RS_TEST_MULTIHOST=1 (scripts/test_extra.sh), over links shaped to 1 Gbit/s.
 - Faults, over links shaped to 1 Gbit/s so that an all_reduce of 16 MiB lasts long enough for the
   fault to fall inside it: every rank raises within the timeout plus 2 s, its error naming a rank
-  on the other side of the fault, and no file of theirs is left in /dev/shm.
+  on the other side of the fault, and no file of theirs is left in /dev/shm. A wrong
+  FI_PROVIDER, and hosts asking for different transports: every rank raises at set-up, naming
+  the setting.
 
 Skipped, saying why, where namespaces cannot be made (they need root).
 """
@@ -295,6 +297,52 @@ def test_fault_between_hosts(fault, transport, tmp_path):
     left = multihost.shm_files_of(pids)
     if left:
         problems.append(f"left in /dev/shm: {left}")
+    assert not problems, "\n".join(problems)
+
+
+def w_setup(rank, world):
+    """Creates the group and runs one all_reduce; returns (error text or None, seconds taken)."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    try:
+        multihost.init_in_namespace(rank, world, timeout=timedelta(seconds=TIMEOUT_S))
+        dist.all_reduce(torch.ones(8))
+    except Exception as e:  # noqa: BLE001 - the test looks at what every rank got
+        return str(e), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+SETUP_FAULTS = {
+    # every rank asks for a provider libfabric does not have
+    "wrong-provider": (lambda h: {"FI_PROVIDER": "no_such_provider"}, "FI_PROVIDER"),
+    # host 0 over OFI, host 1 over TCP
+    "mixed-transports": (lambda h: multihost.TRANSPORT_ENV["ofi" if h == 0 else "tcp"], "XCCL_RS_TRANSPORT"),
+}
+
+
+@pytest.mark.parametrize("fault", list(SETUP_FAULTS))
+def test_setup_error_between_hosts(fault):
+    """A wrong FI_PROVIDER, or hosts that ask for different transports: every rank raises at
+    set-up, within the timeout plus 2 s, naming the setting."""
+    _skip_unless_transport("ofi")
+    env_of_host, setting = SETUP_FAULTS[fault]
+    where = multihost.placement(FAULT_LAYOUT)
+    world = len(where)
+    with netns.NamespaceHosts(len(FAULT_LAYOUT), rails=max(FAULT_LAYOUT)) as hosts:
+        base = multihost.rank_env(hosts, FAULT_LAYOUT, "ofi")
+        res = run_ranks(world, w_setup, init="none", timeout_s=90,
+                        rank_env=lambda r: {**base(r), **env_of_host(where[r][0])})
+    problems = []
+    for r in range(world):
+        text, seconds = res.value(r)
+        if text is None:
+            problems.append(f"rank {r}: no error")
+        elif setting not in text:
+            problems.append(f"rank {r}'s error does not name {setting}: {text[:400]}")
+        if seconds > TIMEOUT_S + 2.0 + 5.0:  # + the group's set-up on a busy 2-core machine
+            problems.append(f"rank {r} took {seconds:.1f} s")
     assert not problems, "\n".join(problems)
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -368,6 +369,54 @@ def _print_row(row, world, gloo_time):
           f"{(f'{floor * 1e6:.1f}' if floor else '-'):>11}{(f'{t / floor:.2f}' if floor else '-'):>10}", flush=True)
 
 
+# ------------------------------------------------------------------------------ the cost model
+
+NODES = (2, 4, 8, 16, 32, 64)
+GPUS_PER_NODE = 8
+NIC_GBS = (25, 50)
+ALL_REDUCE_BYTES = 1 << 30
+WEIGHTS_7B = 7.62e9 * 2  # Qwen2.5-7B's parameters in bf16
+
+
+def cost_model(path: str) -> str:
+    """The projection table (markdown) from a run's JSON: alpha, the per-message cost between
+    hosts (xccl_rs's p2p, half a round trip, on the first layout), and eta, the fraction of the
+    link rate xccl_rs's largest all_reduce and its weight sync reached (floor / time)."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    mine = [r for r in rows if r.get("backend") == "xccl_rs"]
+    first = mine[0]["layout"]
+    alpha = statistics.median(next(r for r in mine if r.get("op") == "p2p" and r["layout"] == first)["times"])
+    ar = max((r for r in mine if r.get("op") == "all_reduce" and r["layout"] == first), key=lambda r: r["bytes"])
+    eta_ar = ar["floor"] / statistics.median(ar["times"])
+    ws = [r for r in mine if "seconds" in r]
+    eta_ws = max(r["floor"] / r["seconds"] for r in ws) if ws else 1.0
+    g = GPUS_PER_NODE
+    lines = [
+        f"Measured ({path}): alpha = {alpha * 1e6:.0f} us (8-byte p2p between hosts, half a round trip, {first}); "
+        f"all_reduce {human(ar['bytes'])} at {first} reached eta = {eta_ar:.2f} of the link floor; "
+        f"the weight sync eta = {eta_ws:.2f}.",
+        "",
+        "| nodes x 8 | NIC | all_reduce 1 GiB: rail floor | xccl_rs (rails) | NCCL ring | 7B sync: node floor | xccl_rs (per-GPU) | NCCL broadcast |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for nic in NIC_GBS:
+        b = nic * 1e9
+        for n in NODES:
+            ranks = n * g
+            rail_floor = 2 * (n - 1) / n * ALL_REDUCE_BYTES / (g * b)
+            ours = rail_floor / eta_ar + 2 * (n - 1) * alpha
+            nccl = 2 * (ranks - 1) / ranks * ALL_REDUCE_BYTES / (g * b) + 2 * (ranks - 1) * alpha
+            rollouts = n // 2 * g
+            ws_floor = WEIGHTS_7B / (g * b)
+            ws_ours = WEIGHTS_7B / (b * eta_ws) + math.ceil(WEIGHTS_7B / (128 << 20)) * alpha  # a message per bucket and rollout
+            ws_nccl = WEIGHTS_7B / (g * b) + rollouts * alpha
+            ms = lambda t: f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"  # noqa: E731
+            lines.append(f"| {n} x {g} | {nic} GB/s | {ms(rail_floor)} | {ms(ours)} | {ms(nccl)} | {ms(ws_floor)} "
+                         f"| {ms(ws_ours)} | {ms(ws_nccl)} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", nargs="+", default=["2x2", "4x1"], help="HOSTSxRANKS, e.g. 2x2 4x1 2x4")
@@ -382,7 +431,11 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mb", type=int, default=128)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--cost-model", metavar="JSON", help="print the projection table from a run's --json, and exit")
     args = p.parse_args(argv)
+    if args.cost_model:
+        print(cost_model(args.cost_model))
+        return 0
     why = netns.shaping_unavailable()
     if why is not None:
         print(f"cannot build the test bed: {why}", file=sys.stderr)
