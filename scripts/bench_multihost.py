@@ -378,42 +378,55 @@ ALL_REDUCE_BYTES = 1 << 30
 WEIGHTS_7B = 7.62e9 * 2  # Qwen2.5-7B's parameters in bf16
 
 
+NCCL_ALPHA = 5e-6  # an assumed per-step latency of NCCL on an RDMA fabric, for the last column
+
+
 def cost_model(path: str) -> str:
-    """The projection table (markdown) from a run's JSON: alpha, the per-message cost between
-    hosts (xccl_rs's p2p, half a round trip, on the first layout), and eta, the fraction of the
-    link rate xccl_rs's largest all_reduce and its weight sync reached (floor / time)."""
+    """The projection table (markdown) from a run's JSON, whose inputs come from its layout of one
+    rank (one rail) per host: alpha, xccl_rs's per-message cost between hosts (its 8-byte p2p,
+    half a round trip), and eta, the fraction of the link rate its largest all_reduce and its
+    weight sync reached (floor / time)."""
     with open(path) as f:
         rows = json.load(f)["rows"]
-    mine = [r for r in rows if r.get("backend") == "xccl_rs"]
-    first = mine[0]["layout"]
-    alpha = statistics.median(next(r for r in mine if r.get("op") == "p2p" and r["layout"] == first)["times"])
-    ar = max((r for r in mine if r.get("op") == "all_reduce" and r["layout"] == first), key=lambda r: r["bytes"])
+    mine = [r for r in rows if r.get("backend") == "xccl_rs" and r["layout"].endswith("x1")]
+    layout = mine[0]["layout"]
+    alpha = statistics.median(next(r for r in mine if r.get("op") == "p2p")["times"])
+    ar = max((r for r in mine if r.get("op") == "all_reduce"), key=lambda r: r["bytes"])
     eta_ar = ar["floor"] / statistics.median(ar["times"])
     ws = [r for r in mine if "seconds" in r]
     eta_ws = max(r["floor"] / r["seconds"] for r in ws) if ws else 1.0
     g = GPUS_PER_NODE
+    buckets = math.ceil(WEIGHTS_7B / (128 << 20))
     lines = [
-        f"Measured ({path}): alpha = {alpha * 1e6:.0f} us (8-byte p2p between hosts, half a round trip, {first}); "
-        f"all_reduce {human(ar['bytes'])} at {first} reached eta = {eta_ar:.2f} of the link floor; "
-        f"the weight sync eta = {eta_ws:.2f}.",
+        f"Measured ({os.path.basename(path)}, {layout}): alpha = {alpha * 1e6:.0f} us; all_reduce "
+        f"{human(ar['bytes'])} at eta = {eta_ar:.2f} of the link floor; weight sync at eta = {eta_ws:.2f}.",
         "",
-        "| nodes x 8 | NIC | all_reduce 1 GiB: rail floor | xccl_rs (rails) | NCCL ring | 7B sync: node floor | xccl_rs (per-GPU) | NCCL broadcast |",
-        "|---|---|---|---|---|---|---|---|",
+        "| nodes x 8 | NIC | all_reduce 1 GiB: floor | xccl_rs, rails | NCCL ring | NCCL ring, alpha 5 us "
+        "| 7B sync: node floor | xccl_rs, each GPU all | NCCL broadcast | NCCL broadcast, alpha 5 us |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def t(x):
+        return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
     for nic in NIC_GBS:
         b = nic * 1e9
         for n in NODES:
-            ranks = n * g
-            rail_floor = 2 * (n - 1) / n * ALL_REDUCE_BYTES / (g * b)
-            ours = rail_floor / eta_ar + 2 * (n - 1) * alpha
-            nccl = 2 * (ranks - 1) / ranks * ALL_REDUCE_BYTES / (g * b) + 2 * (ranks - 1) * alpha
-            rollouts = n // 2 * g
+            ranks, rollouts = n * g, n // 2 * g
+            floor = 2 * (n - 1) / n * ALL_REDUCE_BYTES / (g * b)
+            ring_bytes = 2 * (ranks - 1) / ranks * ALL_REDUCE_BYTES / (g * b)
             ws_floor = WEIGHTS_7B / (g * b)
-            ws_ours = WEIGHTS_7B / (b * eta_ws) + math.ceil(WEIGHTS_7B / (128 << 20)) * alpha  # a message per bucket and rollout
-            ws_nccl = WEIGHTS_7B / (g * b) + rollouts * alpha
-            ms = lambda t: f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"  # noqa: E731
-            lines.append(f"| {n} x {g} | {nic} GB/s | {ms(rail_floor)} | {ms(ours)} | {ms(nccl)} | {ms(ws_floor)} "
-                         f"| {ms(ws_ours)} | {ms(ws_nccl)} |")
+            cells = [
+                floor,
+                floor / eta_ar + 2 * (n - 1) * alpha,
+                ring_bytes + 2 * (ranks - 1) * alpha,
+                ring_bytes + 2 * (ranks - 1) * NCCL_ALPHA,
+                ws_floor,
+                WEIGHTS_7B / (b * eta_ws) + buckets * alpha,
+                ws_floor + rollouts * alpha,
+                ws_floor + rollouts * NCCL_ALPHA,
+            ]
+            lines.append(f"| {n} x {g} | {nic} GB/s | " + " | ".join(t(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -431,6 +444,7 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mb", type=int, default=128)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--label", default="", help="printed in the header (e.g. the build's commit)")
     p.add_argument("--cost-model", metavar="JSON", help="print the projection table from a run's --json, and exit")
     args = p.parse_args(argv)
     if args.cost_model:
@@ -445,6 +459,8 @@ def main(argv=None) -> int:
 
     print(f"bench_multihost: {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"xccl_rs from {os.path.dirname(xccl_rs.__file__)}, this checkout at {_commit()}", flush=True)
+    if args.label:
+        print(f"build: {args.label}")
     print("command: " + " ".join([os.path.basename(sys.executable), "scripts/bench_multihost.py", *(argv or sys.argv[1:])]))
     rows, ok = [], True
     layouts = [parse_layout(x) for x in args.layouts]
