@@ -91,7 +91,7 @@ class NamespaceHosts:
         self.addresses = [self.address(h, 0) for h in range(count)]
         self._made: list[str] = []
         try:
-            self._make(tag, burst)
+            self._make(burst)
         except BaseException:
             self.close()
             raise
@@ -102,7 +102,7 @@ class NamespaceHosts:
     def _port(self, host: int, rail: int) -> str:
         return f"p{host}r{rail}"  # the bridge's end of host's rail (inside the hub namespace)
 
-    def _make(self, tag: str, burst: str) -> None:
+    def _make(self, burst: str) -> None:
         _ip("netns", "add", self.hub)
         self._made.append(self.hub)
         for rail in range(self.rails):
@@ -115,11 +115,9 @@ class NamespaceHosts:
             for key in ("all", "default"):  # replies to another rail's traffic come back on this one
                 _run("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.conf.{key}.rp_filter=0")
             for rail in range(self.rails):
-                host_end, port = f"{tag}h{h}r{rail}", self._port(h, rail)
-                _ip("link", "add", host_end, "type", "veth", "peer", "name", f"{tag}p{h}r{rail}")
-                _ip("link", "set", host_end, "netns", ns)
-                _ip("link", "set", f"{tag}p{h}r{rail}", "netns", self.hub, "name", port)
-                _ip("-n", ns, "link", "set", host_end, "name", f"rail{rail}")
+                port = self._port(h, rail)
+                # both ends made inside their namespaces: nothing ever exists outside them
+                _ip("link", "add", "name", f"rail{rail}", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.hub)
                 _ip("-n", ns, "addr", "add", f"{self.address(h, rail)}/24", "dev", f"rail{rail}")
                 _ip("-n", ns, "link", "set", f"rail{rail}", "up")
                 _ip("-n", self.hub, "link", "set", port, "master", f"br{rail}")
