@@ -7,7 +7,8 @@ Builds the test bed of python_tests/netns.py: every "host" a network namespace, 
 its own veth (rail) to a bridge of that rail, every veth shaped with tbf to --rate each way on
 both ends, so that the links, not this machine's cores, bound what crosses hosts. Local rank i
 of host h advertises its rail address (XCCL_RS_SOCKET_HOST) and host (XCCL_RS_HOST_ID); gloo
-binds the same interface (GLOO_SOCKET_IFNAME). Then, in one run, per layout:
+binds the same interface (GLOO_SOCKET_IFNAME); ``--transport ofi`` runs xccl_rs between hosts over
+libfabric's tcp provider. Then, in one run, per layout:
 
 - all_reduce (SUM), all_gather (all_gather_into_tensor) and reduce_scatter (reduce_scatter_tensor)
   at each size on xccl_rs and gloo in turn, each checked once against the sum or concatenation
@@ -54,6 +55,7 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python_tests"))
 import netns  # noqa: E402
+from multihost import TRANSPORT_ENV  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -97,14 +99,14 @@ def human(n: int) -> str:
 # ------------------------------------------------------------------------------ ranks
 
 
-def _enter(rank: int, world: int, port: int, hosts_names: list[str], per_host: int, addresses):
+def _enter(rank: int, world: int, port: int, hosts_names: list[str], per_host: int, addresses, transport: str):
     """This rank's store client (on the machine's loopback, connected before leaving it), then its
     host's namespace and rail."""
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=300))
     h, i = divmod(rank, per_host)
     netns.enter(hosts_names[h])
     os.environ.update({"XCCL_RS_SOCKET_HOST": addresses[h][i], "XCCL_RS_HOST_ID": f"netns-{h}",
-                       "GLOO_SOCKET_IFNAME": f"rail{i}"})
+                       "GLOO_SOCKET_IFNAME": f"rail{i}", **TRANSPORT_ENV[transport]})
     return store
 
 
@@ -197,7 +199,7 @@ def _rank_body(rank, args, world, port, names, addresses, queue):
 
     torch.set_num_threads(1)
     hosts, per_host = args.layout_now
-    store = _enter(rank, world, port, names, per_host, addresses)
+    store = _enter(rank, world, port, names, per_host, addresses, args.transport)
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group("xccl_rs", store=dist.PrefixStore("xccl_rs/", store), rank=rank, world_size=world,
                             timeout=timeout)
@@ -315,7 +317,7 @@ def _run_layout(args, layout, out):
                  for r in range(world)]
         for p in procs:
             p.start()
-        print(f"\n## {hosts} hosts x {per_host} ranks ({world} ranks), rails of {args.rate} "
+        print(f"\n## {hosts} hosts x {per_host} ranks ({world} ranks), xccl_rs over {args.transport}, rails of {args.rate} "
               f"({rate / 1e6:.0f} MB/s each way)", flush=True)
         print(f"{'op':<15}{'size':>6}  {'backend':<8}{'time us':>12}{'algbw':>8}{'busbw':>8}{'#wrong':>7}"
               f"{'vs gloo':>8}{'floor us':>11}{'x floor':>10}", flush=True)
@@ -433,6 +435,8 @@ def cost_model(path: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", nargs="+", default=["2x2", "4x1"], help="HOSTSxRANKS, e.g. 2x2 4x1 2x4")
+    p.add_argument("--transport", default="tcp", choices=list(TRANSPORT_ENV),
+                   help="xccl_rs between hosts: tcp, or ofi (libfabric's tcp provider)")
     p.add_argument("--rate", default="1gbit", help="every rail's rate each way (tc tbf rate)")
     p.add_argument("--sizes", nargs="+", default=["8", "1M", "16M", "64M"])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
