@@ -14,10 +14,11 @@ this build has no OFI transport).
   test_collectives.py (every collective x dtype x op x size x completion mode) runs on the same
   layouts when XCCL_RS_TEST_MULTIHOST=1 (scripts/test_extra.sh), over links shaped to 1 Gbit/s.
 - Faults, over links shaped to 1 Gbit/s so that an all_reduce of 16 MiB lasts long enough for the
-  fault to fall inside it: every rank raises within the timeout plus 2 s, its error naming a rank
-  on the other side of the fault, and no file of theirs is left in /dev/shm. A wrong
-  FI_PROVIDER, and hosts asking for different transports: every rank raises at set-up, naming
-  the setting.
+  fault to fall inside it (a link cut, a rank killed on another host): every rank raises within
+  the timeout plus 2 s, its error naming a rank on the other side of the fault, shuts down
+  without hanging, and no file of theirs is left in /dev/shm. With XCCL_RS_TEST_MULTIHOST=1 the
+  same with every rank a script of its own, which must also exit non-zero. A wrong FI_PROVIDER,
+  and hosts asking for different transports: every rank raises at set-up, naming the setting.
 
 Skipped, saying why, where namespaces cannot be made (they need root).
 """
@@ -27,6 +28,9 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from datetime import timedelta
@@ -35,7 +39,7 @@ import pytest
 
 import multihost
 import netns
-from harness import ctx, run_ranks
+from harness import collect_outputs, ctx, run_ranks
 
 _WHY_NOT = netns.unavailable()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no network namespaces here: {_WHY_NOT}")
@@ -197,6 +201,67 @@ def test_whole_sweep_between_shaped_hosts(layout, transport):
 FAULT_LAYOUT = (2, 2)
 BIG = 4 << 20  # float32 elements: 16 MiB, over 100 ms on a 1 Gbit/s rail
 
+# A rank as a user's script: all_reduces of 16 MiB until one raises, which it reports (with the
+# time) and lets propagate, so that the process exits as the user's would. The fault ("cut": the
+# test takes host 1's links down; "kill": the victim SIGKILLs itself) strikes during one.
+FAULT_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    from datetime import timedelta
+    sys.path.insert(0, {tests!r})
+    import netns
+    import torch, torch.distributed as dist
+    import xccl_rs
+    rank, world, port, fault, victim, signal_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
+    store.add("started", 1)  # the group's short timeout starts once every rank has imported torch
+    while int(store.add("started", 0)) < world:
+        time.sleep(0.01)
+    netns.enter(os.environ["XCCL_RS_TEST_NETNS"])
+    dist.init_process_group("xccl_rs", store=store, rank=rank, world_size=world, timeout=timedelta(seconds={timeout}))
+    big = torch.ones({big})
+    for _ in range(2):  # every connection made, every step warm
+        dist.all_reduce(big)
+    dist.barrier()
+
+    def die_soon():
+        time.sleep(0.05)  # inside the first all_reduce after the barrier
+        with open(os.path.join(signal_dir, "fault-at"), "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == victim:
+        if fault == "cut":
+            open(os.path.join(signal_dir, "cut-now"), "w").close()
+        else:
+            threading.Thread(target=die_soon, daemon=True).start()
+    try:
+        for _ in range(100):
+            dist.all_reduce(big)
+    except RuntimeError as e:
+        print(f"RAISED-AT {{time.time()!r}}", file=sys.stderr, flush=True)
+        raise
+    print("NO ERROR", flush=True)
+    """
+)
+
+
+def _names_rank(text: str, rank: int) -> bool:
+    """Whether an error names `rank`: "rank 3", or in a list of ranks, "ranks not heard from: [2, 3]"."""
+    return re.search(rf"\brank {rank}\b|\branks\b[^\[\]]*\[[\d, ]*\b{rank}\b[\d, ]*\]", text) is not None
+
+
+def _cut_when_asked(hosts, host, signal_dir, stop):
+    flag = os.path.join(signal_dir, "cut-now")
+    while not stop.is_set():
+        if os.path.exists(flag):
+            time.sleep(0.05)  # the all_reduce every rank has just started is under way
+            hosts.cut(host)
+            with open(os.path.join(signal_dir, "fault-at"), "w") as f:
+                f.write(repr(time.time()))
+            return
+        time.sleep(0.002)
+
 
 def w_fault(rank, world, fault, victims, signal_dir):
     """Runs all_reduces of 16 MiB until one raises; `fault` ("cut" or "kill") strikes during one.
@@ -225,28 +290,11 @@ def w_fault(rank, world, fault, victims, signal_dir):
     return "no error"
 
 
-def _names_rank(text: str, rank: int) -> bool:
-    """Whether an error names `rank`: "rank 3", or in a list of ranks, "ranks not heard from: [2, 3]"."""
-    return re.search(rf"\brank {rank}\b|\branks\b[^\[\]]*\[[\d, ]*\b{rank}\b[\d, ]*\]", text) is not None
-
-
 def _die_soon(signal_dir):
     time.sleep(0.05)  # inside the first all_reduce after the barrier
     with open(os.path.join(signal_dir, "fault-at"), "w") as f:
         f.write(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _cut_when_asked(hosts, host, signal_dir, stop):
-    flag = os.path.join(signal_dir, "cut-now")
-    while not stop.is_set():
-        if os.path.exists(flag):
-            time.sleep(0.05)  # the all_reduce every rank has just started is under way
-            hosts.cut(host)
-            with open(os.path.join(signal_dir, "fault-at"), "w") as f:
-                f.write(repr(time.time()))
-            return
-        time.sleep(0.002)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -293,8 +341,65 @@ def test_fault_between_hosts(fault, transport, tmp_path):
             problems.append(f"rank {r}'s error names none of ranks {other_side}: {text[:400]}")
         if r not in res.errors:
             problems.append(f"rank {r} did not raise out of its function")
+    problems += [f"rank {r}: {why}" for r, why in sorted(res.shutdown_problems.items())]  # a hang on the way out
     pids = [res.partials[r]["pid"] for r in range(world) if "pid" in res.partials.get(r, {})]
     left = multihost.shm_files_of(pids)
+    if left:
+        problems.append(f"left in /dev/shm: {left}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.skipif(not SLOW, reason="a fresh interpreter per rank: set XCCL_RS_TEST_MULTIHOST=1 (scripts/test_extra.sh)")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("fault", ["cut", "kill"])
+def test_fault_between_hosts_as_scripts(fault, transport, tmp_path):
+    """The faults above with every rank a script of its own (a fresh interpreter, as a user
+    runs it): each raises in time, naming a rank on the other side, and exits non-zero."""
+    import torch.distributed as dist
+
+    _skip_unless_transport(transport)
+    where = multihost.placement(FAULT_LAYOUT)
+    world = len(where)
+    victims = [r for r in range(world) if where[r][0] == 1] if fault == "cut" else [world - 1]
+    script = FAULT_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), timeout=TIMEOUT_S, big=BIG)
+    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    stop = threading.Event()
+    with netns.NamespaceHosts(len(FAULT_LAYOUT), rails=max(FAULT_LAYOUT), rate="1gbit") as hosts:
+        cutter = threading.Thread(target=_cut_when_asked, args=(hosts, 1, str(tmp_path), stop), daemon=True)
+        if fault == "cut":
+            cutter.start()
+        env_of = multihost.rank_env(hosts, FAULT_LAYOUT, transport, TORCH_FR_BUFFER_SIZE="0", OMP_NUM_THREADS="1")
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", script, str(r), str(world), str(store.port), fault, str(victims[0]), str(tmp_path)],
+                env={**os.environ, **env_of(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for r in range(world)
+        ]
+        try:
+            outs = collect_outputs(procs, timeout_s=120)
+        finally:
+            stop.set()
+            if cutter.is_alive():
+                cutter.join()
+    assert (tmp_path / "fault-at").exists(), "the fault never happened:\n" + "\n".join(o for _, o in outs)
+    fault_at = float((tmp_path / "fault-at").read_text())
+    problems = []
+    for r, (rc, out) in enumerate(outs):
+        if fault == "kill" and r in victims:
+            continue
+        raised = re.search(r"RAISED-AT (\S+)", out)
+        if rc == 0 or raised is None:
+            problems.append(f"rank {r} exited with {rc} without raising:\n{out[-2000:]}")
+            continue
+        late = float(raised.group(1)) - fault_at
+        if late > TIMEOUT_S + 2.0:
+            problems.append(f"rank {r} raised {late:.1f} s after the fault (timeout {TIMEOUT_S} s)")
+        other_side = victims if r not in victims else [v for v in range(world) if v not in victims]
+        error = out[raised.end():]
+        if not any(_names_rank(error, v) for v in other_side):
+            problems.append(f"rank {r}'s error names none of ranks {other_side}: {error[-1500:]}")
+    left = multihost.shm_files_of([p.pid for p in procs])
     if left:
         problems.append(f"left in /dev/shm: {left}")
     assert not problems, "\n".join(problems)
