@@ -460,11 +460,11 @@ impl Worker {
                 let started = Instant::now();
                 let staged = staging.is_some();
                 let r = self.run_one(op, i, &ctx, staging.as_deref_mut());
-                if r.is_ok() {
-                    self.record(op, ctx.seq, staged, started);
+                if let Ok(algorithm) = r {
+                    self.record(op, ctx.seq, staged, started, algorithm);
                 }
                 i += 1;
-                r.map_err(|e| (ctx, e))
+                r.map(drop).map_err(|e| (ctx, e))
             };
             if let Err((ctx, e)) = result {
                 self.fail(&ctx, e.clone());
@@ -504,7 +504,7 @@ impl Worker {
     }
 
     /// Adds a collective that succeeded, started at `started`, to the group's statistics.
-    fn record(&mut self, op: &Op<Buf>, seq: u64, staged: bool, started: Instant) {
+    fn record(&mut self, op: &Op<Buf>, seq: u64, staged: bool, started: Instant, algorithm: Algorithm) {
         let duration = started.elapsed();
         // The wall clock only where a line shows it.
         let start = if self.stats.writes_lines() { SystemTime::now() - duration } else { SystemTime::UNIX_EPOCH };
@@ -515,7 +515,7 @@ impl Worker {
             op: op.kind,
             dtype: op.dtype,
             bytes: total(&op.inputs).max(total(&op.outputs)),
-            algorithm: select::algorithm(op.kind, shape),
+            algorithm,
             fabric: fabric_name(shape, staged),
             start,
             duration,
@@ -528,15 +528,18 @@ impl Worker {
         if op.kind == OpKind::Send { self.p2p.sent[peer] } else { self.p2p.received[peer] }
     }
 
-    /// Runs collective `op` (op `index` of its job), chunk by chunk (pipeline.rs).
-    fn run_one(&mut self, op: &Op<Buf>, index: usize, ctx: &OpCtx, staging: Option<&mut StagedJob>) -> Result<()> {
+    /// Runs collective `op` (op `index` of its job), chunk by chunk (pipeline.rs); returns the
+    /// algorithm of its first chunk, the largest (what statistics name).
+    fn run_one(&mut self, op: &Op<Buf>, index: usize, ctx: &OpCtx, staging: Option<&mut StagedJob>) -> Result<Algorithm> {
         let identity = op.identity();
         let chunk_bytes = self.config.pipeline_chunk_bytes;
         let world_size = self.fabric.tcp.size();
-        let shape = self.fabric.parts.shape();
+        let mut first = None;
         pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk| {
-            let path = select::select_for(chunk, &FabricCaps::of(&self.fabric.parts));
-            self.first_uses.note(op.kind, shape, path, identity.count as usize * op.dtype.size(), ctx.rank);
+            let fabric = FabricCaps::of(&self.fabric.parts, world_size);
+            let path = select::select_for(chunk, &fabric);
+            first.get_or_insert(select::algorithm_of_path(path, op.kind, &fabric));
+            self.first_uses.note(op.kind, &fabric, path, identity.count as usize * op.dtype.size(), ctx.rank);
             let mut step = Step {
                 transport: self.fabric.tcp.as_mut(),
                 ctx,
@@ -547,7 +550,8 @@ impl Worker {
                 world_size,
             };
             run_collective(&mut step, &mut self.fabric.parts, chunk, path)
-        })
+        })?;
+        Ok(first.unwrap_or_else(|| select::algorithm(op.kind, self.fabric.parts.shape())))
     }
 }
 

@@ -2,8 +2,9 @@
 //! from the host map (hosts.rs). The table that picks an algorithm for an op looks only at the
 //! fabric's [`Shape`] (algorithms/select.rs). Terms:
 //!
-//! - the *mesh*: a TCP connection between every pair of ranks. Every fabric has one: all-to-all,
-//!   point-to-point messages and abort frames use it whatever else there is;
+//! - the *mesh*: the TCP transport, which can link any pair of ranks. Every fabric has one:
+//!   all-to-all, point-to-point messages and abort frames use it whatever else there is. A
+//!   rank links at set-up only to the eager peers of its shape (peers.rs), to others on first use;
 //! - `Mesh`: nothing else — every host has one rank, or `XCCL_RS_TRANSPORT=tcp`;
 //! - `Host`: every rank is on this host: one shared-memory group of them all;
 //! - `Mixed`: several hosts, some with two or more ranks: the host map, and a shared-memory
@@ -21,6 +22,7 @@ use crate::config::{Config, TransportChoice};
 use crate::error::Result;
 use crate::hosts::{HostMap, this_host};
 use crate::par::Par;
+use crate::peers::eager_peers;
 use crate::rendezvous::Store;
 use crate::transport::shm::heap::Heap;
 use crate::transport::shm::{ShmGroup, ShmSettings};
@@ -112,11 +114,15 @@ impl Fabric {
     pub fn build(store: &dyn Store, rank: usize, size: usize, secret: &Secret, config: &Config) -> Result<Fabric> {
         let socket_host = config.socket_host.as_deref();
         let spec = MeshSpec { store, rank, size, secret, socket_host, tls: config.tls, timeout: config.timeout };
-        let tcp = Box::new(TcpTransport::connect(&spec)?);
-        let (parts, hosts) = if size > 1 && config.transport == TransportChoice::Auto {
-            Self::shared_memory(store, rank, size, config)?
+        let host_map = if size > 1 && config.transport == TransportChoice::Auto {
+            Some(HostMap::exchange(store, rank, size, &this_host(config), config.timeout)?)
         } else {
-            (Parts::Mesh, 1)
+            None
+        };
+        let tcp = Box::new(TcpTransport::connect(&spec, &eager_peers(rank, size, host_map.as_ref()))?);
+        let (parts, hosts) = match host_map {
+            Some(map) => Self::shared_memory(store, rank, map, config)?,
+            None => (Parts::Mesh, 1),
         };
         let shm_ranks = parts.shm().map(|s| s.size());
         let fabric = Fabric { tcp, parts, par: compute_threads(config, shm_ranks) };
@@ -141,8 +147,7 @@ impl Fabric {
     }
 
     /// The parts besides the mesh, from the group's host map, and how many hosts it has.
-    fn shared_memory(store: &dyn Store, rank: usize, size: usize, config: &Config) -> Result<(Parts, usize)> {
-        let hosts = HostMap::exchange(store, rank, size, &this_host(config), config.timeout)?;
+    fn shared_memory(store: &dyn Store, rank: usize, hosts: HostMap, config: &Config) -> Result<(Parts, usize)> {
         let host = hosts.host_of(rank);
         let local = hosts.ranks(host).to_vec();
         // Only a single-host group reads tensors in place (zero-copy), so only it has heaps.

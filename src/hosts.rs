@@ -116,6 +116,20 @@ impl HostMap {
         self.hosts.iter().any(|h| h.len() > 1)
     }
 
+    /// The ranks per host when every host has the same number of them (then local index i of
+    /// every host exists and the hosts' rails line up), else `None`.
+    pub fn uniform(&self) -> Option<usize> {
+        let k = self.hosts.first()?.len();
+        self.hosts.iter().all(|h| h.len() == k).then_some(k)
+    }
+
+    /// The *rail* of local index `i`: the rank of local index `i` on every host, in host order
+    /// (a rail-aligned step runs among them; on real nodes each GPU's NIC is on its own rail).
+    /// Hosts without such a rank are skipped.
+    pub fn rail(&self, i: usize) -> Vec<usize> {
+        self.hosts.iter().filter_map(|h| h.get(i).copied()).collect()
+    }
+
     /// One rank per host: `root` for its own host, the leader for every other. These are the
     /// ranks that talk over TCP in a hierarchical step rooted at `root`; with `root` = rank 0
     /// (a leader) they are exactly the leaders.
@@ -143,6 +157,16 @@ mod tests {
         assert_eq!(m.representatives(4), vec![0, 4, 3]);
         assert_eq!(m.representatives(0), vec![0, 1, 3]);
         assert!(m.any_shared());
+        assert_eq!(m.uniform(), None);
+        assert_eq!(m.rail(1), vec![2, 4]);
+    }
+
+    #[test]
+    fn rails_of_uniform_hosts() {
+        let m = map(&["a", "b", "a", "b", "a", "b"]);
+        assert_eq!(m.uniform(), Some(3));
+        assert_eq!(m.rail(0), vec![0, 1]);
+        assert_eq!(m.rail(2), vec![4, 5]);
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod hosts;
 pub mod keys;
 pub mod op;
 pub mod par;
+pub mod peers;
 pub mod pipeline;
 pub mod reduce;
 pub mod rendezvous;

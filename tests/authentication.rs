@@ -126,6 +126,9 @@ fn recording_proxy(listener: TcpListener, to: SocketAddr) -> thread::JoinHandle<
         let mut proof = [0u8; PROOF_LEN];
         client.read_exact(&mut proof).unwrap();
         server.write_all(&proof).unwrap();
+        let mut verdict = [0u8; 1];
+        server.read_exact(&mut verdict).unwrap();
+        client.write_all(&verdict).unwrap();
         recorded.extend_from_slice(&hello);
         recorded.extend_from_slice(&proof);
         recorded

@@ -29,6 +29,11 @@ const LAYOUTS: [&[&str]; 5] = [
     &["a", "b", "c", "a", "b"], // interleaved with a lone rank: {0, 3}, {1, 4}, {2}
 ];
 
+/// The configurations of the sweeps: 20 s timeouts.
+fn sweep_cfgs(layout: &[&str]) -> Vec<Config> {
+    cfgs(layout, Duration::from_secs(20))
+}
+
 fn cfgs(layout: &[&str], timeout: Duration) -> Vec<Config> {
     layout
         .iter()
@@ -42,10 +47,11 @@ fn on_layout(
     failures: &mut Failures,
     what: &str,
     layout: &'static [&'static str],
+    configs: Vec<Config>,
     f: impl Fn(usize, &Communicator, &mut Failures) -> Result<(), Stop> + Send + Sync + 'static,
 ) {
     let what = format!("{what} {layout:?}");
-    sweep_ranks_with(failures, &what, MemoryStore::new(), cfgs(layout, Duration::from_secs(20)), LIMIT, move |rank, comm, _, fl| f(rank, &comm, fl))
+    sweep_ranks_with(failures, &what, MemoryStore::new(), configs, LIMIT, move |rank, comm, _, fl| f(rank, &comm, fl))
 }
 
 /// A test of every layout: the sweep `f(layout, rank, comm, failures)` on each (see
@@ -54,10 +60,20 @@ fn sweep_layouts(
     what: &str,
     f: impl Fn(&'static [&'static str], usize, &Communicator, &mut Failures) -> Result<(), Stop> + Send + Sync + Clone + 'static,
 ) {
+    sweep_on(&LAYOUTS, sweep_cfgs, what, f)
+}
+
+/// [`sweep_layouts`] on `layouts`.
+fn sweep_on(
+    layouts: &[&'static [&'static str]],
+    configs: fn(&[&str]) -> Vec<Config>,
+    what: &str,
+    f: impl Fn(&'static [&'static str], usize, &Communicator, &mut Failures) -> Result<(), Stop> + Send + Sync + Clone + 'static,
+) {
     let mut failures = Failures::new();
-    for layout in LAYOUTS {
+    for &layout in layouts {
         let f = f.clone();
-        on_layout(&mut failures, what, layout, move |rank, comm, fl| f(layout, rank, comm, fl));
+        on_layout(&mut failures, what, layout, configs(layout), move |rank, comm, fl| f(layout, rank, comm, fl));
     }
     failures.finish(&format!("{what} over host layouts"));
 }
@@ -68,10 +84,11 @@ fn ranks_on_layout<T: Send + 'static>(
     failures: &mut Failures,
     what: &str,
     layout: &'static [&'static str],
+    configs: Vec<Config>,
     job: impl Fn(usize, &Communicator) -> Result<T, Failures> + Send + Sync + 'static,
 ) -> Vec<Option<T>> {
     let what = format!("{what} {layout:?}");
-    let results = try_spawn_ranks_with(MemoryStore::new(), cfgs(layout, Duration::from_secs(20)), LIMIT, move |rank, comm, _| job(rank, &comm));
+    let results = try_spawn_ranks_with(MemoryStore::new(), configs, LIMIT, move |rank, comm, _| job(rank, &comm));
     failures
         .ranks(results, &what)
         .into_iter()
@@ -150,10 +167,20 @@ fn check<T: TestElem>(layout: &[&str], got: &[u8], salt: u64, op: ReduceOp, star
 }
 
 fn allreduce_layouts<T: TestElem>(ops: &'static [ReduceOp]) {
+    allreduce_on::<T>(&LAYOUTS, sweep_cfgs, ops, counts);
+}
+
+/// [`allreduce_layouts`] on `layouts` with the element counts `counts(element size, ranks)`.
+fn allreduce_on<T: TestElem>(
+    layouts: &[&'static [&'static str]],
+    configs: fn(&[&str]) -> Vec<Config>,
+    ops: &'static [ReduceOp],
+    counts: fn(usize, usize) -> Vec<usize>,
+) {
     let mut failures = Failures::new();
-    for layout in LAYOUTS {
+    for &layout in layouts {
         // Each rank's failing points, and its results (all of them, for the comparison of bits).
-        let results = ranks_on_layout(&mut failures, &format!("allreduce {}", T::DTYPE), layout, move |rank, comm| {
+        let results = ranks_on_layout(&mut failures, &format!("allreduce {}", T::DTYPE), layout, configs(layout), move |rank, comm| {
             let size = layout.len();
             let mut all = Vec::new();
             let mut f = Failures::new();
@@ -362,7 +389,7 @@ fn barrier_waits_for_everyone() {
         let size = layout.len();
         let log = Arc::new(Mutex::new(Vec::new()));
         let log2 = log.clone();
-        on_layout(&mut failures, "barrier", layout, move |rank, comm, f| {
+        on_layout(&mut failures, "barrier", layout, sweep_cfgs(layout), move |rank, comm, f| {
             for it in 0..size {
                 if rank == it {
                     std::thread::sleep(Duration::from_millis(40));
@@ -390,7 +417,7 @@ fn barrier_waits_for_everyone() {
 fn shared_memory_is_used_within_hosts() {
     let layout = LAYOUTS[4]; // {0, 3}, {1, 4}, {2}
     let mut failures = Failures::new();
-    let used = ranks_on_layout(&mut failures, "shared memory", layout, move |rank, comm| {
+    let used = ranks_on_layout(&mut failures, "shared memory", layout, sweep_cfgs(layout), move |rank, comm| {
         let what = format!("allreduce {layout:?} rank {rank}");
         let mut f = Failures::new();
         let mut data = f32::to_bytes(&inputs::<f32>(rank, 0, 5000, 3, Sum));
@@ -422,6 +449,151 @@ fn shared_memory_is_used_within_hosts() {
         }
     }
     failures.finish("shared memory within hosts");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rail-aligned collectives: hosts of equal size, ops of 256 KiB or more (algorithms/select.rs
+// RAIL_MIN_BYTES), so that all-reduce, broadcast, all-gather and reduce-scatter run with every
+// local rank on the wire (mixed/*_rail.rs); each sweep also checks, in the group's statistics,
+// that the rail-aligned algorithm is what ran.
+
+const RAIL_LAYOUTS: [&[&str]; 3] = [
+    &["a", "a", "b", "b"],           // 2 × 2
+    &["a", "b", "c", "a", "b", "c"], // 3 × 2, interleaved: {0, 3}, {1, 4}, {2, 5}
+    &["a", "a", "a", "b", "b", "b"], // 2 × 3
+];
+const RAIL_BYTES: usize = 256 << 10;
+
+/// The sweeps' configurations with pipeline chunks of 1 MiB: the small chunks of the other
+/// tests would cut every op below the rail threshold (the table chooses per chunk).
+fn rail_cfgs(layout: &[&str]) -> Vec<Config> {
+    sweep_cfgs(layout).into_iter().map(|c| Config { pipeline_chunk_bytes: 1 << 20, ..c }).collect()
+}
+
+/// Counts at the rail threshold: exactly, with a tail of one element, and with a tail of
+/// `ranks per host − 1` or more (for 2 × 3, 2 elements; n mod k is the tail).
+fn rail_counts(esz: usize, _size: usize) -> Vec<usize> {
+    let n = RAIL_BYTES / esz;
+    vec![n, n + 1, n + 2, n + 5]
+}
+
+/// Whether `comm`'s statistics show `want` (an algorithm's name) among what it ran.
+fn ran(f: &mut Failures, comm: &Communicator, want: &str, what: &str) {
+    let names: Vec<String> = comm.stats().iter().map(|(_, a, _)| format!("{a:?}")).collect();
+    f.check(names.iter().any(|n| n == want), || format!("{what}: statistics show {names:?}, not {want}"));
+}
+
+#[test]
+fn rail_allreduce_f32() {
+    allreduce_on::<f32>(&RAIL_LAYOUTS, rail_cfgs, &[Sum, Avg, PreMulSum, Max, Min], rail_counts);
+}
+
+#[test]
+fn rail_allreduce_bf16_and_i32() {
+    allreduce_on::<bf16>(&RAIL_LAYOUTS, rail_cfgs, &[Sum, Avg, PreMulSum], rail_counts);
+    allreduce_on::<i32>(&RAIL_LAYOUTS, rail_cfgs, &[Sum, BXor], rail_counts);
+}
+
+#[test]
+fn rail_allreduce_is_what_runs() {
+    sweep_on(&RAIL_LAYOUTS, rail_cfgs, "rail allreduce", |layout, rank, comm, f| {
+        let what = format!("allreduce {layout:?} rank {rank}");
+        let bytes = allreduce_point::<f32>(f, comm, rank, RAIL_BYTES / 4, 1, Sum, &what)?;
+        f.result(check::<f32>(layout, &bytes, 1, Sum, 0), &what);
+        ran(f, comm, "AllReduceRail", &what);
+        Ok(())
+    });
+}
+
+#[test]
+fn rail_broadcast_every_root() {
+    sweep_on(&RAIL_LAYOUTS, rail_cfgs, "rail broadcast", |layout, rank, comm, f| {
+        for (dtype, n) in [(DType::Float32, RAIL_BYTES / 4 + 3), (DType::UInt8, RAIL_BYTES + 1)] {
+            for root in 0..layout.len() {
+                let what = format!("broadcast {dtype} {layout:?} root {root} n {n} rank {rank}");
+                let salt = mix(n as u64 ^ (root as u64) << 32 ^ dtype as u64);
+                broadcast_point(f, comm, rank, dtype, n, root, salt, &what)?;
+            }
+        }
+        ran(f, comm, "BroadcastRail", &format!("broadcast {layout:?} rank {rank}"));
+        Ok(())
+    });
+}
+
+#[test]
+fn rail_reduce_every_root() {
+    sweep_on(&RAIL_LAYOUTS, rail_cfgs, "rail reduce", |layout, rank, comm, f| {
+        for root in 0..layout.len() {
+            for (k, &rop) in [Sum, Avg, PreMulSum].iter().enumerate() {
+                rail_reduce_case::<f32>(f, layout, comm, rank, root, rop, k)?;
+            }
+            rail_reduce_case::<bf16>(f, layout, comm, rank, root, Avg, 9)?;
+        }
+        ran(f, comm, "ReduceRail", &format!("reduce {layout:?} rank {rank}"));
+        Ok(())
+    });
+}
+
+/// A reduce of rail size, with and without a tail: the root's result against the reference,
+/// every other rank's tensor unchanged.
+fn rail_reduce_case<T: TestElem>(f: &mut Failures, layout: &[&str], comm: &Communicator, rank: usize, root: usize, rop: ReduceOp, k: usize) -> Result<(), Stop> {
+    for n in [RAIL_BYTES / T::DTYPE.size(), RAIL_BYTES / T::DTYPE.size() + 5] {
+        let what = format!("reduce {} {rop:?} {layout:?} root {root} n {n} rank {rank}", T::DTYPE);
+        let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
+        let mut data = guarded_inputs::<T>(rank, n, salt, rop, n % 2);
+        let before = data.bytes().to_vec();
+        let mut o = reduction_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()], rop);
+        o.root = root as i64;
+        f.op(run(comm, vec![o]), &what)?;
+        let bytes = data.data(f, &what);
+        if rank == root {
+            f.result(check::<T>(layout, bytes, salt, rop, 0), &what);
+        } else {
+            f.result(same_bytes(bytes, &before), format!("{what}: a non-root buffer changed"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn rail_allgather_every_view_layout() {
+    sweep_on(&RAIL_LAYOUTS, rail_cfgs, "rail allgather", |layout, rank, comm, f| {
+        let size = layout.len();
+        for (dtype, n) in [(DType::UInt8, RAIL_BYTES / size + 5), (DType::Float32, RAIL_BYTES / (4 * size) + 1)] {
+            for (mode, views) in VIEW_LAYOUTS.into_iter().enumerate() {
+                let what = format!("allgather {dtype} {layout:?} n {n} {views:?} rank {rank}");
+                let salt = mix((n * 10 + mode) as u64 ^ dtype as u64);
+                allgather_point(f, comm, rank, size, dtype, n, views, salt, &what)?;
+            }
+        }
+        ran(f, comm, "AllGatherRail", &format!("allgather {layout:?} rank {rank}"));
+        Ok(())
+    });
+}
+
+#[test]
+fn rail_reduce_scatter() {
+    fn case<T: TestElem>(f: &mut Failures, layout: &[&str], comm: &Communicator, rank: usize, rop: ReduceOp, k: usize) -> Result<(), Stop> {
+        let size = layout.len();
+        let esz = T::DTYPE.size();
+        let n = RAIL_BYTES / (esz * size) + 3;
+        let what = format!("reduce_scatter {} {rop:?} {layout:?} n {n} rank {rank}", T::DTYPE);
+        let salt = (k * 100_000 + n) as u64 + 777;
+        let mut input = T::to_bytes(&inputs::<T>(rank, 0, n * size, salt, rop));
+        let mut out = vec![0u8; n * esz];
+        let o = reduction_with(OpKind::ReduceScatter, T::DTYPE, views(&mut input, size, n * esz), vec![buf(&mut out)], rop);
+        f.op(run(comm, vec![o]), &what)?;
+        f.result(check::<T>(layout, &out, salt, rop, rank * n), &what);
+        Ok(())
+    }
+    sweep_on(&RAIL_LAYOUTS, rail_cfgs, "rail reduce_scatter", |layout, rank, comm, f| {
+        for (k, rop) in [Sum, Avg, PreMulSum, Max].into_iter().enumerate() {
+            case::<f32>(f, layout, comm, rank, rop, k)?;
+        }
+        case::<bf16>(f, layout, comm, rank, Avg, 9)?;
+        ran(f, comm, "ReduceScatterRail", &format!("reduce_scatter {layout:?} rank {rank}"));
+        Ok(())
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

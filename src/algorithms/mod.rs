@@ -147,6 +147,13 @@ pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op, path: Pat
         (Only(ReduceHier), Parts::Mixed(mixed)) => mixed::reduce_hier::run(step, mixed, op),
         (Only(AllGatherHier), Parts::Mixed(mixed)) => mixed::allgather_hier::run(step, mixed, op),
         (Only(BarrierHier), Parts::Mixed(mixed)) => mixed::barrier_hier::run(step, mixed),
+        (Only(AllReduceRing), _) => mesh::allreduce_ring::run(step, op),
+        (Only(AllReduceRail), Parts::Mixed(mixed)) => mixed::allreduce_rail::run(step, mixed, op, mesh::allreduce_direct::run),
+        (Path::AllReduceRailRing, Parts::Mixed(mixed)) => mixed::allreduce_rail::run(step, mixed, op, mesh::allreduce_ring::run),
+        (Only(BroadcastRail), Parts::Mixed(mixed)) => mixed::broadcast_rail::run(step, mixed, op),
+        (Only(AllGatherRail), Parts::Mixed(mixed)) => mixed::allgather_rail::run(step, mixed, op),
+        (Only(ReduceScatterRail), Parts::Mixed(mixed)) => mixed::reduce_scatter_rail::run(step, mixed, op),
+        (Only(ReduceRail), Parts::Mixed(mixed)) => mixed::reduce_rail::run(step, mixed, op),
         (Only(PointToPoint), _) => unreachable!("point-to-point ops run through mesh/p2p.rs"),
         // Every other path is a shared-memory one, which the table picks only on a Host fabric.
         (path, Parts::Host(shm)) => {

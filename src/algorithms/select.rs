@@ -36,6 +36,7 @@ use crate::types::OpKind;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     AllReduceDirect,
+    AllReduceRing,
     BroadcastDirect,
     ReduceDirect,
     AllGatherDirect,
@@ -57,6 +58,11 @@ pub enum Algorithm {
     ReduceHier,
     AllGatherHier,
     BarrierHier,
+    AllReduceRail,
+    BroadcastRail,
+    AllGatherRail,
+    ReduceScatterRail,
+    ReduceRail,
     /// Sends and receives: the worker runs them in batches over the mesh (mesh/p2p.rs).
     PointToPoint,
 }
@@ -77,6 +83,9 @@ pub enum Path {
     /// A pre-sync, then zero-copy if every tensor lies in its heap, else by cross-memory attach
     /// (host/allreduce_cma.rs).
     AllReduceCmaOrZeroCopy,
+    /// The rail-aligned all-reduce whose step between hosts is a ring (mixed/allreduce_rail.rs
+    /// with mesh/allreduce_ring.rs); `Only(AllReduceRail)` runs that step direct.
+    AllReduceRailRing,
     /// Blocks through the root's slot (host/broadcast_shm.rs).
     BroadcastSlots,
     /// Blocks through the root's slot, the first block asking whether the root's tensor lies in
@@ -129,28 +138,47 @@ impl ShmCaps {
     }
 }
 
-/// A fabric as the table sees it: its shape, and on one host its shared memory's capabilities.
+/// What a mixed fabric's host map allows, as the table needs it.
+#[derive(Clone, Copy, Debug)]
+pub struct MixedCaps {
+    /// The group's size.
+    pub ranks: usize,
+    /// How many hosts.
+    pub hosts: usize,
+    /// The ranks per host when every host has the same number, at least two (hosts.rs
+    /// `HostMap::uniform`): then the hosts' rails line up and the rail-aligned algorithms run.
+    pub rails: Option<usize>,
+}
+
+/// A fabric as the table sees it: its shape, and its shared memory's capabilities on one host
+/// or its host map's across several.
 #[derive(Clone, Copy, Debug)]
 pub enum FabricCaps {
-    Mesh,
+    /// TCP among this many ranks.
+    Mesh(usize),
     Host(ShmCaps),
-    Mixed,
+    Mixed(MixedCaps),
 }
 
 impl FabricCaps {
-    pub fn of(parts: &Parts) -> FabricCaps {
+    /// The capabilities of a group of `ranks` whose fabric has `parts`.
+    pub fn of(parts: &Parts, ranks: usize) -> FabricCaps {
         match parts {
-            Parts::Mesh => FabricCaps::Mesh,
+            Parts::Mesh => FabricCaps::Mesh(ranks),
             Parts::Host(shm) => FabricCaps::Host(ShmCaps::of(shm)),
-            Parts::Mixed(_) => FabricCaps::Mixed,
+            Parts::Mixed(m) => FabricCaps::Mixed(MixedCaps {
+                ranks: m.hosts.world_size(),
+                hosts: m.hosts.host_count(),
+                rails: m.hosts.uniform().filter(|&k| k >= 2),
+            }),
         }
     }
 
     pub fn shape(&self) -> Shape {
         match self {
-            FabricCaps::Mesh => Shape::Mesh,
+            FabricCaps::Mesh(_) => Shape::Mesh,
             FabricCaps::Host(_) => Shape::Host,
-            FabricCaps::Mixed => Shape::Mixed,
+            FabricCaps::Mixed(_) => Shape::Mixed,
         }
     }
 }
@@ -179,10 +207,35 @@ pub fn algorithm(op: OpKind, shape: Shape) -> Algorithm {
     }
 }
 
+/// The algorithm that serves an op of kind `op` and `bytes` on `fabric`: the row, or on a mixed
+/// fabric its rail-aligned version where [`across_hosts`] picks it.
+pub fn algorithm_of(op: OpKind, fabric: &FabricCaps, bytes: usize) -> Algorithm {
+    let row = algorithm(op, fabric.shape());
+    match fabric {
+        FabricCaps::Mixed(mixed) => across_hosts(row, mixed, bytes),
+        FabricCaps::Mesh(ranks) => on_mesh(row, *ranks, bytes),
+        FabricCaps::Host(_) => row,
+    }
+}
+
+/// The algorithm that `path`, picked for an op of kind `op` on `fabric`, belongs to (what
+/// statistics name): an algorithm's own path names it, a shared-memory path its row.
+pub fn algorithm_of_path(path: Path, op: OpKind, fabric: &FabricCaps) -> Algorithm {
+    match path {
+        Path::Only(algorithm) => algorithm,
+        Path::AllReduceRailRing => Algorithm::AllReduceRail,
+        _ => algorithm(op, fabric.shape()),
+    }
+}
+
 /// The path that runs an op of kind `op` and `bytes` (as [`op_bytes`] counts them) on `fabric`.
 pub fn select(op: OpKind, fabric: &FabricCaps, bytes: usize) -> Path {
     let row = algorithm(op, fabric.shape());
-    let FabricCaps::Host(shm) = fabric else { return Path::Only(row) };
+    let shm = match fabric {
+        FabricCaps::Host(shm) => shm,
+        FabricCaps::Mixed(mixed) => return on_mixed(row, mixed, bytes),
+        FabricCaps::Mesh(ranks) => return Path::Only(on_mesh(row, *ranks, bytes)),
+    };
     match row {
         Algorithm::AllReduceShm => allreduce_on_host(shm, bytes),
         Algorithm::BroadcastShm => broadcast_on_host(shm, bytes),
@@ -198,7 +251,8 @@ pub fn select(op: OpKind, fabric: &FabricCaps, bytes: usize) -> Path {
 pub fn select_for(op: &Op, fabric: &FabricCaps) -> Path {
     let ranks = match fabric {
         FabricCaps::Host(shm) => shm.ranks,
-        _ => 1,
+        FabricCaps::Mixed(mixed) => mixed.ranks,
+        FabricCaps::Mesh(_) => 1,
     };
     select(op.kind, fabric, op_bytes(op, ranks))
 }
@@ -214,6 +268,63 @@ pub fn op_bytes(op: &Op, ranks: usize) -> usize {
         _ => first(&op.outputs),
     }
 }
+
+/// The algorithm of a mixed group's op of `bytes` (as [`op_bytes`] counts them) whose row is
+/// `row`: the rail-aligned version where the hosts' rails line up and the op reaches
+/// [`RAIL_MIN_BYTES`], else the row (the leader scheme, or direct). Uneven hosts always take
+/// the row: a host without a local rank i would leave rail i's share with no one to carry it.
+pub fn across_hosts(row: Algorithm, mixed: &MixedCaps, bytes: usize) -> Algorithm {
+    if mixed.rails.is_none() || bytes < RAIL_MIN_BYTES {
+        return row;
+    }
+    match row {
+        Algorithm::AllReduceHier => Algorithm::AllReduceRail,
+        Algorithm::BroadcastHier => Algorithm::BroadcastRail,
+        Algorithm::AllGatherHier => Algorithm::AllGatherRail,
+        Algorithm::ReduceScatterDirect => Algorithm::ReduceScatterRail,
+        Algorithm::ReduceHier => Algorithm::ReduceRail,
+        other => other,
+    }
+}
+
+/// A mixed group's path: [`across_hosts`]'s algorithm, and for a rail-aligned all-reduce the
+/// step between hosts ([`rings_between`]).
+fn on_mixed(row: Algorithm, mixed: &MixedCaps, bytes: usize) -> Path {
+    match across_hosts(row, mixed, bytes) {
+        Algorithm::AllReduceRail if rings_between(mixed.hosts, bytes) => Path::AllReduceRailRing,
+        algorithm => Path::Only(algorithm),
+    }
+}
+
+/// A mesh's all-reduce of `bytes` among `ranks`: the ring where [`rings_between`] says so.
+fn on_mesh(row: Algorithm, ranks: usize, bytes: usize) -> Algorithm {
+    match row {
+        Algorithm::AllReduceDirect if rings_between(ranks, bytes) => Algorithm::AllReduceRing,
+        other => other,
+    }
+}
+
+/// Whether an all-reduce of `bytes` among `members` ranks that talk over the network (a mesh's
+/// ranks, or the hosts of a rail) runs as a ring rather than direct. Both send each byte twice;
+/// the direct exchange does it in two steps of latency but over a connection to every member,
+/// the ring in 2(members − 1) steps over two connections. Up to [`RING_MIN_MEMBERS`] − 1
+/// members the connections cost little and the steps would; from there, for ops large enough
+/// that bandwidth rules ([`RAIL_MIN_BYTES`]), the ring keeps a rank's connections at two, so a
+/// large group connects to its ring neighbours, not to everyone. Small ops stay direct (fewer
+/// steps; their connections are made on first use).
+pub fn rings_between(members: usize, bytes: usize) -> bool {
+    members >= RING_MIN_MEMBERS && bytes >= RAIL_MIN_BYTES
+}
+
+/// The fewest members whose large all-reduce runs as a ring (see [`rings_between`]).
+pub const RING_MIN_MEMBERS: usize = 9;
+
+/// The smallest op (bytes, as [`op_bytes`] counts them) that runs rail-aligned across hosts.
+/// A rail-aligned op has one shared-memory step more than the leader scheme's (or, for a
+/// reduce-scatter or all-gather, one per host) and k times as many messages between hosts,
+/// each 1/k the size; below this size those synchronizations and per-message costs outweigh
+/// spreading the bytes over k links. A constant, not a setting: every rank must choose alike.
+pub const RAIL_MIN_BYTES: usize = 256 << 10;
 
 /// The all-reduce's path on one host (a whole-host group, or a host's step of a mixed one).
 pub fn allreduce_on_host(shm: &ShmCaps, bytes: usize) -> Path {
@@ -271,15 +382,19 @@ impl FirstUses {
     /// Logs, at debug level, `path`, chosen for `op` on a fabric of `shape`, the first time the
     /// group runs it for that op with a per-rank piece of `bytes` in its size class (the powers
     /// of two); free when debug logging is off.
-    pub fn note(&mut self, op: OpKind, shape: Shape, path: Path, bytes: usize, rank: usize) {
+    pub fn note(&mut self, op: OpKind, fabric: &FabricCaps, path: Path, bytes: usize, rank: usize) {
         if !tracing::enabled!(tracing::Level::DEBUG) {
             return;
         }
         let class = usize::BITS - bytes.leading_zeros(); // bytes < 2^class
         if self.0.insert((op, path, class)) {
             let up_to = if class >= usize::BITS { "any size".to_string() } else { format!("< {} B", 1usize << class) };
-            let algorithm = algorithm(op, shape);
-            tracing::debug!(rank, ?op, ?shape, ?algorithm, %path, size = %up_to, "first use of a path");
+            let shape = fabric.shape();
+            let why = match fabric {
+                FabricCaps::Mixed(MixedCaps { rails: None, .. }) => "hosts of unequal size: no rail-aligned algorithms",
+                _ => "",
+            };
+            tracing::debug!(rank, ?op, ?shape, %path, size = %up_to, why, "first use of a path");
         }
     }
 }

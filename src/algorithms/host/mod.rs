@@ -51,6 +51,6 @@ pub fn run(path: Path, shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc
         Only(Algorithm::GatherShm) => gather_shm::run(shm, par, ctx, op, desc),
         Only(Algorithm::ScatterShm) => scatter_shm::run(shm, par, ctx, op, desc),
         Only(Algorithm::BarrierShm) => barrier_shm::run(shm, ctx, desc),
-        Only(other) => unreachable!("{other:?} is not a shared-memory algorithm"),
+        Only(_) | AllReduceRailRing => unreachable!("{path} is not a shared-memory path"),
     }
 }

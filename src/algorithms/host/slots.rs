@@ -118,7 +118,9 @@ pub fn gather(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, r
         finish_block(shm, g);
         Ok(())
     })?;
-    if reads {
+    // A rail-aligned all-gather (mixed/allgather_rail.rs) hands a rank its own output view as
+    // its input: that piece is in place already.
+    if reads && input.ptr() != op.outputs[rank].ptr() {
         par.copy_out(input, op.outputs[rank], input.len() * size);
     }
     Ok(())

@@ -6,6 +6,7 @@
 
 pub mod allgather_direct;
 pub mod allreduce_direct;
+pub mod allreduce_ring;
 pub mod alltoall_pairwise;
 pub mod barrier_direct;
 pub mod broadcast_direct;

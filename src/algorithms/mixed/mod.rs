@@ -1,10 +1,16 @@
-//! The hierarchical algorithms (`*_hier.rs`) and what they share. They serve a *mixed* group:
+//! The hierarchical algorithms (`*_hier.rs`, `*_rail.rs`) and what they share. They serve a *mixed* group:
 //! its ranks span several hosts and some host has two or more of them (hosts.rs). Each gets
 //! the fabric's mixed parts (fabric.rs `Mixed`): the host map, and this host's shared-memory
 //! group (`Mixed::shm`, local indices 0..k, present when the host has k ≥ 2 ranks). Within a
 //! host, ranks talk through that group; between hosts, one rank per host — its *representative*: the
 //! leader, or the root on the root's host — talks over TCP on a [`Subset`] of the group's
 //! connections ([`among`]), running a `*_direct.rs` algorithm unchanged or phases of its own.
+//!
+//! The *rail-aligned* algorithms (`*_rail.rs`) serve hosts of equal size k ≥ 2: there local
+//! rank i of every host forms *rail* i ([`rail_of`]), and each step between hosts runs among a
+//! rail over a `Subset`, every rail at once, each rank carrying its *share* (1/k of the
+//! tensor) on its own connection. The selection table picks them for large ops (select.rs
+//! `across_hosts`); the leader scheme serves the rest.
 //!
 //! Reductions run at two levels: each host reduces to its representative, then the
 //! representatives reduce across hosts. MIN, MAX, PRODUCT, SUM and the bitwise ops are the same
@@ -23,17 +29,24 @@
 //! ranks waiting on it fail within 100 ms (Fabric::abort, ShmGroup::wait_for).
 
 pub mod allgather_hier;
+pub mod allgather_rail;
 pub mod allreduce_hier;
+pub mod allreduce_rail;
 pub mod barrier_hier;
 pub mod broadcast_hier;
+pub mod broadcast_rail;
 pub mod reduce_hier;
+pub mod reduce_rail;
+pub mod reduce_scatter_rail;
 
 use std::time::Duration;
 
 use super::Step;
-use super::host;
+use super::host::{self, reduce_shm};
+use super::mesh::{allreduce_direct, reduce_direct};
 use super::select::{self, ShmCaps};
 use crate::error::Result;
+use crate::fabric::Mixed;
 use crate::hosts::HostMap;
 use crate::op::Op;
 use crate::par::Par;
@@ -45,6 +58,61 @@ use crate::types::ReduceOp;
 /// The leaders of every host, in host order.
 pub fn leaders(hosts: &HostMap) -> Vec<usize> {
     (0..hosts.host_count()).map(|h| hosts.leader(h)).collect()
+}
+
+/// This rank's rail (hosts.rs `HostMap::rail`): the ranks of its local index on every host, in
+/// host order, so a rank's index in it is its host's index.
+pub fn rail_of(hosts: &HostMap, rank: usize) -> Vec<usize> {
+    hosts.rail(hosts.local_index(rank))
+}
+
+/// The leader scheme's all-reduce of `op`: a reduce to each host's leader over shared memory,
+/// an all-reduce among the leaders over TCP, a broadcast from each leader over shared memory.
+pub fn all_reduce_via_leaders(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
+    let hosts = &mixed.hosts;
+    let leaders = leaders(hosts);
+    let is_leader = hosts.leader(hosts.host_of(step.rank())) == step.rank();
+    let ctx = step.ctx;
+    if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
+        let first = Op { reduce_op: local_op(op.reduce_op), ..rooted(op, 0) };
+        reduce_shm::run(shm, step.par, ctx, &first, desc)?;
+    }
+    if is_leader {
+        among(mixed.shm.as_ref(), step, &leaders, |s| allreduce_direct::run(s, op))?;
+    }
+    if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
+        broadcast_on_host(shm, step.par, &behind_remote(ctx), &rooted(op, 0), desc)?;
+    }
+    Ok(())
+}
+
+/// The leader scheme's reduce of `op`: a reduce to each host's representative over shared
+/// memory, then a reduce among the representatives to the root over TCP. A representative that
+/// is not the root reduces into scratch (a copy of its input), so every tensor but the root's
+/// is left unchanged.
+pub fn reduce_via_representatives(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
+    let hosts = &mixed.hosts;
+    let (rank, root) = (step.rank(), op.root as usize);
+    let reps = hosts.representatives(root);
+    let my_rep = reps[hosts.host_of(rank)];
+    let root_host = hosts.host_of(root);
+    let local_root = hosts.local_index(my_rep);
+    let ctx = step.ctx;
+    let tensor = op.outputs[0];
+    let mut partial = tensor;
+    if mixed.shm.is_some() && rank == my_rep && rank != root {
+        partial = mixed.partial(tensor.len());
+        tensor.copy_to(partial);
+    }
+    if let Some((shm, desc)) = on_host(&mut mixed.shm, step) {
+        let first = Op { reduce_op: local_op(op.reduce_op), outputs: vec![partial], ..rooted(op, local_root) };
+        reduce_shm::run(shm, step.par, ctx, &first, desc)?;
+    }
+    if rank == my_rep {
+        let second = Op { outputs: vec![partial], ..rooted(op, root_host) };
+        among(mixed.shm.as_ref(), step, &reps, |s| reduce_direct::run(s, &second))?;
+    }
+    Ok(())
 }
 
 /// The first level's operator: AVG and PREMUL_SUM scale only at the second level.

@@ -37,8 +37,9 @@ fn every_op_on_every_fabric() {
 #[test]
 fn away_from_one_host_every_algorithm_has_one_path() {
     let mut failures = Failures::new();
+    let uneven = FabricCaps::Mixed(MixedCaps { ranks: 5, hosts: 3, rails: None });
     for kind in (0..).map_while(OpKind::from_code) {
-        for fabric in [FabricCaps::Mesh, FabricCaps::Mixed] {
+        for fabric in [FabricCaps::Mesh(4), uneven] {
             for bytes in [0, 1 << 20, 1 << 30] {
                 let want = expected_row(kind, fabric.shape());
                 failures.eq(select(kind, &fabric, bytes).to_string(), want, format_args!("{} of {bytes} B on {fabric:?}", kind.name()));
@@ -134,4 +135,48 @@ fn thresholds_count_the_largest_buffer_set() {
     assert_eq!(op_bytes(&op(OpKind::AllReduce, vec![whole], vec![whole]), 4), 12);
     assert_eq!(op_bytes(&op(OpKind::Broadcast, vec![], vec![piece]), 4), 3);
     assert_eq!(op_bytes(&op(OpKind::Barrier, vec![], vec![]), 4), 0);
+}
+
+/// The expected algorithm of a mixed group whose hosts each have two ranks: by the rule
+/// architecture.md states, all-reduce, broadcast, reduce, all-gather and reduce-scatter of 256 KiB
+/// or more run rail-aligned; the rest keep their row.
+fn expected_on_rails(kind: OpKind, bytes: usize) -> String {
+    use OpKind::*;
+    match kind {
+        AllReduce | Broadcast | Reduce | AllGather | ReduceScatter if bytes >= 256 * KIB => format!("{kind:?}Rail"),
+        _ => expected_row(kind, Shape::Mixed),
+    }
+}
+
+#[test]
+fn rails_from_their_threshold_on_hosts_of_equal_size() {
+    let mut failures = Failures::new();
+    let rails = FabricCaps::Mixed(MixedCaps { ranks: 4, hosts: 2, rails: Some(2) });
+    for kind in (0..).map_while(OpKind::from_code) {
+        for bytes in [0, 8, 256 * KIB - 1, 256 * KIB, 1 << 30] {
+            failures.eq(select(kind, &rails, bytes).to_string(), expected_on_rails(kind, bytes), format_args!("{} of {bytes} B on 2x2 hosts", kind.name()));
+            failures.eq(format!("{:?}", algorithm_of(kind, &rails, bytes)), expected_on_rails(kind, bytes), format_args!("statistics' name of {} of {bytes} B", kind.name()));
+        }
+    }
+    failures.finish("select on rails");
+}
+
+/// Nine or more members all-reduce 256 KiB or more in a ring: a mesh of ranks, or the hosts of
+/// a rail-aligned all-reduce; fewer, or smaller ops, go direct.
+#[test]
+fn rings_from_nine_members_and_256_kib() {
+    let mut failures = Failures::new();
+    for (members, bytes, ring) in [(8, 1 << 30, false), (9, 256 * KIB - 1, false), (9, 256 * KIB, true), (64, 8, false), (64, 1 << 30, true)] {
+        let mesh = if ring { "AllReduceRing" } else { "AllReduceDirect" };
+        failures.eq(select(OpKind::AllReduce, &FabricCaps::Mesh(members), bytes).to_string(), mesh.to_string(), format_args!("{members} ranks, {bytes} B"));
+        let rails = FabricCaps::Mixed(MixedCaps { ranks: 2 * members, hosts: members, rails: Some(2) });
+        let mixed = match (ring, bytes >= 256 * KIB) {
+            (true, _) => "AllReduceRailRing",
+            (false, true) => "AllReduceRail",
+            (false, false) => "AllReduceHier",
+        };
+        failures.eq(select(OpKind::AllReduce, &rails, bytes).to_string(), mixed.to_string(), format_args!("{members} hosts x 2, {bytes} B"));
+        failures.eq(format!("{:?}", algorithm_of(OpKind::AllReduce, &FabricCaps::Mesh(members), bytes)), mesh.to_string(), "statistics' name on a mesh");
+    }
+    failures.finish("rings");
 }

@@ -1,29 +1,36 @@
-//! Building the full mesh: one authenticated TCP connection per pair of ranks. Every rank
-//! listens on an ephemeral port of the address it advertises (not on every interface) and
-//! publishes `host:port` in the store; rank r then connects to every lower rank while a thread
-//! accepts the higher ones (accept.rs). Each connection is authenticated both ways with the
-//! group's secret before it carries a frame (handshake.rs); a connection that fails is closed
-//! and the mesh goes on.
+//! The dialing side of the links. Every rank listens on an ephemeral port of the address it
+//! advertises (not on every interface) and publishes `host:port` in the store; a rank that
+//! needs a link to a peer dials it (a [`Dial`]: connect, then the handshake of handshake.rs,
+//! non-blocking, inside whatever loop the rank is in) and authenticates both ways with the
+//! group's secret before the connection carries a frame. When to dial is linker.rs's business.
 
-use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
-use super::accept::{AcceptSpec, accept_peers};
+use super::accept::{Terms, pump};
 use super::handshake::{
-    CHALLENGE_LEN, Challenge, FLAG_TLS, Hello, Link, Secret, Transcript, encode_proof, flags_mismatch, random_nonce,
+    CHALLENGE_LEN, Challenge, FLAG_TLS, Hello, Link, PROOF_LEN, Transcript, VERDICT_ACCEPT, VERDICT_KEEP_MINE, encode_proof,
+    flags_mismatch, random_nonce, Secret,
 };
 use crate::error::{CommError, Result};
-use crate::keys::Key;
-use crate::rendezvous::{Store, parse_address, rendezvous_error};
+use crate::rendezvous::Store;
 
 /// How long one connection may take to authenticate (less when the group's timeout is shorter).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long one `connect(2)` may block. The kernel completes a connection without the peer's
+/// help, so this is only ever reached when the address does not answer at all.
+const CONNECT_ATTEMPT: Duration = Duration::from_millis(500);
+
+/// Connections the kernel queues for a listener that is busy elsewhere: a rank takes new
+/// connections only while it runs set-up or an op, and a whole group may dial it at once.
+const LISTEN_BACKLOG: libc::c_int = 4096;
+
 /// The address this rank advertises: `XCCL_RS_SOCKET_HOST`, else what the hostname resolves to
 /// (any IPv4 address), else loopback.
-fn advertised_host(configured: Option<&str>) -> String {
+pub(super) fn advertised_host(configured: Option<&str>) -> String {
     if let Some(h) = configured {
         return h.to_string();
     }
@@ -46,18 +53,25 @@ fn advertised_host(configured: Option<&str>) -> String {
 /// Listens on the advertised address only, so the mesh's port is not open on every interface.
 /// An address this host cannot bind (behind NAT, say) falls back to all interfaces, with a
 /// warning: the handshake still keeps strangers out.
-fn listen_on(host: &str) -> Result<TcpListener> {
+pub(super) fn listen_on(host: &str) -> Result<TcpListener> {
     let ip: Option<IpAddr> = (host, 0u16).to_socket_addrs().ok().and_then(|mut a| a.next()).map(|a| a.ip());
-    if let Some(ip) = ip {
-        match TcpListener::bind((ip, 0)) {
-            Ok(l) => return Ok(l),
-            Err(e) => tracing::warn!("cannot listen on the advertised address {ip} ({e}); listening on all interfaces"),
+    let bound = match ip.map(|ip| (ip, TcpListener::bind((ip, 0)))) {
+        Some((_, Ok(l))) => Ok(l),
+        other => {
+            if let Some((ip, Err(e))) = other {
+                tracing::warn!("cannot listen on the advertised address {ip} ({e}); listening on all interfaces");
+            }
+            TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| CommError::io(format!("bind failed: {e}")))
         }
-    }
-    TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| CommError::io(format!("bind failed: {e}")))
+    }?;
+    // SAFETY: `listen` on a socket we own and already listen on only resizes its queue (the
+    // kernel caps it at somaxconn).
+    unsafe { libc::listen(bound.as_raw_fd(), LISTEN_BACKLOG) };
+    bound.set_nonblocking(true).map_err(|e| CommError::io(e.to_string()))?;
+    Ok(bound)
 }
 
-/// What a rank needs to join its group's mesh.
+/// What a rank needs to join its group's links.
 #[derive(Clone, Copy)]
 pub struct MeshSpec<'a> {
     /// Where the ranks publish their addresses.
@@ -80,121 +94,164 @@ impl MeshSpec<'_> {
     }
 }
 
-/// Connects this rank to every other rank. Returns `links[r]` = the connection to rank r
-/// (`None` for this rank itself).
+/// Connects this rank to every other rank at once (the full mesh: every peer eager, linker.rs)
+/// and returns `links[r]` = the connection to rank r (`None` for this rank itself).
 pub fn connect_mesh(spec: &MeshSpec<'_>) -> Result<Vec<Option<Link>>> {
-    let MeshSpec { store, rank, size, secret, socket_host, timeout, .. } = *spec;
-    let deadline = Instant::now() + timeout;
-    if size == 1 {
-        return Ok(vec![None]);
+    let mut links: Vec<Option<Link>> = (0..spec.size).map(|_| None).collect();
+    if spec.size == 1 {
+        return Ok(links);
     }
-    let host = advertised_host(socket_host);
-    let listener = listen_on(&host)?;
-    let port = listener.local_addr().map_err(|e| CommError::io(e.to_string()))?.port();
-    let handshake_timeout = HANDSHAKE_TIMEOUT.min(timeout);
-    let stop = AtomicBool::new(false);
-    let accept_spec = AcceptSpec { rank, size, secret, flags: spec.flags(), deadline, handshake_timeout, stop: &stop };
-    let (outgoing, incoming) = std::thread::scope(|s| {
-        let acceptor = (rank + 1 < size).then(|| s.spawn(|| accept_peers(&listener, &accept_spec)));
-        let outgoing = store
-            .set(&Key::Address(rank).text(), format!("{host}:{port}").as_bytes())
-            .and_then(|_| (0..rank).map(|peer| connect_to(spec, peer, deadline, handshake_timeout)).collect::<Result<Vec<Link>>>());
-        if outgoing.is_err() {
-            stop.store(true, Ordering::Release);
-        }
-        let incoming = match acceptor {
-            Some(handle) => handle.join().unwrap_or_else(|_| Err(CommError::io("the accepting thread panicked"))),
-            None => Ok((0..size).map(|_| None).collect()),
-        };
-        (outgoing, incoming)
-    });
-    // The connecting side's error first: after it fails, the acceptor only says "cancelled".
-    let outgoing = outgoing?;
-    let mut links = incoming?;
-    for (peer, link) in outgoing.into_iter().enumerate() {
+    let deadline = Instant::now() + spec.timeout;
+    let mut linker = super::linker::Linker::new(spec)?;
+    let everyone: Vec<usize> = (0..spec.size).filter(|&p| p != spec.rank).collect();
+    for (peer, link) in linker.establish(spec.store, &everyone, deadline)? {
         links[peer] = Some(link);
-    }
-    for link in links.iter_mut().flatten() {
-        let stream = &link.stream;
-        stream.set_read_timeout(None).ok();
-        stream.set_write_timeout(None).ok();
-        stream.set_nodelay(true).map_err(|e| CommError::io(e.to_string()))?;
-        stream.set_nonblocking(true).map_err(|e| CommError::io(e.to_string()))?;
     }
     Ok(links)
 }
 
-fn remaining(deadline: Instant) -> Duration {
-    deadline.saturating_duration_since(Instant::now())
+/// Where one outgoing handshake stands.
+enum DialStep {
+    /// Not connected: connect at `retry_at`.
+    Idle,
+    ReadChallenge { stream: TcpStream, buf: [u8; CHALLENGE_LEN], got: usize, hello: Hello },
+    SendProof { stream: TcpStream, bytes: [u8; PROOF_LEN], sent: usize, transcript: Transcript },
+    ReadVerdict { stream: TcpStream, buf: [u8; 1], got: usize, transcript: Transcript },
 }
 
-/// Connects to `peer` (a lower rank) and authenticates both ways. Connection failures and
-/// handshakes cut short are retried until the deadline (the peer may be flooded by strangers);
-/// a peer that answers but cannot prove it knows the secret is an error at once.
-fn connect_to(spec: &MeshSpec<'_>, peer: usize, deadline: Instant, handshake_timeout: Duration) -> Result<Link> {
-    let rank = spec.rank;
-    let raw = spec.store.get(&Key::Address(peer).text(), remaining(deadline)).map_err(|e| rendezvous_error(rank, peer, e))?;
-    let addr = parse_address(&raw).map_err(|m| CommError::io(format!("rank {peer} published an unusable address: {m}")))?;
-    let mut backoff = Duration::from_millis(1);
-    loop {
-        let left = remaining(deadline);
-        let attempt = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
-            .map_err(|e| format!("could not connect: {e}"))
-            .and_then(|stream| authenticate(stream, spec, peer, handshake_timeout.min(left)));
-        match attempt {
-            Ok(Ok(link)) => return Ok(link),
-            Ok(Err(Refusal::NotThePeer(why))) => {
-                return Err(CommError::io(format!("rank {rank} could not authenticate rank {peer} at {addr}: {why}")));
-            }
-            Ok(Err(Refusal::Mismatch(why))) => return Err(CommError::invalid(why)),
-            Err(e) if Instant::now() < deadline => {
-                tracing::debug!(%addr, error = %e, "connect retry");
-                std::thread::sleep(backoff.min(remaining(deadline)));
-                backoff = (backoff * 2).min(Duration::from_millis(100));
-            }
-            Err(e) => {
-                return Err(CommError::timeout(format!("rank {rank} could not connect to rank {peer} at {addr}: {e}")));
+/// What a dial came to after a step.
+pub enum DialEvent {
+    Waiting,
+    /// The peer accepted: this connection is the pair's link.
+    Linked(Link),
+    /// The peer dials this rank too and keeps its own connection (handshake.rs: VERDICT).
+    Superseded,
+}
+
+/// One rank's outgoing connection to a peer, from `connect(2)` to the verdict. Connection
+/// failures and handshakes cut short are retried (the peer may be flooded by strangers, or
+/// have pushed this one out); a peer that answers but cannot prove it knows the secret is an
+/// error at once. How long to go on is the caller's deadline.
+pub struct Dial {
+    pub peer: usize,
+    addr: SocketAddr,
+    step: DialStep,
+    retry_at: Instant,
+    backoff: Duration,
+    /// Why the last attempt failed, for the error of a dial that never completes.
+    pub last_error: Option<String>,
+}
+
+impl Dial {
+    pub fn new(peer: usize, addr: SocketAddr) -> Dial {
+        Dial { peer, addr, step: DialStep::Idle, retry_at: Instant::now(), backoff: Duration::from_millis(1), last_error: None }
+    }
+
+    /// The socket to poll and for what, once connected.
+    pub fn poll_entry(&self) -> Option<(RawFd, i16)> {
+        match &self.step {
+            DialStep::Idle => None,
+            DialStep::ReadChallenge { stream, .. } | DialStep::ReadVerdict { stream, .. } => Some((stream.as_raw_fd(), libc::POLLIN)),
+            DialStep::SendProof { stream, .. } => Some((stream.as_raw_fd(), libc::POLLOUT)),
+        }
+    }
+
+    /// When an idle dial wants to connect (again).
+    pub fn retry_at(&self) -> Option<Instant> {
+        matches!(self.step, DialStep::Idle).then_some(self.retry_at)
+    }
+
+    /// Moves the dial on: connects when idle and due, else reads or writes what the socket
+    /// allows. `Err` is a peer that cannot be linked to (another secret, other flags).
+    pub fn step(&mut self, terms: &Terms<'_>, now: Instant) -> Result<DialEvent> {
+        loop {
+            match std::mem::replace(&mut self.step, DialStep::Idle) {
+                DialStep::Idle if now < self.retry_at => return Ok(DialEvent::Waiting),
+                DialStep::Idle => match self.connect(terms) {
+                    Ok(step) => self.step = step,
+                    // A published address listens for its group's whole life: refused, the
+                    // rank is gone (it exited, or destroyed its group).
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                        return Err(CommError::peer(format!(
+                            "rank {} is gone: its address {} refused rank {}'s connection (did it exit or crash?)",
+                            self.peer, self.addr, terms.rank
+                        )));
+                    }
+                    Err(e) => return Ok(self.retry(e.to_string(), now)),
+                },
+                DialStep::ReadChallenge { stream, mut buf, mut got, hello } => match pump(&stream, &mut buf, &mut got, false) {
+                    Ok(false) => {
+                        self.step = DialStep::ReadChallenge { stream, buf, got, hello };
+                        return Ok(DialEvent::Waiting);
+                    }
+                    Err(why) => return Ok(self.retry(format!("no challenge came back: {why}"), now)),
+                    Ok(true) => self.step = self.check_challenge(stream, &buf, &hello, terms)?,
+                },
+                DialStep::SendProof { stream, mut bytes, mut sent, transcript } => match pump(&stream, &mut bytes, &mut sent, true) {
+                    Ok(false) => {
+                        self.step = DialStep::SendProof { stream, bytes, sent, transcript };
+                        return Ok(DialEvent::Waiting);
+                    }
+                    Err(why) => return Ok(self.retry(format!("proof failed: {why}"), now)),
+                    Ok(true) if transcript.flags_a != transcript.flags_c => {
+                        // The proof went even so, so that the peer too learns why.
+                        return Err(CommError::invalid(flags_mismatch(terms.rank, transcript.flags_c, self.peer, transcript.flags_a)));
+                    }
+                    Ok(true) => self.step = DialStep::ReadVerdict { stream, buf: [0], got: 0, transcript },
+                },
+                DialStep::ReadVerdict { stream, mut buf, mut got, transcript } => match pump(&stream, &mut buf, &mut got, false) {
+                    Ok(false) => {
+                        self.step = DialStep::ReadVerdict { stream, buf, got, transcript };
+                        return Ok(DialEvent::Waiting);
+                    }
+                    Err(why) => return Ok(self.retry(format!("no verdict came back: {why}"), now)),
+                    Ok(true) if buf[0] == VERDICT_ACCEPT => {
+                        return Ok(DialEvent::Linked(Link { stream, frame_key: transcript.frame_key(terms.secret) }));
+                    }
+                    Ok(true) if buf[0] == VERDICT_KEEP_MINE => return Ok(DialEvent::Superseded),
+                    Ok(true) => return Err(CommError::io(format!("rank {} sent an unknown verdict {:#x}", self.peer, buf[0]))),
+                },
             }
         }
     }
+
+    fn retry(&mut self, why: String, now: Instant) -> DialEvent {
+        tracing::debug!(peer = self.peer, addr = %self.addr, error = %why, "dial retry");
+        self.last_error = Some(why);
+        self.step = DialStep::Idle;
+        self.retry_at = now + self.backoff;
+        self.backoff = (self.backoff * 2).min(Duration::from_millis(100));
+        DialEvent::Waiting
+    }
+
+    /// Connects and sends the hello (a fresh socket takes its 48 bytes at once).
+    fn connect(&self, terms: &Terms<'_>) -> std::io::Result<DialStep> {
+        let context = |what: &str| move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{what}: {e}"));
+        let mut stream = TcpStream::connect_timeout(&self.addr, CONNECT_ATTEMPT).map_err(context("could not connect"))?;
+        let nonce = random_nonce().map_err(std::io::Error::other)?;
+        let hello = Hello { from: terms.rank as u32, to: self.peer as u32, flags: terms.flags, nonce };
+        stream.set_write_timeout(Some(CONNECT_ATTEMPT))?;
+        stream.write_all(&hello.encode()).map_err(context("hello failed"))?;
+        stream.set_write_timeout(None)?;
+        stream.set_nonblocking(true)?;
+        Ok(DialStep::ReadChallenge { stream, buf: [0; CHALLENGE_LEN], got: 0, hello })
+    }
+
+    /// Checks the acceptor's answer; a peer that cannot prove the secret is an error.
+    fn check_challenge(&self, stream: TcpStream, buf: &[u8; CHALLENGE_LEN], hello: &Hello, terms: &Terms<'_>) -> Result<DialStep> {
+        let (rank, peer, addr) = (terms.rank, self.peer, self.addr);
+        let not_the_peer = |why: &str| CommError::io(format!("rank {rank} could not authenticate rank {peer} at {addr}: {why}"));
+        let challenge = Challenge::decode(buf).map_err(|m| not_the_peer(&m))?;
+        let transcript =
+            Transcript { from: hello.from, to: hello.to, flags_c: hello.flags, flags_a: challenge.flags, nonce_c: hello.nonce, nonce_a: challenge.nonce };
+        if !transcript.verify_acceptor(terms.secret, &challenge.mac) {
+            return Err(not_the_peer("its answer does not match the group's secret (is another process on that port?)"));
+        }
+        Ok(DialStep::SendProof { stream, bytes: encode_proof(&transcript.connector_mac(terms.secret)), sent: 0, transcript })
+    }
 }
 
-/// Why the connector gives up on a peer that answered.
-enum Refusal {
-    /// It does not know the secret, or does not speak the protocol.
-    NotThePeer(String),
-    /// It is the peer, but its links are configured differently.
-    Mismatch(String),
-}
-
-/// The connector's half of the handshake. `Err` is worth a retry (the connection failed);
-/// `Ok(Err)` is a peer that cannot be linked to.
-fn authenticate(
-    mut stream: TcpStream,
-    spec: &MeshSpec<'_>,
-    peer: usize,
-    limit: Duration,
-) -> std::result::Result<std::result::Result<Link, Refusal>, String> {
-    let limit = Some(limit.max(Duration::from_millis(1)));
-    stream.set_read_timeout(limit).and_then(|_| stream.set_write_timeout(limit)).map_err(|e| e.to_string())?;
-    let nonce_c = random_nonce()?;
-    let hello = Hello { from: spec.rank as u32, to: peer as u32, flags: spec.flags(), nonce: nonce_c };
-    stream.write_all(&hello.encode()).map_err(|e| format!("hello failed: {e}"))?;
-    let mut b = [0u8; CHALLENGE_LEN];
-    stream.read_exact(&mut b).map_err(|e| format!("no challenge came back: {e}"))?;
-    let challenge = match Challenge::decode(&b) {
-        Ok(c) => c,
-        Err(m) => return Ok(Err(Refusal::NotThePeer(m))),
-    };
-    let transcript =
-        Transcript { from: hello.from, to: hello.to, flags_c: hello.flags, flags_a: challenge.flags, nonce_c, nonce_a: challenge.nonce };
-    if !transcript.verify_acceptor(spec.secret, &challenge.mac) {
-        return Ok(Err(Refusal::NotThePeer("its answer does not match the group's secret (is another process on that port?)".into())));
-    }
-    // The proof goes even to a peer configured differently, so that it too learns why.
-    stream.write_all(&encode_proof(&transcript.connector_mac(spec.secret))).map_err(|e| format!("proof failed: {e}"))?;
-    if challenge.flags != hello.flags {
-        return Ok(Err(Refusal::Mismatch(flags_mismatch(spec.rank, hello.flags, peer, challenge.flags))));
-    }
-    Ok(Ok(Link { stream, frame_key: transcript.frame_key(spec.secret) }))
+/// The terms of `spec`'s handshakes.
+pub(super) fn terms<'a>(spec: &MeshSpec<'a>) -> Terms<'a> {
+    Terms { rank: spec.rank, size: spec.size, secret: spec.secret, flags: spec.flags(), handshake_timeout: HANDSHAKE_TIMEOUT.min(spec.timeout) }
 }

@@ -393,6 +393,9 @@ impl TcpTransport {
 
     /// What this rank's own timeout says: whom it waited for.
     fn timeout_message(&self, phases: &[PeerPhase], ctx: &OpCtx) -> String {
+        let unlinked: Vec<usize> = (0..self.size)
+            .filter(|&p| p != self.rank && !self.is_linked(p) && (phases[p].sending() || phases[p].receiving()))
+            .collect();
         let silent: Vec<usize> = (0..self.size).filter(|&p| p != self.rank && phases[p].next_recv < phases[p].recvs.len()).collect();
         let blocked: Vec<usize> = (0..self.size).filter(|&p| p != self.rank && phases[p].sending()).collect();
         let mut msg = format!("{}: timed out after {} ms", ctx.describe(), ctx.timeout.as_millis());
@@ -401,6 +404,10 @@ impl TcpTransport {
         }
         if !blocked.is_empty() {
             msg += &format!("; ranks not accepting data: {blocked:?}");
+        }
+        if !unlinked.is_empty() {
+            let why: Vec<String> = unlinked.iter().map(|&p| self.why_unlinked(p)).collect();
+            msg += &format!("; ranks never connected: {unlinked:?} ({})", why.join("; "));
         }
         msg
     }
@@ -421,7 +428,8 @@ impl TcpTransport {
         let id = MessageId { op: ctx.op as u8, seq: ctx.seq, ..MessageId::default() };
         let notice = Header { kind: FrameKind::TimeoutNotice, id, payload_len: payload.len() as u64 };
         for p in (0..self.size).filter(|&p| p != self.rank) {
-            let peer = self.peers[p].as_mut().expect("every other rank has a connection");
+            // A peer with no link cannot hear the notice, nor answer it.
+            let Some(peer) = self.peers[p].as_mut() else { continue };
             if peer.closed {
                 round.closed(p);
                 phases[p] = PeerPhase::idle();
@@ -447,6 +455,11 @@ impl TcpTransport {
     }
 }
 
+/// Milliseconds until `t` (0 when it has passed), as poll(2) takes them.
+fn ms_until(t: Instant) -> i32 {
+    t.saturating_duration_since(Instant::now()).as_millis().min(i32::MAX as u128) as i32
+}
+
 impl Transport for TcpTransport {
     fn rank(&self) -> usize {
         self.rank
@@ -467,9 +480,17 @@ impl Transport for TcpTransport {
                 Direction::Recv => phases[t.peer].recvs.push(i),
             }
         }
-        for p in (0..self.size).filter(|&p| p != self.rank) {
-            let peer = self.peers[p].as_ref().expect("every other rank has a connection");
+        let rank = self.rank;
+        for p in (0..self.size).filter(|&p| p != rank) {
             let involved = !phases[p].sends.is_empty() || !phases[p].recvs.is_empty();
+            let Some(peer) = self.peers[p].as_ref() else {
+                // First use: the link is made inside this phase's loop.
+                phases[p].watch = false;
+                if involved {
+                    self.want_link(p);
+                }
+                continue;
+            };
             if peer.closed {
                 if involved {
                     return Err(self.closed_error(ctx, p, " earlier"));
@@ -488,6 +509,10 @@ impl Transport for TcpTransport {
             let mut busy = false;
             for (p, st) in phases.iter().enumerate() {
                 if p == self.rank {
+                    continue;
+                }
+                if self.peers[p].is_none() {
+                    busy |= st.sending() || st.receiving();
                     continue;
                 }
                 let mut events = 0;
@@ -522,10 +547,13 @@ impl Transport for TcpTransport {
                 }
                 continue;
             };
+            let wait_ms = self.push_link_fds(&mut fds).map_or(wait_ms, |wake| wait_ms.min(ms_until(wake)));
             if let Some(fd) = ctx.abort.as_ref().and_then(|a| a.fd()) {
                 fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
             }
             socket::poll(&mut fds, wait_ms).map_err(|e| CommError::io(format!("{}: poll failed: {e}", ctx.describe())))?;
+            // The linker's entries follow the peers' (zip below stops at the owners).
+            self.progress_links(&fds, ctx)?;
             // (The switch's entry, if any, is last and has no owner: zip skips it.)
             for (fd, &p) in fds.iter().zip(owners.iter()) {
                 let ev = fd.revents;
@@ -609,6 +637,8 @@ impl Transport for TcpTransport {
                     ctx.timeout.as_millis()
                 )));
             };
+            // Peers not linked yet dial this rank when they have a message for it.
+            let wait_ms = self.push_link_fds(&mut fds).map_or(wait_ms, |wake| wait_ms.min(ms_until(wake)));
             if fds.is_empty() {
                 // Nobody can still send us a match; sleep out the deadline to report it.
                 std::thread::sleep(std::time::Duration::from_millis(wait_ms.min(50) as u64));
@@ -618,6 +648,7 @@ impl Transport for TcpTransport {
                 fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
             }
             socket::poll(&mut fds, wait_ms).map_err(|e| CommError::io(format!("{}: poll failed: {e}", ctx.describe())))?;
+            self.progress_links(&fds, ctx)?;
             for (fd, &p) in fds.iter().zip(owners.iter()) {
                 if fd.revents == 0 {
                     continue;
@@ -658,6 +689,7 @@ impl Transport for TcpTransport {
     }
 
     fn close(&mut self) {
+        self.linker = None;
         for peer in self.peers.iter_mut().flatten() {
             let _ = peer.stream.shutdown(std::net::Shutdown::Both);
             peer.closed = true;

@@ -1,14 +1,15 @@
 //! Mutual authentication of a TCP connection with the group's secret, before any frame is read.
 //!
 //! The secret (32 random bytes) reaches every rank through the group's c10d Store
-//! (rendezvous.rs) and never crosses a link. The rank that connects (the higher rank) and the
-//! rank that accepts each draw a fresh 32-byte nonce; each proves that it knows the secret with
+//! (rendezvous.rs) and never crosses a link. The rank that connects (whichever needs the link
+//! first: linker.rs) and the rank that accepts each draw a fresh 32-byte nonce; each proves that it knows the secret with
 //! an HMAC-SHA256 over both nonces and both ranks, under a label of its role:
 //!
 //! ```text
 //! connector -> acceptor  HELLO      "XCH2" version:u16 flags_c:u16 from:u32 to:u32 nonce_c[32]  48 bytes
 //! acceptor -> connector  CHALLENGE  "XCCH" flags_a:u16 0:u16 nonce_a[32] mac_a[32]              72 bytes
 //! connector -> acceptor  PROOF      "XCPR" mac_c[32]                                           36 bytes
+//! acceptor -> connector  VERDICT    accept (0xA5) or keep-mine (0x5A)                           1 byte
 //!
 //! t     = from | to | flags_c | flags_a | nonce_c | nonce_a
 //! mac_a = HMAC(secret, "xccl_rs/v2/acceptor" | t)
@@ -20,6 +21,11 @@
 //! neither MAC can be replayed, and the labels keep an acceptor's answer from serving as a
 //! connector's proof. `key` then seals every frame header of the connection (seal.rs), which
 //! binds frames to this connection and to their place in its stream.
+//!
+//! The verdict settles two ranks dialing each other at once: an acceptor that is itself dialing
+//! the connector, and is the higher of the two, keeps its own connection (keep-mine) and closes
+//! this one; every other proven connection is accepted. So each pair ends with exactly one link,
+//! and both sides know which, before a frame crosses it.
 //!
 //! The flags say how each side wants the link: [`FLAG_TLS`] for TLS (tls.rs). Both MACs cover
 //! both sides' flags, so no one on the path can strip TLS from a link (a downgrade), and two
@@ -37,6 +43,11 @@ pub const MAC_LEN: usize = 32;
 pub const HELLO_LEN: usize = 48;
 pub const CHALLENGE_LEN: usize = 8 + NONCE_LEN + MAC_LEN;
 pub const PROOF_LEN: usize = 4 + MAC_LEN;
+/// The acceptor keeps this connection as the pair's link.
+pub const VERDICT_ACCEPT: u8 = 0xA5;
+/// The acceptor is dialing the connector itself and, being the higher rank, keeps its own
+/// connection: the connector drops this one and takes the acceptor's.
+pub const VERDICT_KEEP_MINE: u8 = 0x5A;
 
 /// An authenticated connection to one peer (what either side of the handshake ends with) and
 /// the key that seals its frame headers.
@@ -44,7 +55,7 @@ pub struct Link {
     pub stream: std::net::TcpStream,
     pub frame_key: [u8; MAC_LEN],
 }
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 
 /// The link is to run TLS after the handshake (`XCCL_RS_TLS=1`).
 pub const FLAG_TLS: u16 = 1;

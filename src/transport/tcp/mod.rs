@@ -1,5 +1,6 @@
-//! The TCP transport: a full mesh of non-blocking sockets, one per pair of ranks, driven by
-//! `poll(2)`. All transfers of a phase make progress together, so two ranks sending each other
+//! The TCP transport: non-blocking sockets, at most one per pair of ranks, driven by `poll(2)`.
+//! A rank links at set-up only to the eager peers its fabric names, and to any other peer on
+//! first use (linker.rs). All transfers of a phase make progress together, so two ranks sending each other
 //! large messages never deadlock on full socket buffers, and a waiting rank sleeps in the kernel
 //! instead of spinning (ranks may outnumber cores).
 
@@ -8,6 +9,7 @@ pub mod connect;
 pub mod exchange;
 pub mod frame;
 pub mod handshake;
+mod linker;
 pub mod seal;
 mod socket;
 mod timeout_round;
@@ -18,10 +20,15 @@ use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Instant;
 
+use rustls::pki_types::CertificateDer;
+
 use crate::error::Result;
+use crate::peers::PeerSet;
+use crate::transport::OpCtx;
 pub use connect::MeshSpec;
 use connect::HANDSHAKE_TIMEOUT;
 use handshake::Link;
+use linker::Linker;
 use seal::Seal;
 use tunnel::Tunnel;
 
@@ -75,12 +82,27 @@ pub struct TcpTransport {
     rank: usize,
     size: usize,
     peers: Vec<Option<Peer>>,
+    /// Makes the links not yet there (`None` once closed, or alone in the group).
+    linker: Option<Linker>,
+    /// With `XCCL_RS_TLS`: this rank's identity and every peer's certificate, read at set-up.
+    tls: Option<TlsKeys>,
+}
+
+struct TlsKeys {
+    identity: tls::Identity,
+    certs: Vec<Option<CertificateDer<'static>>>,
 }
 
 impl TcpTransport {
-    /// Rendezvous through the spec's store and connect to every other rank.
-    pub fn connect(spec: &MeshSpec<'_>) -> Result<TcpTransport> {
+    /// Rendezvous through the spec's store, and link to the `eager` peers (a symmetric
+    /// relation: peers.rs); every other link is made on first use.
+    pub fn connect(spec: &MeshSpec<'_>, eager: &PeerSet) -> Result<TcpTransport> {
         let (rank, size) = (spec.rank, spec.size);
+        let mut t = TcpTransport { rank, size, peers: (0..size).map(|_| None).collect(), linker: None, tls: None };
+        if size == 1 {
+            return Ok(t);
+        }
+        let deadline = Instant::now() + spec.timeout;
         let identity = match spec.tls {
             true => {
                 let identity = tls::Identity::generate()?;
@@ -89,43 +111,86 @@ impl TcpTransport {
             }
             false => None,
         };
-        let links = connect::connect_mesh(spec)?;
-        let wires = match &identity {
-            Some(identity) => secure(spec, identity, links)?,
-            None => links.into_iter().map(|l| l.map(|l| (Wire::Plain(l.stream), l.frame_key))).collect(),
-        };
-        let peers = wires
-            .into_iter()
-            .enumerate()
-            .map(|(peer, wire)| {
-                wire.map(|(stream, frame_key)| Peer {
-                    stream,
-                    closed: false,
-                    broken_out: false,
-                    seal_out: Seal::new(&frame_key, rank, peer),
-                    seal_in: Seal::new(&frame_key, peer, rank),
-                })
-            })
-            .collect();
-        Ok(TcpTransport { rank, size, peers })
+        let mut linker = Linker::new(spec)?;
+        let eager: Vec<usize> = eager.ranks().iter().copied().filter(|&p| p != rank && p < size).collect();
+        let links = linker.establish(spec.store, &eager, deadline)?;
+        // The other peers' addresses (and certificates), for the links made on first use: the
+        // group keeps no store after set-up.
+        let everyone: Vec<usize> = (0..size).collect();
+        linker.learn_addresses(spec.store, &everyone, deadline)?;
+        if let Some(identity) = identity {
+            let mut certs = vec![None; size];
+            for (peer, cert) in certs.iter_mut().enumerate().filter(|(p, _)| *p != rank) {
+                *cert = Some(tls::peer_cert(spec.store, rank, peer, deadline.saturating_duration_since(Instant::now()))?);
+            }
+            t.tls = Some(TlsKeys { identity, certs });
+        }
+        t.linker = Some(linker);
+        t.install(links, Instant::now() + HANDSHAKE_TIMEOUT.min(spec.timeout))?;
+        Ok(t)
     }
-}
 
-type Secured = Vec<Option<(Wire, [u8; handshake::MAC_LEN])>>;
-
-/// Runs TLS on every authenticated link: all handshakes at once, then waits for each.
-fn secure(spec: &MeshSpec<'_>, identity: &tls::Identity, links: Vec<Option<Link>>) -> Result<Secured> {
-    let deadline = Instant::now() + HANDSHAKE_TIMEOUT.min(spec.timeout);
-    let mut opening = Vec::with_capacity(links.len());
-    for (peer, link) in links.into_iter().enumerate() {
-        let Some(link) = link else {
-            opening.push(None);
-            continue;
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        let cert = tls::peer_cert(spec.store, spec.rank, peer, left)?;
-        let conn = tls::connection(identity, spec.rank, peer, cert)?;
-        opening.push(Some((tunnel::open(link.stream, conn, spec.rank, peer, deadline)?, link.frame_key)));
+    /// Whether this rank has a link to `peer` (made at set-up or on first use).
+    pub fn is_linked(&self, peer: usize) -> bool {
+        self.peers.get(peer).is_some_and(Option::is_some)
     }
-    opening.into_iter().map(|o| o.map(|(t, key)| t.finish().map(|t| (Wire::Tls(t), key))).transpose()).collect()
+
+    /// Takes new links into use: TLS on each (all handshakes at once, then waits for each,
+    /// at most until `deadline`), then their frame seals.
+    fn install(&mut self, links: Vec<(usize, Link)>, deadline: Instant) -> Result<()> {
+        let wires: Vec<(usize, Wire, [u8; handshake::MAC_LEN])> = match &self.tls {
+            None => links.into_iter().map(|(p, l)| (p, Wire::Plain(l.stream), l.frame_key)).collect(),
+            Some(keys) => {
+                let mut opening = Vec::with_capacity(links.len());
+                for (peer, link) in links {
+                    let cert = keys.certs[peer].clone().expect("every peer's certificate is read at set-up");
+                    let conn = tls::connection(&keys.identity, self.rank, peer, cert)?;
+                    opening.push((peer, tunnel::open(link.stream, conn, self.rank, peer, deadline)?, link.frame_key));
+                }
+                opening.into_iter().map(|(p, o, key)| o.finish().map(|t| (p, Wire::Tls(t), key))).collect::<Result<_>>()?
+            }
+        };
+        for (peer, stream, frame_key) in wires {
+            tracing::debug!(rank = self.rank, peer, "linked");
+            self.peers[peer] = Some(Peer {
+                stream,
+                closed: false,
+                broken_out: false,
+                seal_out: Seal::new(&frame_key, self.rank, peer),
+                seal_in: Seal::new(&frame_key, peer, self.rank),
+            });
+        }
+        Ok(())
+    }
+
+    /// First use of `peer`: starts its link unless there is one (or one on its way).
+    fn want_link(&mut self, peer: usize) {
+        if self.peers[peer].is_none() {
+            if let Some(linker) = self.linker.as_mut() {
+                linker.dial(peer);
+            }
+        }
+    }
+
+    /// Adds the linker's poll entries (listener, handshakes) to a loop's; returns when it
+    /// wants to run without an event.
+    fn push_link_fds(&mut self, fds: &mut Vec<libc::pollfd>) -> Option<Instant> {
+        self.linker.as_mut().and_then(|l| l.push_fds(fds))
+    }
+
+    /// After a loop's poll: moves the handshakes on and takes the links that came up.
+    fn progress_links(&mut self, fds: &[libc::pollfd], ctx: &OpCtx) -> Result<()> {
+        let Some(linker) = self.linker.as_mut() else { return Ok(()) };
+        let links = linker.progress(fds).map_err(|e| ctx.annotate(e))?;
+        if !links.is_empty() {
+            let deadline = ctx.deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+            self.install(links, deadline).map_err(|e| ctx.annotate(e))?;
+        }
+        Ok(())
+    }
+
+    /// Why there is no link to `peer`, for a timeout's message.
+    fn why_unlinked(&self, peer: usize) -> String {
+        self.linker.as_ref().map_or_else(|| format!("rank {} has no link to rank {peer}", self.rank), |l| l.why_unlinked(peer))
+    }
 }

@@ -1,0 +1,37 @@
+//! Rail-aligned all-gather (terms in mod.rs), for hosts that each have k ≥ 2 of the group's
+//! ranks, H hosts.
+//!
+//! 1. Local rank i all-gathers its input with local rank i of every other host, its rail, over
+//!    TCP (allgather_direct.rs), each piece received straight into its rank's output view; all
+//!    rails at once, so each rank's link carries (H − 1) pieces, where the leader scheme
+//!    (allgather_hier.rs) sends its whole host's through the leader's.
+//! 2. For each host j in turn, this host all-gathers the pieces of host j's ranks over shared
+//!    memory (allgather_shm.rs): local rank i holds rank (j, i)'s piece from step 1.
+
+use super::{among, behind_remote, on_host, rail_of};
+use crate::algorithms::Step;
+use crate::algorithms::host::allgather_shm;
+use crate::algorithms::mesh::allgather_direct;
+use crate::error::Result;
+use crate::fabric::Mixed;
+use crate::op::Op;
+
+pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
+    let hosts = &mixed.hosts;
+    let rank = step.rank();
+    let host_ranks: Vec<Vec<usize>> = (0..hosts.host_count()).map(|j| hosts.ranks(j).to_vec()).collect();
+    let me = hosts.local_index(rank);
+    let rail = rail_of(hosts, rank);
+    let ctx = step.ctx;
+
+    let rail_views = rail.iter().map(|&g| op.outputs[g]).collect();
+    among(mixed.shm.as_ref(), step, &rail, |s| allgather_direct::run(s, &Op { outputs: rail_views, ..op.clone() }))?;
+
+    for ranks in &host_ranks {
+        let (shm, desc) = on_host(&mut mixed.shm, step).expect("a host of k ≥ 2 ranks has shared memory");
+        let views = ranks.iter().map(|&g| op.outputs[g]).collect();
+        let host_step = Op { inputs: vec![op.outputs[ranks[me]]], outputs: views, ..op.clone() };
+        allgather_shm::run(shm, step.par, &behind_remote(ctx), &host_step, desc)?;
+    }
+    Ok(())
+}
