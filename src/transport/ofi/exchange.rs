@@ -187,7 +187,8 @@ impl OfiTransport {
         for i in 0..posts.list.len() {
             if posts.list[i].state == State::Posted {
                 let c = posts.context(i);
-                ep.cancel(c);
+                // SAFETY: post `i` is outstanding on this endpoint (state Posted).
+                unsafe { ep.cancel(c) };
             }
         }
         let until = Instant::now() + RECLAIM;
@@ -201,10 +202,10 @@ impl OfiTransport {
                 let Some(i) = posts.index_of(c.context) else { continue };
                 posts.list[i].state = State::Done;
                 posts.outstanding -= 1;
-                if let (Role::Probe(peer), Some(bufs), 0) = (posts.list[i].role, probe_bufs, c.err) {
-                    if let Ok(h) = Header::decode(&bufs[peer], c.len as usize) {
-                        self.stash[peer].push_back(h);
-                    }
+                if let (Role::Probe(peer), Some(bufs), 0) = (posts.list[i].role, probe_bufs, c.err)
+                    && let Ok(h) = Header::decode(&bufs[peer], c.len as usize)
+                {
+                    self.stash[peer].push_back(h);
                 }
             }
             if n == 0 {

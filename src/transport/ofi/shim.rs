@@ -245,7 +245,7 @@ impl Endpoint {
     }
 
     fn posted(&self, rc: c_long, what: &str) -> std::result::Result<Posted, String> {
-        match rc as i64 {
+        match rc {
             0 => Ok(Posted::Yes),
             r if r == -FI_EAGAIN => Ok(Posted::Busy),
             r => Err(format!("{what} failed: {}", self.lib.strerror(r))),
@@ -276,8 +276,11 @@ impl Endpoint {
 
     /// Asks the provider to stop the operation posted with `context` (best effort: it then
     /// completes with FI_ECANCELED, or normally if it was too late).
-    pub fn cancel(&mut self, context: *mut c_void) {
-        // SAFETY: `context` was posted on this endpoint; fi_cancel only looks it up.
+    ///
+    /// # Safety
+    /// `context` must be that of an operation posted on this endpoint and not yet completed.
+    pub unsafe fn cancel(&mut self, context: *mut c_void) {
+        // SAFETY: the caller's contract; fi_cancel only looks the context up.
         let _ = unsafe { xofi_cancel(self.raw, context) };
     }
 
