@@ -226,7 +226,6 @@ impl Dial {
 
     /// Connects and sends the hello (a fresh socket takes its 48 bytes at once).
     fn connect(&self, terms: &Terms<'_>) -> std::io::Result<DialStep> {
-        let context = |what: &str| move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{what}: {e}"));
         let mut stream = TcpStream::connect_timeout(&self.addr, CONNECT_ATTEMPT).map_err(context("could not connect"))?;
         let nonce = random_nonce().map_err(std::io::Error::other)?;
         let hello = Hello { from: terms.rank as u32, to: self.peer as u32, flags: terms.flags, nonce };
@@ -249,6 +248,11 @@ impl Dial {
         }
         Ok(DialStep::SendProof { stream, bytes: encode_proof(&transcript.connector_mac(terms.secret)), sent: 0, transcript })
     }
+}
+
+/// An error's text led by what failed, its kind kept.
+fn context(what: &'static str) -> impl Fn(std::io::Error) -> std::io::Error {
+    move |e| std::io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
 /// The terms of `spec`'s handshakes.
