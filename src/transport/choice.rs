@@ -39,7 +39,16 @@ pub fn agree_on_transport(store: &dyn Store, rank: usize, size: usize, choice: T
     if rank == 0 {
         let mut differ = Vec::new();
         for peer in 1..size {
-            let value = store.get(&Key::Transport(peer).text(), timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
+            let value = match store.get(&Key::Transport(peer).text(), timeout) {
+                Ok(value) => value,
+                Err(e) => {
+                    // A rank that never joined: say so to the others, who wait for the verdict,
+                    // so that every rank names it rather than rank 0.
+                    let e = rendezvous_error(rank, peer, e);
+                    store.set(&Key::TransportVerdict.text(), format!("{ABSENT}{}", e.message).as_bytes())?;
+                    return Err(e);
+                }
+            };
             if value != name.as_bytes() {
                 differ.push((peer, shown(&value)));
             }
@@ -48,9 +57,18 @@ pub fn agree_on_transport(store: &dyn Store, rank: usize, size: usize, choice: T
         store.set(&Key::TransportVerdict.text(), verdict.as_bytes())?;
         return if differ.is_empty() { Ok(()) } else { Err(CommError::invalid(verdict)) };
     }
-    let verdict = store.get(&Key::TransportVerdict.text(), timeout).map_err(|e| rendezvous_error(rank, 0, e))?;
+    // Rank 0 gives its verdict within `timeout` even when a rank never joins; the grace lets it
+    // arrive before this rank's own wait ends.
+    let verdict = store.get(&Key::TransportVerdict.text(), timeout + VERDICT_GRACE).map_err(|e| rendezvous_error(rank, 0, e))?;
     match verdict.as_slice() {
         b"ok" => Ok(()),
+        v if v.starts_with(ABSENT.as_bytes()) => Err(CommError::timeout(shown(&v[ABSENT.len()..]))),
         _ => Err(CommError::invalid(shown(&verdict))),
     }
 }
+
+/// How a verdict says that a rank never published its setting (the rest is rank 0's error).
+const ABSENT: &str = "absent: ";
+
+/// How much longer than the group's timeout the other ranks wait for rank 0's verdict.
+const VERDICT_GRACE: Duration = Duration::from_millis(500);
