@@ -25,7 +25,7 @@ use crate::config::{Config, TransportChoice};
 use crate::error::Result;
 use crate::hosts::{HostMap, this_host};
 use crate::par::Par;
-use crate::peers::eager_peers;
+use crate::peers::{PeerSet, eager_peers};
 use crate::rendezvous::Store;
 use crate::transport::shm::heap::Heap;
 use crate::transport::shm::{ShmGroup, ShmSettings};
@@ -125,7 +125,13 @@ impl Fabric {
         } else {
             None
         };
-        let tcp = TcpTransport::connect(&spec, &eager_peers(rank, size, host_map.as_ref()))?;
+        // OFI watches its peers (aborts, deaths) over the TCP links and never dials one on first
+        // use, so it links to every peer at set-up; TCP alone links where its algorithms need.
+        let eager = match config.transport {
+            TransportChoice::Ofi => PeerSet::all_but(rank, size),
+            TransportChoice::Auto | TransportChoice::Tcp => eager_peers(rank, size, host_map.as_ref()),
+        };
+        let tcp = TcpTransport::connect(&spec, &eager)?;
         let net: Box<dyn Transport> = match config.transport {
             TransportChoice::Ofi => Box::new(ofi::connect(store, tcp, config)?),
             TransportChoice::Auto | TransportChoice::Tcp => Box::new(tcp),
