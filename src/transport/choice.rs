@@ -39,7 +39,7 @@ pub fn agree_on_transport(store: &dyn Store, rank: usize, size: usize, choice: T
     if rank == 0 {
         let mut differ = Vec::new();
         for peer in 1..size {
-            let value = match store.get(&Key::Transport(peer).text(), timeout) {
+            let value = match store.get(&Key::Transport(peer).text(), timeout).map_err(|e| waited_too_long(e, timeout)) {
                 Ok(value) => value,
                 Err(e) => {
                     // A rank that never joined: say so to the others, who wait for the verdict,
@@ -59,12 +59,21 @@ pub fn agree_on_transport(store: &dyn Store, rank: usize, size: usize, choice: T
     }
     // Rank 0 gives its verdict within `timeout` even when a rank never joins; the grace lets it
     // arrive before this rank's own wait ends.
-    let verdict = store.get(&Key::TransportVerdict.text(), timeout + VERDICT_GRACE).map_err(|e| rendezvous_error(rank, 0, e))?;
+    let verdict = store
+        .get(&Key::TransportVerdict.text(), timeout + VERDICT_GRACE)
+        .map_err(|e| rendezvous_error(rank, 0, waited_too_long(e, timeout + VERDICT_GRACE)))?;
     match verdict.as_slice() {
         b"ok" => Ok(()),
         v if v.starts_with(ABSENT.as_bytes()) => Err(CommError::timeout(shown(&v[ABSENT.len()..]))),
         _ => Err(CommError::invalid(shown(&verdict))),
     }
+}
+
+/// A Store's failed wait as the timeout it is, in one line: torch's stores answer a wait that
+/// ran out with their own text ("Wait timeout") and a stack trace.
+fn waited_too_long(e: CommError, timeout: Duration) -> CommError {
+    let first_line = e.message.lines().next().unwrap_or_default();
+    CommError::timeout(format!("timed out after {timeout:?} waiting for its XCCL_RS_TRANSPORT ({first_line})"))
 }
 
 /// How a verdict says that a rank never published its setting (the rest is rank 0's error).
