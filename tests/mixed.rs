@@ -240,22 +240,44 @@ fn bf16_data_tell_roundings_apart() {
     assert!(differ > 100, "only {differ} of 3000 elements distinguish the roundings");
 }
 
+/// Around one segment, and several.
+fn reduce_counts(esz: usize) -> Vec<usize> {
+    vec![0, 1, 1001, SEGMENT / esz + 1, 3 * SEGMENT / esz + 7]
+}
+
+/// At the rail threshold, with and without a tail.
+fn rail_reduce_counts(esz: usize) -> Vec<usize> {
+    vec![RAIL_BYTES / esz, RAIL_BYTES / esz + 5]
+}
+
 #[test]
 fn reduce_every_root() {
     sweep_layouts("reduce", |layout, rank, comm, f| {
         for root in 0..layout.len() {
             for (k, &rop) in [Sum, Avg, Max, PreMulSum].iter().enumerate() {
-                reduce_case::<f32>(f, layout, comm, rank, root, rop, k)?;
+                reduce_case::<f32>(f, layout, comm, rank, root, rop, k, reduce_counts)?;
             }
-            reduce_case::<bf16>(f, layout, comm, rank, root, Sum, 9)?;
-            reduce_case::<bf16>(f, layout, comm, rank, root, Avg, 10)?;
+            reduce_case::<bf16>(f, layout, comm, rank, root, Sum, 9, reduce_counts)?;
+            reduce_case::<bf16>(f, layout, comm, rank, root, Avg, 10, reduce_counts)?;
         }
         Ok(())
     });
 }
 
-fn reduce_case<T: TestElem>(f: &mut Failures, layout: &[&str], comm: &Communicator, rank: usize, root: usize, rop: ReduceOp, k: usize) -> Result<(), Stop> {
-    for n in [0, 1, 1001, SEGMENT / T::DTYPE.size() + 1, 3 * SEGMENT / T::DTYPE.size() + 7] {
+/// Reduces of the element counts `counts(element size)`: the root's result against the
+/// reference, every other rank's tensor unchanged.
+#[allow(clippy::too_many_arguments)]
+fn reduce_case<T: TestElem>(
+    f: &mut Failures,
+    layout: &[&str],
+    comm: &Communicator,
+    rank: usize,
+    root: usize,
+    rop: ReduceOp,
+    k: usize,
+    counts: fn(usize) -> Vec<usize>,
+) -> Result<(), Stop> {
+    for n in counts(T::DTYPE.size()) {
         let what = format!("reduce {} {rop:?} {layout:?} root {root} n {n} rank {rank}", T::DTYPE);
         let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
         let mut data = guarded_inputs::<T>(rank, n, salt, rop, n % 2);
@@ -525,34 +547,13 @@ fn rail_reduce_every_root() {
     sweep_on(&RAIL_LAYOUTS, rail_cfgs, "rail reduce", |layout, rank, comm, f| {
         for root in 0..layout.len() {
             for (k, &rop) in [Sum, Avg, PreMulSum].iter().enumerate() {
-                rail_reduce_case::<f32>(f, layout, comm, rank, root, rop, k)?;
+                reduce_case::<f32>(f, layout, comm, rank, root, rop, k, rail_reduce_counts)?;
             }
-            rail_reduce_case::<bf16>(f, layout, comm, rank, root, Avg, 9)?;
+            reduce_case::<bf16>(f, layout, comm, rank, root, Avg, 9, rail_reduce_counts)?;
         }
         ran(f, comm, "ReduceRail", &format!("reduce {layout:?} rank {rank}"));
         Ok(())
     });
-}
-
-/// A reduce of rail size, with and without a tail: the root's result against the reference,
-/// every other rank's tensor unchanged.
-fn rail_reduce_case<T: TestElem>(f: &mut Failures, layout: &[&str], comm: &Communicator, rank: usize, root: usize, rop: ReduceOp, k: usize) -> Result<(), Stop> {
-    for n in [RAIL_BYTES / T::DTYPE.size(), RAIL_BYTES / T::DTYPE.size() + 5] {
-        let what = format!("reduce {} {rop:?} {layout:?} root {root} n {n} rank {rank}", T::DTYPE);
-        let salt = (root * 1_000_000 + k * 100_000 + n) as u64;
-        let mut data = guarded_inputs::<T>(rank, n, salt, rop, n % 2);
-        let before = data.bytes().to_vec();
-        let mut o = reduction_with(OpKind::Reduce, T::DTYPE, vec![], vec![data.raw()], rop);
-        o.root = root as i64;
-        f.op(run(comm, vec![o]), &what)?;
-        let bytes = data.data(f, &what);
-        if rank == root {
-            f.result(check::<T>(layout, bytes, salt, rop, 0), &what);
-        } else {
-            f.result(same_bytes(bytes, &before), format!("{what}: a non-root buffer changed"));
-        }
-    }
-    Ok(())
 }
 
 #[test]
