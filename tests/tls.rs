@@ -86,12 +86,13 @@ fn ranks_that_disagree_on_tls_fail_on_every_rank() {
     }
 }
 
-/// Forwards one connection to `to` both ways. What the client sends is recorded; the byte at
-/// `flip_at` of it (if any) is inverted on the way.
-fn proxy(listener: TcpListener, to: SocketAddr, flip_at: Option<usize>) -> thread::JoinHandle<Vec<u8>> {
+/// Forwards one connection to the address `to` yields once the client has come (rank 0
+/// publishes it only after every rank has joined), both ways. What the client sends is
+/// recorded; the byte at `flip_at` of it (if any) is inverted on the way.
+fn proxy(listener: TcpListener, to: impl FnOnce() -> SocketAddr + Send + 'static, flip_at: Option<usize>) -> thread::JoinHandle<Vec<u8>> {
     thread::spawn(move || {
         let (mut client, _) = listener.accept().unwrap();
-        let mut server = TcpStream::connect(to).unwrap();
+        let mut server = TcpStream::connect(to()).unwrap();
         let (mut client_back, mut server_back) = (client.try_clone().unwrap(), server.try_clone().unwrap());
         let back = thread::spawn(move || {
             let _ = std::io::copy(&mut server_back, &mut client_back);
@@ -144,9 +145,12 @@ fn through_proxy(tls: bool, flip_at: Option<usize>) -> (Vec<Result<Vec<u8>, Stri
             Ok(data)
         })
     };
-    let rank0_addr = parse_address(&store.get(&Key::Address(0).text(), timeout).unwrap()).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let via = listener.local_addr().unwrap().to_string();
+    let rank0_addr = {
+        let store = store.clone();
+        move || parse_address(&store.get(&Key::Address(0).text(), timeout).unwrap()).unwrap()
+    };
     let recorder = proxy(listener, rank0_addr, flip_at);
     let rank1 = {
         let store = Redirect { inner: store, rank0_via: via };
