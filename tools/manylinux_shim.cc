@@ -98,6 +98,19 @@ void* xccl_rs_old_dlsym(void*, const char*);
 XCCL_RS_OLD(xccl_rs_old_dlsym, dlsym, "GLIBC_2.2.5");
 void* __wrap_dlsym(void* h, const char* name) { return xccl_rs_old_dlsym(h, name); }
 
+// The libfabric transport opens libfabric.so.1 at run time (src/transport/ofi/shim.c).
+void* xccl_rs_old_dlopen(const char*, int);
+XCCL_RS_OLD(xccl_rs_old_dlopen, dlopen, "GLIBC_2.2.5");
+void* __wrap_dlopen(const char* path, int flags) { return xccl_rs_old_dlopen(path, flags); }
+
+int xccl_rs_old_dlclose(void*);
+XCCL_RS_OLD(xccl_rs_old_dlclose, dlclose, "GLIBC_2.2.5");
+int __wrap_dlclose(void* h) { return xccl_rs_old_dlclose(h); }
+
+char* xccl_rs_old_dlerror(void);
+XCCL_RS_OLD(xccl_rs_old_dlerror, dlerror, "GLIBC_2.2.5");
+char* __wrap_dlerror(void) { return xccl_rs_old_dlerror(); }
+
 // --- 2. Functions the old glibc lacks.
 
 // glibc 2.33 made stat64/fstat64 functions; before, its headers turned them into these calls
