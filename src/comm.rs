@@ -55,6 +55,8 @@ enum Job {
     Run { ops: Vec<Op<Buf>>, staging: Option<StagedJob>, done: OnRan },
     /// This rank rejected its part of `op` locally: tell the peers and fail the communicator.
     Abort { op: OpKind, message: String },
+    /// Work outlives the last job (a transport's held sends): move it while idle.
+    Progress,
 }
 
 pub struct Communicator {
@@ -241,7 +243,12 @@ impl Communicator {
                 drop(queue);
                 let started = SystemTime::now();
                 let result = worker.run_job_guarded(&ops, staging);
+                let more = worker.progress().is_some();
                 drop(worker);
+                if more && let Some(tx) = self.queue.lock().as_ref() {
+                    // The progress thread carries it on; it was asleep in the queue.
+                    let _ = tx.send(Job::Progress);
+                }
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result, started)));
                 return Ok(());
             }
@@ -328,12 +335,25 @@ struct Shared {
 
 impl Shared {
     fn serve(&self, rx: mpsc::Receiver<Job>) {
-        while let Ok(job) = rx.recv() {
+        // Set while the transport has work that outlives the jobs: how soon to move it again.
+        let mut idle: Option<Duration> = None;
+        loop {
+            let job = match idle {
+                None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+                Some(after) => rx.recv_timeout(after),
+            };
+            let job = match job {
+                Ok(job) => job,
+                Err(mpsc::RecvTimeoutError::Timeout) => Job::Progress,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            };
             match job {
+                Job::Progress => idle = self.worker.lock().progress(),
                 Job::Run { ops, staging, done } => {
                     let mut worker = self.worker.lock();
                     let started = SystemTime::now();
                     let result = worker.run_job_guarded(&ops, staging);
+                    idle = worker.progress();
                     drop(worker);
                     self.pending.fetch_sub(1, Ordering::AcqRel);
                     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| done(result, started)));
@@ -368,6 +388,15 @@ struct Worker {
 }
 
 impl Worker {
+    /// Moves what the transport still has in flight between jobs; how soon to call again, or
+    /// `None` when nothing is left (or the group failed).
+    fn progress(&mut self) -> Option<Duration> {
+        if self.failed.is_some() {
+            return None;
+        }
+        self.fabric.net.progress()
+    }
+
     fn close(&mut self) {
         if self.failed.is_none() {
             self.failed = Some(CommError::aborted("the group was destroyed"));

@@ -63,6 +63,7 @@ fn child() {
         "collectives_two_ranks" => collectives(&["h0", "h1"]),
         "collectives_mixed" => collectives(&["a", "a", "b", "b"]),
         "point_to_point" => point_to_point(),
+        "send_then_leave" => send_then_leave(),
         "wrong_provider" => wrong_provider(),
         "different_settings" => different_settings(),
         "size_mismatch" => size_mismatch(),
@@ -145,6 +146,19 @@ fn point_to_point() {
         run_ok(&comm, vec![send_to(next, 5, DType::UInt8, buf(&mut out)), recv_from(prev, 5, DType::UInt8, buf(&mut got))], "ring");
         assert!(got == pattern(prev, 1, 100_000), "ring on rank {rank}");
         barrier.wait();
+        // The same ring with each send issued alone before its receive (`isend` then `irecv`):
+        // a send completes once the transport holds its bytes, as over TCP, so the ring cannot
+        // deadlock although no rank has posted its receive when it sends.
+        for (k, n) in [100_000usize, 1 << 20].into_iter().enumerate() {
+            let tag = 20 + k as i64;
+            let mut out = pattern(rank, tag as u64, n);
+            let mut got = vec![0u8; n];
+            run_ok(&comm, vec![send_to(next, tag, DType::UInt8, buf(&mut out))], "send issued alone");
+            out.fill(0); // the send's bytes are the transport's once it completed
+            run_ok(&comm, vec![recv_from(prev, tag, DType::UInt8, buf(&mut got))], "receive after the send");
+            assert!(got == pattern(prev, tag as u64, n), "ring of lone sends of {n} on rank {rank}");
+        }
+        barrier.wait();
         // Ranks 1 and 2 send to rank 0 with tags 7 and 8; rank 0 asks for tag 8 from any rank first.
         if rank == 0 {
             let mut a = vec![0u8; 64];
@@ -165,6 +179,25 @@ fn point_to_point() {
         let mut v = f32_bytes(&[rank as f32; 10]);
         run_ok(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut v)])], "allreduce after p2p");
         assert_eq!(bytes_f32(&v), vec![3.0; 10]);
+    });
+}
+
+/// A rank that sends and destroys its group at once still delivers: closing waits for the sends
+/// the transport holds, while the receiver takes a second to ask for them.
+fn send_then_leave() {
+    let cfgs = (0..2).map(|r| ofi_config(Duration::from_secs(30), ["p", "q"][r])).collect();
+    spawn_ranks_with(MemoryStore::new(), cfgs, LIMIT, move |rank, comm, _| {
+        let n = 1 << 20;
+        if rank == 1 {
+            let mut out = pattern(1, 3, n);
+            run_ok(&comm, vec![send_to(0, 3, DType::UInt8, buf(&mut out))], "send");
+            drop(comm);
+        } else {
+            std::thread::sleep(Duration::from_secs(1));
+            let mut got = vec![0u8; n];
+            run_ok(&comm, vec![recv_from(1, 3, DType::UInt8, buf(&mut got))], "receive after the sender left");
+            assert!(got == pattern(1, 3, n), "the message of a rank that left");
+        }
     });
 }
 
@@ -259,6 +292,11 @@ fn collectives_two_hosts_of_two_ranks() {
 #[test]
 fn point_to_point_and_receive_from_any_source() {
     in_child("point_to_point", TCP_RXM);
+}
+
+#[test]
+fn a_rank_that_sends_and_leaves_still_delivers() {
+    in_child("send_then_leave", TCP_RXM);
 }
 
 #[test]

@@ -169,4 +169,10 @@ pub trait Transport: Send {
     fn abort(&mut self, ctx: &OpCtx, message: &str);
     /// Closes every connection (the group is being destroyed).
     fn close(&mut self);
+    /// Moves work that outlives its phase (OFI's held sends) while the group runs no op, for
+    /// a transport that only progresses when asked; returns how soon to call again, or `None`
+    /// when nothing is in flight.
+    fn progress(&mut self) -> Option<Duration> {
+        None
+    }
 }

@@ -26,11 +26,11 @@ const RECLAIM: Duration = Duration::from_secs(1);
 const MAX_SLEEP_MS: i32 = 100;
 
 /// libfabric's FI_CONTEXT2: space the provider may use while it holds an operation.
-type Context = [u64; 8];
+pub(super) type Context = [u64; 8];
 
 /// What a post is for.
 #[derive(Clone, Copy, Debug)]
-enum Role {
+pub(super) enum Role {
     /// A header or a payload this rank sends.
     Send,
     RecvHeader(usize),
@@ -40,34 +40,34 @@ enum Role {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum State {
+pub(super) enum State {
     Waiting,
     Posted,
     Done,
 }
 
 /// One send or receive of a phase.
-struct Post {
-    role: Role,
-    peer: usize,
-    send: bool,
-    ptr: *mut u8,
-    len: usize,
-    tag: u64,
-    state: State,
+pub(super) struct Post {
+    pub role: Role,
+    pub peer: usize,
+    pub send: bool,
+    pub ptr: *mut u8,
+    pub len: usize,
+    pub tag: u64,
+    pub state: State,
 }
 
 /// A phase's posts, in the order they are handed to libfabric, with their contexts (which do
 /// not move: `contexts` is allocated once, before the first post).
-struct Posts {
-    list: Vec<Post>,
+pub(super) struct Posts {
+    pub list: Vec<Post>,
     contexts: Vec<Context>,
-    next: usize,
-    outstanding: usize,
+    pub next: usize,
+    pub outstanding: usize,
 }
 
 impl Posts {
-    fn new(list: Vec<Post>) -> Posts {
+    pub fn new(list: Vec<Post>) -> Posts {
         let contexts = vec![[0u64; 8]; list.len()];
         Posts { list, contexts, next: 0, outstanding: 0 }
     }
@@ -77,7 +77,7 @@ impl Posts {
     }
 
     /// The post whose context a completion returned, if it is one of ours.
-    fn index_of(&self, context: *mut c_void) -> Option<usize> {
+    pub fn index_of(&self, context: *mut c_void) -> Option<usize> {
         let base = self.contexts.as_ptr() as usize;
         let at = (context as usize).checked_sub(base)?;
         let i = at / std::mem::size_of::<Context>();
@@ -85,7 +85,7 @@ impl Posts {
     }
 
     /// Hands libfabric the posts not yet handed, in order, until it is busy.
-    fn post_more(&mut self, ep: &mut Endpoint, addrs: &[u64], ctx: &OpCtx) -> Result<()> {
+    pub fn post_more(&mut self, ep: &mut Endpoint, addrs: &[u64], ctx: &OpCtx) -> Result<()> {
         while self.next < self.list.len() {
             let i = self.next;
             let context = self.context(i);
@@ -119,26 +119,26 @@ impl Posts {
         v
     }
 
-    fn finished(&self) -> bool {
+    pub fn finished(&self) -> bool {
         self.next == self.list.len() && self.outstanding == 0
     }
 }
 
 /// When a wait started and when it last looked at the control connections.
-struct Waiting {
+pub(super) struct Waiting {
     spin_until: Instant,
     last_look: Instant,
 }
 
 impl Waiting {
-    fn new(spin: Duration) -> Waiting {
+    pub fn new(spin: Duration) -> Waiting {
         let now = Instant::now();
         Waiting { spin_until: now + spin, last_look: now }
     }
 }
 
 impl OfiTransport {
-    fn endpoint(&mut self, ctx: &OpCtx) -> Result<&mut Endpoint> {
+    pub(super) fn endpoint(&mut self, ctx: &OpCtx) -> Result<&mut Endpoint> {
         match (&mut self.ep, &self.broken) {
             (Some(ep), _) => Ok(ep),
             (None, Some(why)) => Err(CommError::io(format!("{}: the libfabric endpoint was closed after an earlier error: {why}", ctx.describe()))),
@@ -149,7 +149,7 @@ impl OfiTransport {
     /// Nothing completed just now: spins, or sleeps until the queue, a control connection or
     /// the abort switch has something (or [`MAX_SLEEP_MS`]). Fails on an abort, a dead
     /// involved peer, or the deadline (with `on_timeout`'s message).
-    fn wait(&mut self, involved: &[bool], w: &mut Waiting, ctx: &OpCtx, on_timeout: impl FnOnce() -> String) -> Result<()> {
+    pub(super) fn wait(&mut self, involved: &[bool], w: &mut Waiting, ctx: &OpCtx, on_timeout: impl FnOnce() -> String) -> Result<()> {
         if let Some(e) = ctx.aborted() {
             return Err(e);
         }
@@ -199,7 +199,11 @@ impl OfiTransport {
                 Err(_) => break,
             };
             for c in &done[..n] {
-                let Some(i) = posts.index_of(c.context) else { continue };
+                let Some(i) = posts.index_of(c.context) else {
+                    // A held send's (held.rs); its failure, if any, is the next phase's to report.
+                    let _ = self.held.complete(c, |_| String::new());
+                    continue;
+                };
                 posts.list[i].state = State::Done;
                 posts.outstanding -= 1;
                 if let (Role::Probe(peer), Some(bufs), 0) = (posts.list[i].role, probe_bufs, c.err)
@@ -248,7 +252,8 @@ impl OfiTransport {
             let n = self.endpoint(ctx)?.poll(&mut done).map_err(|e| CommError::io(format!("{}: {e}", ctx.describe())))?;
             for c in &done[..n] {
                 let Some(i) = posts.index_of(c.context) else {
-                    return Err(CommError::io(format!("{}: a libfabric completion for no post of this phase", ctx.describe())));
+                    self.complete_held(c, ctx)?;
+                    continue;
                 };
                 posts.list[i].state = State::Done;
                 posts.outstanding -= 1;
@@ -323,23 +328,20 @@ impl Transport for OfiTransport {
 
     fn exchange(&mut self, transfers: &[Transfer], ctx: &OpCtx) -> Result<()> {
         self.endpoint(ctx)?;
+        if let Some(e) = self.held.failed.take() {
+            return Err(e);
+        }
+        for tr in transfers {
+            self.check_transfer(tr, ctx)?;
+        }
+        if self.held.takes(transfers, ctx) {
+            return self.send_held(transfers, ctx);
+        }
         let mut got: Vec<Option<Header>> = vec![None; transfers.len()];
         let mut outbox = vec![[0u8; HEADER_LEN]; transfers.len()];
         let mut inbox = vec![[0u8; HEADER_LEN]; transfers.len()];
         let mut list = Vec::with_capacity(transfers.len() * 2);
         for (t, tr) in transfers.iter().enumerate() {
-            if tr.peer >= self.size || tr.peer == self.rank {
-                return Err(CommError::invalid(format!("{}: transfer to invalid peer {}", ctx.describe(), tr.peer)));
-            }
-            if tr.buf.len() > self.max_msg_size {
-                return Err(CommError::invalid(format!(
-                    "{}: a message of {} bytes, more than provider {}'s largest ({})",
-                    ctx.describe(),
-                    tr.buf.len(),
-                    self.provider,
-                    self.max_msg_size
-                )));
-            }
             let post = |role, send, ptr: *mut u8, len, tag| Post { role, peer: tr.peer, send, ptr, len, tag, state: State::Waiting };
             match tr.dir {
                 Direction::Send => {
@@ -369,6 +371,9 @@ impl Transport for OfiTransport {
     }
 
     fn probe_any(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, ctx: &OpCtx) -> Result<usize> {
+        if let Some(e) = self.held.failed.take() {
+            return Err(e);
+        }
         let mut excluded = vec![false; self.size];
         excluded[self.rank] = true;
         for p in 0..self.size {
@@ -393,12 +398,41 @@ impl Transport for OfiTransport {
     }
 
     fn abort(&mut self, ctx: &OpCtx, message: &str) {
+        self.aborted = true;
         self.tcp.abort(ctx, message);
     }
 
+    fn progress(&mut self) -> Option<Duration> {
+        self.progress_held()
+    }
+
     fn close(&mut self) {
+        if !self.aborted {
+            self.deliver_held(self.linger);
+        }
         self.ep = None;
+        self.held.clear();
         self.tcp.close();
+    }
+}
+
+impl OfiTransport {
+    /// A transfer this transport can carry: to another rank of the group, within the
+    /// provider's largest message.
+    fn check_transfer(&self, tr: &Transfer, ctx: &OpCtx) -> Result<()> {
+        if tr.peer >= self.size || tr.peer == self.rank {
+            return Err(CommError::invalid(format!("{}: transfer to invalid peer {}", ctx.describe(), tr.peer)));
+        }
+        if tr.buf.len() > self.max_msg_size {
+            return Err(CommError::invalid(format!(
+                "{}: a message of {} bytes, more than provider {}'s largest ({})",
+                ctx.describe(),
+                tr.buf.len(),
+                self.provider,
+                self.max_msg_size
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -414,7 +448,8 @@ impl OfiTransport {
             let n = self.endpoint(ctx)?.poll(&mut done).map_err(|e| CommError::io(format!("{}: {e}", ctx.describe())))?;
             for c in &done[..n] {
                 let Some(i) = posts.index_of(c.context) else {
-                    return Err(CommError::io(format!("{}: a libfabric completion for no post of this phase", ctx.describe())));
+                    self.complete_held(c, ctx)?;
+                    continue;
                 };
                 posts.list[i].state = State::Done;
                 posts.outstanding -= 1;

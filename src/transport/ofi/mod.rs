@@ -15,12 +15,15 @@
 //!   pair's header tag, which the receiver checks like TCP's frame header, and the payload on
 //!   the message's tag ([`MessageId::tag`](crate::transport::MessageId::tag)) straight from and
 //!   into the algorithm's buffers (header.rs);
+//! - *held send*: a point-to-point send whose bytes this transport copied, so that it completes
+//!   before its receiver posts, as over TCP (held.rs);
 //! - *post*: one send or receive handed to libfabric, with a context that comes back in its
 //!   completion; a buffer is the provider's from its post to its completion, so a phase that
 //!   fails cancels what it posted and waits for it before it returns (exchange.rs).
 
 mod exchange;
 pub mod header;
+mod held;
 mod setup;
 pub mod shim;
 
@@ -28,6 +31,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use header::Header;
+use held::Held;
 use shim::Endpoint;
 
 use crate::transport::tcp::TcpTransport;
@@ -41,6 +45,13 @@ pub struct OfiTransport {
     tcp: TcpTransport,
     /// `None` once closed, or given up after a phase whose posts could not be reclaimed.
     ep: Option<Endpoint>,
+    /// Sends completed before their receivers asked (held.rs). Declared after `ep`, so that
+    /// the endpoint closes before the buffers it may still read are freed.
+    held: Held,
+    /// How long closing the group waits for held sends (the group's timeout).
+    linger: Duration,
+    /// An abort was sent: closing does not wait for held sends.
+    aborted: bool,
     /// Why the endpoint was given up, for later phases' errors.
     broken: Option<String>,
     /// Each rank's handle in the address vector (this rank's own entry unused).

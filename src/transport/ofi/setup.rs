@@ -5,6 +5,7 @@
 //! fail with that message at once rather than at the timeout.
 
 use super::OfiTransport;
+use super::held::Held;
 use super::shim::{self, Endpoint, Info, Library};
 use crate::config::Config;
 use crate::error::{CommError, Result};
@@ -133,6 +134,9 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<
         size,
         tcp,
         ep: Some(ep),
+        held: Held::new(size),
+        linger: config.timeout,
+        aborted: false,
         broken: None,
         addrs,
         max_msg_size,
