@@ -175,6 +175,28 @@ fn point_to_point() {
             run_ok(&comm, vec![send_to(0, tag, DType::UInt8, buf(&mut m))], "send");
         }
         barrier.wait();
+        // Receive-from-any-source while one peer is silent: its look-ahead is withdrawn, and
+        // its later message arrives where it is expected.
+        if rank == 1 {
+            let mut m = pattern(1, 11, 64);
+            run_ok(&comm, vec![send_to(0, 11, DType::UInt8, buf(&mut m))], "send to the probe");
+        }
+        if rank == 0 {
+            let mut a = vec![0u8; 64];
+            let c = run(&comm, vec![recv_any(11, buf(&mut a))]).expect("recv any with a silent peer");
+            assert_eq!(c.source_rank, 1);
+        }
+        barrier.wait();
+        if rank == 2 {
+            let mut m = pattern(2, 12, 5000);
+            run_ok(&comm, vec![send_to(0, 12, DType::UInt8, buf(&mut m))], "the silent peer's send");
+        }
+        if rank == 0 {
+            let mut b = vec![0u8; 5000];
+            run_ok(&comm, vec![recv_from(2, 12, DType::UInt8, buf(&mut b))], "receive from the once silent peer");
+            assert!(b == pattern(2, 12, 5000));
+        }
+        barrier.wait();
         // After the look-ahead, ordinary collectives still line up.
         let mut v = f32_bytes(&[rank as f32; 10]);
         run_ok(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut v)])], "allreduce after p2p");

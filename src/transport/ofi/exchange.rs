@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::OfiTransport;
 use super::header::{HEADER_LEN, HEADER_TAG, Header};
-use super::shim::{Completion, Endpoint, FI_ECANCELED, FI_ETRUNC, Posted};
+use super::shim::{Completion, Endpoint, FI_ETRUNC, Posted};
 use crate::error::{CommError, Result};
 use crate::transport::{Direction, MessageId, OpCtx, Transfer, Transport, check_message};
 
@@ -35,8 +35,6 @@ pub(super) enum Role {
     Send,
     RecvHeader(usize),
     RecvPayload(usize),
-    /// Receive-from-any-source's look at `peer`'s next header.
-    Probe(usize),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -180,10 +178,10 @@ impl OfiTransport {
     }
 
     /// A failed phase: cancels every outstanding post and reads completions until each is back;
-    /// gives the endpoint up if they do not come back within RECLAIM. Probe headers that did
-    /// arrive are kept for the receives they belong to (`probe_bufs`).
-    fn reclaim(&mut self, posts: &mut Posts, probe_bufs: Option<&[[u8; HEADER_LEN]]>) {
+    /// gives the endpoint up if they do not come back within RECLAIM.
+    fn reclaim(&mut self, posts: &mut Posts) {
         let Some(ep) = self.ep.as_mut() else { return };
+        let ctx = OpCtx { op: crate::types::OpKind::Barrier, seq: 0, rank: self.rank, deadline: Instant::now(), timeout: RECLAIM, abort: None };
         for i in 0..posts.list.len() {
             if posts.list[i].state == State::Posted {
                 let c = posts.context(i);
@@ -194,23 +192,21 @@ impl OfiTransport {
         let until = Instant::now() + RECLAIM;
         let mut done = [Completion::default(); 32];
         while posts.outstanding > 0 && Instant::now() < until {
+            let Some(ep) = self.ep.as_mut() else { return };
             let n = match ep.poll(&mut done) {
                 Ok(n) => n,
                 Err(_) => break,
             };
             for c in &done[..n] {
                 let Some(i) = posts.index_of(c.context) else {
-                    // A held send's (held.rs); its failure, if any, is the next phase's to report.
-                    let _ = self.held.complete(c, |_| String::new());
+                    // A held send's or a look-ahead's; a failure there is the next phase's to report.
+                    if let Err(e) = self.complete_outside_phase(c, &ctx) {
+                        self.held.failed.get_or_insert(e);
+                    }
                     continue;
                 };
                 posts.list[i].state = State::Done;
                 posts.outstanding -= 1;
-                if let (Role::Probe(peer), Some(bufs), 0) = (posts.list[i].role, probe_bufs, c.err)
-                    && let Ok(h) = Header::decode(&bufs[peer], c.len as usize)
-                {
-                    self.stash[peer].push_back(h);
-                }
             }
             if n == 0 {
                 std::thread::sleep(Duration::from_micros(200));
@@ -237,7 +233,17 @@ impl OfiTransport {
         CommError::peer(format!("{}: {what} rank {} over libfabric failed: {lib} (provider error {})", ctx.describe(), post.peer, c.prov_errno))
     }
 
-    fn run_phase(&mut self, transfers: &[Transfer], posts: &mut Posts, got: &mut [Option<Header>], ctx: &OpCtx, inbox: &[[u8; HEADER_LEN]]) -> Result<()> {
+    /// A completion that is no post of the running phase: a held send's or a look-ahead's.
+    pub(super) fn complete_outside_phase(&mut self, c: &Completion, ctx: &OpCtx) -> Result<()> {
+        if self.complete_lookahead(c, ctx)? {
+            return Ok(());
+        }
+        self.complete_held(c, ctx)
+    }
+
+    /// Runs a phase's posts to the end. A receive marked in `from_lookahead` takes its header
+    /// from the peer's look-ahead (lookahead.rs) instead of a post of its own.
+    fn run_phase(&mut self, transfers: &[Transfer], posts: &mut Posts, got: &mut [Option<Header>], from_lookahead: &mut [bool], ctx: &OpCtx, inbox: &[[u8; HEADER_LEN]]) -> Result<()> {
         let mut truncated: Vec<Option<u64>> = vec![None; transfers.len()];
         let mut done = [Completion::default(); 32];
         let mut w = Waiting::new(self.spin);
@@ -246,13 +252,23 @@ impl OfiTransport {
             let r = self.endpoint(ctx).and_then(|ep| posts.post_more(ep, &addrs, ctx));
             self.addrs = addrs;
             r?;
-            if posts.finished() {
+            for t in 0..transfers.len() {
+                if !from_lookahead[t] {
+                    continue;
+                }
+                if let Some(h) = self.stash[transfers[t].peer].pop_front() {
+                    check_message(&transfers[t].id, transfers[t].buf.len() as u64, &h.id, h.payload_len, transfers[t].peer, ctx)?;
+                    got[t] = Some(h);
+                    from_lookahead[t] = false;
+                }
+            }
+            if posts.finished() && !from_lookahead.contains(&true) {
                 return Ok(());
             }
             let n = self.endpoint(ctx)?.poll(&mut done).map_err(|e| CommError::io(format!("{}: {e}", ctx.describe())))?;
             for c in &done[..n] {
                 let Some(i) = posts.index_of(c.context) else {
-                    self.complete_held(c, ctx)?;
+                    self.complete_outside_phase(c, ctx)?;
                     continue;
                 };
                 posts.list[i].state = State::Done;
@@ -292,16 +308,24 @@ impl OfiTransport {
                 w = Waiting::new(self.spin);
                 continue;
             }
-            let involved = posts.involved(self.size);
-            self.wait(&involved, &mut w, ctx, || timeout_message(posts, ctx))?;
+            let mut involved = posts.involved(self.size);
+            let mut silent = Vec::new();
+            for t in (0..transfers.len()).filter(|&t| from_lookahead[t]) {
+                involved[transfers[t].peer] = true;
+                silent.push(transfers[t].peer);
+            }
+            self.wait(&involved, &mut w, ctx, || timeout_message(posts, &silent, ctx))?;
         }
     }
 }
 
-/// What a phase's timeout says: whom it waited for.
-fn timeout_message(posts: &Posts, ctx: &OpCtx) -> String {
+/// What a phase's timeout says: whom it waited for (`silent`: peers whose look-ahead is due).
+fn timeout_message(posts: &Posts, silent: &[usize], ctx: &OpCtx) -> String {
     let pending = |send: bool| {
         let mut v: Vec<usize> = posts.list.iter().filter(|p| p.state != State::Done && p.send == send).map(|p| p.peer).collect();
+        if !send {
+            v.extend_from_slice(silent);
+        }
         v.sort_unstable();
         v.dedup();
         v
@@ -338,6 +362,7 @@ impl Transport for OfiTransport {
             return self.send_held(transfers, ctx);
         }
         let mut got: Vec<Option<Header>> = vec![None; transfers.len()];
+        let mut from_lookahead = vec![false; transfers.len()];
         let mut outbox = vec![[0u8; HEADER_LEN]; transfers.len()];
         let mut inbox = vec![[0u8; HEADER_LEN]; transfers.len()];
         let mut list = Vec::with_capacity(transfers.len() * 2);
@@ -354,6 +379,7 @@ impl Transport for OfiTransport {
                         check_message(&tr.id, tr.buf.len() as u64, &h.id, h.payload_len, tr.peer, ctx)?;
                         got[t] = Some(h);
                     }
+                    None if self.awaits_lookahead(tr.peer) => from_lookahead[t] = true,
                     None => list.push(post(Role::RecvHeader(t), false, inbox[t].as_mut_ptr(), HEADER_LEN, HEADER_TAG)),
                 },
             }
@@ -363,38 +389,19 @@ impl Transport for OfiTransport {
             }
         }
         let mut posts = Posts::new(list);
-        let result = self.run_phase(transfers, &mut posts, &mut got, ctx, &inbox);
+        let result = self.run_phase(transfers, &mut posts, &mut got, &mut from_lookahead, ctx, &inbox);
         if posts.outstanding > 0 {
-            self.reclaim(&mut posts, None);
+            self.reclaim(&mut posts);
         }
         result
     }
 
     fn probe_any(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, ctx: &OpCtx) -> Result<usize> {
+        self.endpoint(ctx)?;
         if let Some(e) = self.held.failed.take() {
             return Err(e);
         }
-        let mut excluded = vec![false; self.size];
-        excluded[self.rank] = true;
-        for p in 0..self.size {
-            if let Some(h) = self.stash[p].front() {
-                if accept(p, &h.id) {
-                    return Ok(p);
-                }
-                excluded[p] = true;
-            }
-        }
-        let mut bufs = vec![[0u8; HEADER_LEN]; self.size];
-        let list = (0..self.size)
-            .filter(|&p| !excluded[p])
-            .map(|p| Post { role: Role::Probe(p), peer: p, send: false, ptr: bufs[p].as_mut_ptr(), len: HEADER_LEN, tag: HEADER_TAG, state: State::Waiting })
-            .collect();
-        let mut posts = Posts::new(list);
-        let result = self.probe_phase(accept, &mut posts, &mut bufs, ctx);
-        if posts.outstanding > 0 || posts.next < posts.list.len() {
-            self.reclaim(&mut posts, Some(&bufs));
-        }
-        result
+        self.probe(accept, ctx)
     }
 
     fn abort(&mut self, ctx: &OpCtx, message: &str) {
@@ -412,6 +419,7 @@ impl Transport for OfiTransport {
         }
         self.ep = None;
         self.held.clear();
+        self.lookahead.iter_mut().for_each(|l| *l = None);
         self.tcp.close();
     }
 }
@@ -436,44 +444,3 @@ impl OfiTransport {
     }
 }
 
-impl OfiTransport {
-    fn probe_phase(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, posts: &mut Posts, bufs: &mut [[u8; HEADER_LEN]], ctx: &OpCtx) -> Result<usize> {
-        let mut done = [Completion::default(); 32];
-        let mut w = Waiting::new(self.spin);
-        loop {
-            let addrs = std::mem::take(&mut self.addrs);
-            let r = self.endpoint(ctx).and_then(|ep| posts.post_more(ep, &addrs, ctx));
-            self.addrs = addrs;
-            r?;
-            let n = self.endpoint(ctx)?.poll(&mut done).map_err(|e| CommError::io(format!("{}: {e}", ctx.describe())))?;
-            for c in &done[..n] {
-                let Some(i) = posts.index_of(c.context) else {
-                    self.complete_held(c, ctx)?;
-                    continue;
-                };
-                posts.list[i].state = State::Done;
-                posts.outstanding -= 1;
-                let Role::Probe(peer) = posts.list[i].role else { continue };
-                match c.err {
-                    0 => {}
-                    FI_ECANCELED => continue,
-                    _ => return Err(self.failed_post(&posts.list[i], c, ctx)),
-                }
-                let h = Header::decode(&bufs[peer], c.len as usize).map_err(|m| CommError::io(format!("{}: from rank {peer}: {m}", ctx.describe())))?;
-                self.stash[peer].push_back(h);
-                if accept(peer, &h.id) {
-                    return Ok(peer);
-                }
-            }
-            if n > 0 {
-                w = Waiting::new(self.spin);
-                continue;
-            }
-            let involved = posts.involved(self.size);
-            let timeout = ctx.timeout;
-            self.wait(&involved, &mut w, ctx, || {
-                format!("{}: timed out after {} ms: no rank sent a matching message", ctx.describe(), timeout.as_millis())
-            })?;
-        }
-    }
-}

@@ -176,15 +176,16 @@ impl OfiTransport {
         if self.held.is_empty() {
             return None;
         }
-        let Some(ep) = self.ep.as_mut() else {
-            self.held.clear();
-            return None;
-        };
-        let lib = *ep.lib();
+        let ctx = OpCtx { op: OpKind::Send, seq: 0, rank: self.rank, deadline: Instant::now(), timeout: Duration::ZERO, abort: None };
         let mut done = [Completion::default(); 32];
-        while let Ok(n @ 1..) = ep.poll(&mut done) {
+        loop {
+            let Some(ep) = self.ep.as_mut() else {
+                self.held.clear();
+                return None;
+            };
+            let Ok(n @ 1..) = ep.poll(&mut done) else { break };
             for c in &done[..n] {
-                if let Err(e) = self.held.complete(c, |code| lib.strerror(code as i64)) {
+                if let Err(e) = self.complete_outside_phase(c, &ctx) {
                     self.held.failed.get_or_insert(e);
                 }
             }
@@ -202,7 +203,7 @@ impl OfiTransport {
             let Some(ep) = self.ep.as_mut() else { return };
             let Ok(n) = ep.poll(&mut done) else { return };
             for c in &done[..n] {
-                if let Err(e) = self.complete_held(c, &ctx) {
+                if let Err(e) = self.complete_outside_phase(c, &ctx) {
                     tracing::warn!(rank = self.rank, "a held send failed as the group closed: {e}");
                 }
             }

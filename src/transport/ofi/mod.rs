@@ -24,6 +24,7 @@
 mod exchange;
 pub mod header;
 mod held;
+mod lookahead;
 mod setup;
 pub mod shim;
 
@@ -32,6 +33,7 @@ use std::time::Duration;
 
 use header::Header;
 use held::Held;
+use lookahead::LookAhead;
 use shim::Endpoint;
 
 use crate::transport::tcp::TcpTransport;
@@ -48,6 +50,9 @@ pub struct OfiTransport {
     /// Sends completed before their receivers asked (held.rs). Declared after `ep`, so that
     /// the endpoint closes before the buffers it may still read are freed.
     held: Held,
+    /// Each peer's posted look-ahead for its next header, if any (lookahead.rs); after `ep`
+    /// for the same reason.
+    lookahead: Vec<Option<LookAhead>>,
     /// How long closing the group waits for held sends (the group's timeout).
     linger: Duration,
     /// An abort was sent: closing does not wait for held sends.
@@ -58,7 +63,7 @@ pub struct OfiTransport {
     addrs: Vec<u64>,
     /// The provider's largest message.
     max_msg_size: usize,
-    /// Headers that receive-from-any-source read ahead, per peer, for the receives to come.
+    /// Headers that look-aheads received, per peer, for the receives to come.
     stash: Vec<VecDeque<Header>>,
     /// How long a wait polls the completion queue before it sleeps (XCCL_RS_SPIN_US).
     spin: Duration,

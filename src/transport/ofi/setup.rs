@@ -135,6 +135,7 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<
         tcp,
         ep: Some(ep),
         held: Held::new(size),
+        lookahead: (0..size).map(|_| None).collect(),
         linger: config.timeout,
         aborted: false,
         broken: None,
