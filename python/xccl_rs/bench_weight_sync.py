@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from xccl_rs import copy_floor
 from xccl_rs._processes import free_port, join_all, messages
 from xccl_rs.demo import DTYPES, LAYERS, initial_weights, qwen25_05b_shapes
 
@@ -149,6 +150,13 @@ def _worker(proc: int, args, port: int, queue) -> None:
                 if bad:
                     raise AssertionError(f"{mode}, round {round_}: {len(bad)} tensors differ (first: {bad[:3]})")
             queue.put(("sync", mode, round_, proc, seconds, extra, sent))
+            if args.shared_memory:  # the same copies alone, with the same tensors
+                own = None
+                if rank < n_send:
+                    own = [s.to_local() for s in shards.values()] if mode == "sharded" else weights.values()
+                part = copy_floor.measure(pg, own, engine.values() if engine is not None else None, bucket,
+                                          send_bytes=sent if rank < n_send else None)
+                queue.put(("floor", mode, round_, part))
             pg.barrier().wait()
             xccl_rs.destroy_group(pg)
     if trainer:
@@ -205,8 +213,11 @@ def main(argv=None) -> int:
     for proc in procs:
         proc.start()
     syncs: dict[tuple[str, int], list] = {}
+    parts: dict[tuple[str, int], list] = {}
     for msg in messages(procs, queue):
-        if msg[0] == "sync":
+        if msg[0] == "floor":
+            parts.setdefault((msg[1], msg[2]), []).append(msg[3])
+        elif msg[0] == "sync":
             _, mode, round_, proc, seconds, extra, sent = msg
             rows = syncs.setdefault((mode, round_), [])
             rows.append((proc, seconds, extra, sent))
@@ -219,12 +230,18 @@ def main(argv=None) -> int:
     def who(proc: int) -> str:
         return f"t{proc}" if proc < args.trainers else f"r{proc - args.trainers}"
 
-    print(f"\n{'mode':<9}{'senders':>8}{'median':>9}{'first':>9}{'GB/s':>7}   GB sent per sender   "
+    print(f"\n{'mode':<9}{'senders':>8}{'median':>9}{'first':>9}{'GB/s':>7}{'floor':>8}{'x floor':>8}   GB sent per sender   "
           "peak extra memory per rank, MB: first sync / median of the later ones")
     for mode in MODES:
         rounds = [syncs[(mode, r)] for r in range(args.rounds)]
         times = [max(s for _, s, _, _ in rows) for rows in rounds]
         med = statistics.median(times[1:] or times)
+        floors = [copy_floor.floor_of(parts[(mode, r)]) for r in range(args.rounds) if (mode, r) in parts]
+        if len(floors) == len(times):
+            ratios = [t / f for t, f in zip(times, floors)]
+            floor = f"{statistics.median(floors[1:] or floors):>7.3f}s{statistics.median(ratios[1:] or ratios):>7.2f}x"
+        else:
+            floor = f"{'-':>8}{'-':>8}"
         mem: dict[int, list] = {}
         for rows in rounds:
             for proc, _, extra, _ in rows:
@@ -234,7 +251,10 @@ def main(argv=None) -> int:
         )
         shares = "/".join(f"{sent / 1e9:.2f}" for p, _, _, sent in sorted(rounds[0]) if p < args.trainers)
         n = 1 if mode == "single" else args.trainers
-        print(f"{mode:<9}{n:>8}{med:>8.3f}s{times[0]:>8.3f}s{nbytes / med / 1e9:>7.2f}   {shares:<20} {shown}")
+        print(f"{mode:<9}{n:>8}{med:>8.3f}s{times[0]:>8.3f}s{nbytes / med / 1e9:>7.2f}{floor}   {shares:<20} {shown}")
+    if args.shared_memory:
+        print("floor: the copies of a sync alone, with the same tensors in the same run (each sender's share into a "
+              "bucket, then every rollout's out of one); x floor: the sync's time over it (medians after the first round)")
     print("every rollout's tensors verified bit for bit after every sync; buckets: "
           f"{args.bucket_mb} MiB (two per sender: {2 * args.bucket_mb * 1.048576:.0f} MB)")
     return 0

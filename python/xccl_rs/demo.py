@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from xccl_rs import copy_floor
 from xccl_rs._processes import free_port, join_all, messages
 
 TRAINERS, ROLLOUTS = 2, 2
@@ -208,6 +209,10 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
             peak = _rss_peak() if mark is not None else None
             if peak is not None and kind == "xccl_rs" and round_ > 0:
                 queue.put(("memory", proc, peak - mark))
+            if device.type == "cpu":  # the same copies alone, with the same tensors
+                part = copy_floor.measure(pg, weights.values() if sync_rank == 0 else None,
+                                          engine.values() if engine is not None else None, bucket)
+                queue.put(("floor", kind, round_, part))
             pg.barrier().wait()  # every rollout has verified before the group goes
             _destroy(kind, pg)
             del pg
@@ -216,25 +221,35 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
     queue.put(("done", proc))
 
 
-def sync_line(round_: int, kind: str, nbytes: int, seconds: float) -> str:
-    """One sync's line, in the units of its progress bar (decimal GB and GB/s)."""
-    return f"round {round_}  {kind:<8} sync {nbytes / 1e9:.2f} GB in {seconds:.3f} s  ({nbytes / seconds / 1e9:.2f} GB/s)"
+def sync_line(round_: int, kind: str, nbytes: int, seconds: float, floor: float | None = None) -> str:
+    """One sync's line, in the units of its progress bar (decimal GB and GB/s), with its copy
+    floor where it was measured."""
+    line = f"round {round_}  {kind:<8} sync {nbytes / 1e9:.2f} GB in {seconds:.3f} s  ({nbytes / seconds / 1e9:.2f} GB/s)"
+    if floor:
+        line += f", copy floor {floor:.3f} s ({seconds / floor:.2f}x)"
+    return line
 
 
-def _report(args, rows, verified) -> None:
+def _report(args, rows, floors, verified) -> None:
     print()
-    print(f"{'sync':<10}{'median':>10}{'first':>10}{'GB/s':>9}   verified")
+    print(f"{'sync':<10}{'median':>10}{'first':>10}{'GB/s':>9}{'x floor':>9}   verified")
     med = {}
     for kind, syncs in rows.items():
         if not syncs:
             continue
         secs = [s for _, s in syncs]
         nbytes = syncs[0][0]
-        med[kind] = statistics.median(secs[1:] if len(secs) > 1 else secs)
+        later = slice(1, None) if len(secs) > 1 else slice(None)
+        med[kind] = statistics.median(secs[later])
+        ratios = [s / floors[(kind, r)] for r, s in enumerate(secs) if floors.get((kind, r))][later]
+        shown = f"{statistics.median(ratios):>8.2f}x" if ratios else f"{'-':>9}"
         print(
-            f"{kind:<10}{med[kind]:>9.3f}s{secs[0]:>9.3f}s{nbytes / med[kind] / 1e9:>9.2f}   "
+            f"{kind:<10}{med[kind]:>9.3f}s{secs[0]:>9.3f}s{nbytes / med[kind] / 1e9:>9.2f}{shown}   "
             f"{verified.get(kind, 0)} tensors on {ROLLOUTS} rollouts x {len(syncs)} rounds"
         )
+    if floors:
+        print("x floor: the sync's time over its copy floor, the same copies alone with the same tensors in the "
+              "same run (the sender's into a bucket, then every rollout's out of one), medians after the first round")
     if "gloo" in med and "xccl_rs" in med:
         print(f"xccl_rs is {med['gloo'] / med['xccl_rs']:.2f}x faster than gloo (medians of the rounds after the first)")
 
@@ -274,21 +289,36 @@ def main(argv=None) -> int:
     for proc in procs:
         proc.start()
     rows = {"xccl_rs": [], "gloo": []}
+    floors: dict[tuple[str, int], float] = {}  # (kind, round) -> the copy floor of that sync
+    parts: dict[tuple[str, int], list] = {}
+    pending: dict[tuple[str, int], tuple[int, float]] = {}  # syncs waiting for their floor
     verified: dict[str, int] = {}
     extra: dict[int, int] = {}  # process -> the most extra host memory one of its syncs took
     for msg in messages(procs, queue):
         if msg[0] == "sync":
             _, kind, round_, b, sec = msg
             rows[kind].append((b, sec))
-            print(sync_line(round_, kind, b, sec), flush=True)
+            if args.device == "cpu":
+                pending[(kind, round_)] = (b, sec)
+            else:
+                print(sync_line(round_, kind, b, sec), flush=True)
+        elif msg[0] == "floor":
+            _, kind, round_, part = msg
+            got = parts.setdefault((kind, round_), [])
+            got.append(part)
+            if len(got) == SYNC_SIZE:
+                floors[(kind, round_)] = copy_floor.floor_of(got)
         elif msg[0] == "verified":
             verified[msg[1]] = verified.get(msg[1], 0) + msg[4]
         elif msg[0] == "memory":
             extra[msg[1]] = max(extra.get(msg[1], 0), msg[2])
+        for key in [k for k in pending if k in floors]:  # a sync's line once its floor is in
+            b, sec = pending.pop(key)
+            print(sync_line(key[1], key[0], b, sec, floors[key]), flush=True)
     if not join_all(procs, "demo"):
         return 1
     del launcher
-    _report(args, rows, verified)
+    _report(args, rows, floors, verified)
     if extra:
         shown = ", ".join(
             f"{'trainer 0' if p == 0 else f'rollout {p - TRAINERS}'} {b / 2**20:.0f} MiB" for p, b in sorted(extra.items())
