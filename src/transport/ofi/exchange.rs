@@ -179,9 +179,8 @@ impl OfiTransport {
 
     /// A failed phase: cancels every outstanding post and reads completions until each is back;
     /// gives the endpoint up if they do not come back within RECLAIM.
-    fn reclaim(&mut self, posts: &mut Posts) {
+    fn reclaim(&mut self, posts: &mut Posts, ctx: &OpCtx) {
         let Some(ep) = self.ep.as_mut() else { return };
-        let ctx = OpCtx { op: crate::types::OpKind::Barrier, seq: 0, rank: self.rank, deadline: Instant::now(), timeout: RECLAIM, abort: None };
         for i in 0..posts.list.len() {
             if posts.list[i].state == State::Posted {
                 let c = posts.context(i);
@@ -200,7 +199,7 @@ impl OfiTransport {
             for c in &done[..n] {
                 let Some(i) = posts.index_of(c.context) else {
                     // A held send's or a look-ahead's; a failure there is the next phase's to report.
-                    if let Err(e) = self.complete_outside_phase(c, &ctx) {
+                    if let Err(e) = self.complete_outside_phase(c, ctx) {
                         self.held.failed.get_or_insert(e);
                     }
                     continue;
@@ -391,7 +390,7 @@ impl Transport for OfiTransport {
         let mut posts = Posts::new(list);
         let result = self.run_phase(transfers, &mut posts, &mut got, &mut from_lookahead, ctx, &inbox);
         if posts.outstanding > 0 {
-            self.reclaim(&mut posts);
+            self.reclaim(&mut posts, ctx);
         }
         result
     }
