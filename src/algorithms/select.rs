@@ -394,7 +394,8 @@ impl FirstUses {
                 FabricCaps::Mixed(MixedCaps { rails: None, .. }) => "hosts of unequal size: no rail-aligned algorithms",
                 _ => "",
             };
-            tracing::debug!(rank, ?op, ?shape, %path, size = %up_to, why, "first use of a path");
+            let algorithm = algorithm_of_path(path, op, fabric);
+            tracing::debug!(rank, ?op, ?shape, ?algorithm, %path, size = %up_to, why, "first use of a path");
         }
     }
 }
