@@ -105,8 +105,13 @@ def _listening() -> dict[int, int]:
     return out
 
 
+# The longest a HELLO may wait for its CHALLENGE: the latest rank's delay, and then some.
+CHALLENGE_WAIT_S = 6.0
+HANDSHAKE_VERSION = 3  # src/transport/tcp/handshake.rs VERSION: a hello of another is refused before any CHALLENGE
+
+
 def _hello(from_rank: int, to_rank: int) -> bytes:
-    return b"XCH2" + struct.pack("<HHII", 2, 0, from_rank, to_rank) + os.urandom(32)
+    return b"XCH2" + struct.pack("<HHII", HANDSHAKE_VERSION, 0, from_rank, to_rank) + os.urandom(32)
 
 
 def _frame() -> bytes:
@@ -211,7 +216,8 @@ class Attacker:
                     s.sendall(_hello(peer, rank)[: rnd.randint(1, 47)])
                 elif kind in ("bad_proof", "frames"):
                     s.sendall(_hello(peer, rank))
-                    challenge, closed = self._read(s, CHALLENGE_LEN, 2.0)
+                    # A rank answers once the group has agreed on its settings: after the late ranks come.
+                    challenge, closed = self._read(s, CHALLENGE_LEN, CHALLENGE_WAIT_S)
                     if kind == "bad_proof":
                         if len(challenge) == CHALLENGE_LEN:
                             s.sendall(b"XCPR" + os.urandom(32))  # a MAC without the secret

@@ -119,6 +119,8 @@ impl Fabric {
     pub fn build(store: &dyn Store, rank: usize, size: usize, secret: &Secret, config: &Config) -> Result<Fabric> {
         let socket_host = config.socket_host.as_deref();
         let spec = MeshSpec { store, rank, size, secret, socket_host, tls: config.tls, timeout: config.timeout };
+        // Listening first: peers that arrive early dial it while the group agrees.
+        let listening = TcpTransport::listen(&spec)?;
         agree_on_transport(store, rank, size, config.transport, config.timeout)?;
         let host_map = if size > 1 && config.transport != TransportChoice::Tcp {
             Some(HostMap::exchange(store, rank, size, &this_host(config), config.timeout)?)
@@ -131,7 +133,7 @@ impl Fabric {
             TransportChoice::Ofi => PeerSet::all_but(rank, size),
             TransportChoice::Auto | TransportChoice::Tcp => eager_peers(rank, size, host_map.as_ref()),
         };
-        let tcp = TcpTransport::connect(&spec, &eager)?;
+        let tcp = listening.connect(&spec, &eager)?;
         let net: Box<dyn Transport> = match config.transport {
             TransportChoice::Ofi => Box::new(ofi::connect(store, tcp, config)?),
             TransportChoice::Auto | TransportChoice::Tcp => Box::new(tcp),

@@ -93,32 +93,26 @@ struct TlsKeys {
     certs: Vec<Option<CertificateDer<'static>>>,
 }
 
-impl TcpTransport {
-    /// Rendezvous through the spec's store, and link to the `eager` peers (a symmetric
-    /// relation: peers.rs); every other link is made on first use.
-    pub fn connect(spec: &MeshSpec<'_>, eager: &PeerSet) -> Result<TcpTransport> {
-        let (rank, size) = (spec.rank, spec.size);
+/// A rank that listens for its peers, its address published ([`TcpTransport::listen`]).
+pub struct Listening {
+    linker: Option<Linker>,
+    identity: Option<tls::Identity>,
+    deadline: Instant,
+}
+
+impl Listening {
+    /// Set-up's second half: links to the `eager` peers and learns every other peer's address.
+    pub fn connect(self, spec: &MeshSpec<'_>, eager: &PeerSet) -> Result<TcpTransport> {
+        let (rank, size, deadline) = (spec.rank, spec.size, self.deadline);
         let mut t = TcpTransport { rank, size, peers: (0..size).map(|_| None).collect(), linker: None, tls: None };
-        if size == 1 {
-            return Ok(t);
-        }
-        let deadline = Instant::now() + spec.timeout;
-        let identity = match spec.tls {
-            true => {
-                let identity = tls::Identity::generate()?;
-                identity.publish(spec.store, rank)?;
-                Some(identity)
-            }
-            false => None,
-        };
-        let mut linker = Linker::new(spec)?;
+        let Some(mut linker) = self.linker else { return Ok(t) };
         let eager: Vec<usize> = eager.ranks().iter().copied().filter(|&p| p != rank && p < size).collect();
         let links = linker.establish(spec.store, &eager, deadline)?;
         // The other peers' addresses (and certificates), for the links made on first use: the
         // group keeps no store after set-up.
         let everyone: Vec<usize> = (0..size).collect();
         linker.learn_addresses(spec.store, &everyone, deadline)?;
-        if let Some(identity) = identity {
+        if let Some(identity) = self.identity {
             let mut certs = vec![None; size];
             for (peer, cert) in certs.iter_mut().enumerate().filter(|(p, _)| *p != rank) {
                 *cert = Some(tls::peer_cert(spec.store, rank, peer, deadline.saturating_duration_since(Instant::now()))?);
@@ -128,6 +122,33 @@ impl TcpTransport {
         t.linker = Some(linker);
         t.install(links, Instant::now() + HANDSHAKE_TIMEOUT.min(spec.timeout))?;
         Ok(t)
+    }
+}
+
+impl TcpTransport {
+    /// Rendezvous through the spec's store, and link to the `eager` peers (a symmetric
+    /// relation: peers.rs); every other link is made on first use.
+    pub fn connect(spec: &MeshSpec<'_>, eager: &PeerSet) -> Result<TcpTransport> {
+        Self::listen(spec)?.connect(spec, eager)
+    }
+
+    /// Set-up's first half: listens and publishes this rank's address (and TLS certificate),
+    /// so that peers may dial it while the group still agrees on its settings. The set-up's
+    /// timeout counts from here.
+    pub fn listen(spec: &MeshSpec<'_>) -> Result<Listening> {
+        let deadline = Instant::now() + spec.timeout;
+        if spec.size == 1 {
+            return Ok(Listening { linker: None, identity: None, deadline });
+        }
+        let identity = match spec.tls {
+            true => {
+                let identity = tls::Identity::generate()?;
+                identity.publish(spec.store, spec.rank)?;
+                Some(identity)
+            }
+            false => None,
+        };
+        Ok(Listening { linker: Some(Linker::new(spec)?), identity, deadline })
     }
 
     /// Whether this rank has a link to `peer` (made at set-up or on first use).
