@@ -4,6 +4,9 @@
 //! `isend` then `irecv` deadlocks on any message past the provider's eager size (rendezvous
 //! waits for the receive), where over TCP it deadlocks only past the socket buffers.
 //!
+//! libfabric moves a held send only while someone reads the completion queue (manual
+//! progress), so the group's progress thread reads it between ops
+//! ([`Transport::progress`](crate::transport::Transport::progress)).
 //! At most [`BYTES_PER_PEER`] are held per peer, like a socket's buffers; a send beyond that
 //! waits for its receiver as before. A held send that fails fails the rank's next operation.
 //! Closing the group waits for held sends (up to the group's timeout) so that a rank that
