@@ -15,7 +15,9 @@ wrong results. Values are small integers so every result is exact (see ``_values
 
 Every ``--interval`` seconds each rank samples its RSS, open fds, threads and mappings of
 /dev/shm, and rank 0 the /dev/shm entries. After the warm-up (the first ``--warmup`` of the
-samples) a least-squares slope is fitted per metric and rank. The run passes when no result is
+samples) a least-squares slope is fitted per metric and rank. Before the first sample each group
+runs one all-to-all of one element per rank: TCP links are made on first use (src/peers.rs), and
+a link that first carries an op after the samples began would read as a leaked fd. The run passes when no result is
 wrong, fds, threads, mappings and /dev/shm entries keep no growth after the warm-up (the last
 quarter of the samples never all above the start; a peak that goes away is not growth), RSS
 does not grow (fitted) by more than ``max(--rss-tol-mib, --rss-tol-pct of the RSS)``, and
@@ -399,6 +401,12 @@ class GroupRunner(threading.Thread):
             self.leak.append(torch.ones(256 << 10, dtype=torch.uint8))  # 256 KiB per 50 ops
 
 
+def link_every_pair(pg, world: int) -> None:
+    """One all-to-all of one element per rank: every pair of the group carries a message, so
+    every link made on first use is made now, not counted as growth. Not an op of the soak."""
+    dist.all_to_all_single(torch.empty(world), torch.zeros(world), group=pg)
+
+
 def rank_main(rank: int, world: int, ports: tuple[int, int], args, out) -> None:
     try:
         _rank_main(rank, world, ports, args, out)
@@ -447,6 +455,8 @@ def _rank_main(rank, world, ports, args, out):
     inject = args.inject if rank == 0 else None  # one rank leaks: enough to fail the run
     runners = [GroupRunner(g, pg, rank, world, args, deadline, inject)
                for g, pg in zip(GROUPS, (dist.group.WORLD, tcp, private))]
+    for pg in (dist.group.WORLD, tcp, private):
+        link_every_pair(pg, world)
     samples = [sample(rank, 0)]
     t0 = time.time()
     for r in runners:
