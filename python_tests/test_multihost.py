@@ -297,18 +297,9 @@ def _die_soon(signal_dir):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-# Known defect, open in issue 43: with OFI, after a cut every rank times out naming the other
-# host and gives its endpoint up (tcp;ofi_rxm answers no cancel of the posts to the cut host),
-# but the ranks of the other host then exit with code 1 without reporting their error (the TCP
-# case passes). Not strict, so a fix shows as XPASS.
-_OFI_CUT = pytest.mark.xfail(reason="OFI: after a cut, ranks exit without reporting their error (open)", strict=False)
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", ["cut", "kill"])
-def test_fault_between_hosts(fault, transport, tmp_path, request):
-    if fault == "cut" and transport == "ofi":
-        request.applymarker(_OFI_CUT)
+def test_fault_between_hosts(fault, transport, tmp_path):
     """cut: host 1's links go down mid-all_reduce; every rank (both hosts) must raise naming a
     rank of the other host. kill: rank 3 (host 1) is killed mid-all_reduce; every other rank,
     its host-mate included, must raise naming rank 3."""
@@ -361,9 +352,7 @@ def test_fault_between_hosts(fault, transport, tmp_path, request):
 @pytest.mark.skipif(not SLOW, reason="a fresh interpreter per rank: set XCCL_RS_TEST_MULTIHOST=1 (scripts/test_extra.sh)")
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", ["cut", "kill"])
-def test_fault_between_hosts_as_scripts(fault, transport, tmp_path, request):
-    if fault == "cut" and transport == "ofi":
-        request.applymarker(_OFI_CUT)
+def test_fault_between_hosts_as_scripts(fault, transport, tmp_path):
     """The faults above with every rank a script of its own (a fresh interpreter, as a user
     runs it): each raises in time, naming a rank on the other side, and exits non-zero."""
     import torch.distributed as dist

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -103,3 +105,70 @@ def test_a_provider_that_does_not_exist_fails_every_rank(tmp_path):
     for rank, (rc, out) in enumerate(_run(tmp_path, ["a", "b"], {"FI_PROVIDER": "no_such_provider"})):
         assert rc == 3, f"rank {rank} exited {rc}:\n{out}"
         assert 'FI_PROVIDER="no_such_provider"' in out, f"rank {rank}:\n{out}"
+
+
+
+LAST_WORDS = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import xccl_rs
+    rank, port, signal_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    # Rank 1 serves the store: rank 0 leaves early.
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 1, timeout=timedelta(seconds=60))
+    dist.init_process_group("xccl_rs", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    dist.barrier()  # libfabric's connection between the two is made
+    want = torch.arange(1000, dtype=torch.float32)
+    if rank == 0:
+        while not os.path.exists(os.path.join(signal_dir, "go")):
+            time.sleep(0.01)
+        dist.send(want, dst=1)
+        dist.destroy_process_group()  # waits until libfabric has the send's bytes
+        os._exit(0)  # the control connection closes at once
+    got = torch.empty(1000)
+    open(os.path.join(signal_dir, "receiving"), "w").close()
+    try:
+        dist.recv(got, src=0)
+    except Exception as e:
+        print("ERROR", type(e).__name__, e, flush=True)
+        sys.exit(3)
+    assert torch.equal(got, want), "wrong data"
+    print("DONE", flush=True)
+    """
+)
+
+
+def test_a_message_sent_just_before_its_sender_exits_is_received(tmp_path):
+    """Rank 1 waits in a receive and is stopped (SIGSTOP) while rank 0 sends and exits, so
+    that it wakes to both at once: the sender's control connection closed and its message still
+    unread in libfabric's queue. It must take the message, not report the sender gone."""
+    if why := _libfabric_missing():
+        pytest.skip(why)
+    script = tmp_path / "last_words.py"
+    script.write_text(LAST_WORDS)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, XCCL_RS_TRANSPORT="ofi", XCCL_RS_HOST_ID="ab"[r], FI_PROVIDER="tcp;ofi_rxm"),
+        )
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "receiving").exists() and time.monotonic() < deadline and procs[1].poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.5)  # rank 1 is past its spin, asleep in poll(2)
+    procs[1].send_signal(signal.SIGSTOP)
+    try:
+        (tmp_path / "go").touch()
+        procs[0].wait(timeout=60)
+        time.sleep(0.2)  # the message and the close are both there to be seen
+    finally:
+        procs[1].send_signal(signal.SIGCONT)
+    (rc0, out0), (rc1, out1) = harness.collect_outputs(procs, timeout_s=120)
+    assert rc0 == 0, f"rank 0:\n{out0}"
+    assert rc1 == 0 and "DONE" in out1, f"rank 1:\n{out1}"

@@ -4,12 +4,14 @@
 //! Waiting: the queue is polled for `XCCL_RS_SPIN_US`, then the progress thread sleeps in
 //! `poll(2)` on the queue's file descriptor (after fi_trywait says it may), the TCP control
 //! connections (a peer's abort frame or its death end the wait: tcp `watch_control`) and the
-//! group's abort switch. A provider without a descriptor is polled in 1 ms steps.
+//! group's abort switch. A provider without a descriptor is polled in 1 ms steps. A peer whose
+//! control connection closes (it exited) is reported once the queue, read a little longer,
+//! has not finished the phase: its last messages may still be there.
 //!
 //! A phase that fails (a mismatch, a peer's abort, the timeout) cancels its outstanding posts and
 //! reads their completions before it returns, so that no buffer of the phase is the provider's
-//! any more; if they do not all come back within [`RECLAIM`], the endpoint is closed (which ends
-//! them) and the transport refuses later phases.
+//! any more; if they do not all come back within [`RECLAIM`], the endpoint is given up
+//! ([`Endpoint::abandon`]: never read again) and the transport refuses later phases.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -24,6 +26,10 @@ use crate::transport::{Direction, MessageId, OpCtx, Transfer, Transport, check_m
 const RECLAIM: Duration = Duration::from_secs(1);
 /// The longest single sleep, so that the deadline and the abort switch are looked at often.
 const MAX_SLEEP_MS: i32 = 100;
+/// How long a wait goes on reading the queue after an involved peer closed its control
+/// connection: a peer that sent its last message and exited closes the control connection
+/// while that message may still wait in the fabric's queue, unread.
+const CLOSED_PEER_GRACE: Duration = Duration::from_millis(200);
 
 /// libfabric's FI_CONTEXT2: space the provider may use while it holds an operation.
 pub(super) type Context = [u64; 8];
@@ -122,16 +128,20 @@ impl Posts {
     }
 }
 
-/// When a wait started and when it last looked at the control connections.
+/// When a wait started, when it last looked at the control connections, and a peer's close
+/// it has seen but not yet reported.
 pub(super) struct Waiting {
     spin_until: Instant,
     last_look: Instant,
+    /// The error for an involved peer's closed control connection, and when to report it if
+    /// the queue has not finished the phase by then ([`CLOSED_PEER_GRACE`]).
+    peer_closed: Option<(CommError, Instant)>,
 }
 
 impl Waiting {
     pub fn new(spin: Duration) -> Waiting {
         let now = Instant::now();
-        Waiting { spin_until: now + spin, last_look: now }
+        Waiting { spin_until: now + spin, last_look: now, peer_closed: None }
     }
 }
 
@@ -155,11 +165,18 @@ impl OfiTransport {
         if now >= ctx.deadline {
             return Err(CommError::timeout(on_timeout()));
         }
+        if let Some((e, report_at)) = &w.peer_closed {
+            if now >= *report_at {
+                return Err(e.clone());
+            }
+            std::thread::sleep(Duration::from_micros(200));
+            return Ok(());
+        }
         let abort_fd = ctx.abort.as_ref().and_then(|a| a.fd()).unwrap_or(-1);
         if now < w.spin_until {
             if now.duration_since(w.last_look) >= Duration::from_millis(1) {
                 w.last_look = now;
-                self.tcp.watch_control(involved, &[], 0, ctx)?;
+                self.watch_control(involved, &[], 0, w, ctx)?;
             }
             std::hint::spin_loop();
             return Ok(());
@@ -173,8 +190,20 @@ impl OfiTransport {
             None => ([-1, abort_fd], 1),
         };
         w.last_look = now;
-        self.tcp.watch_control(involved, &fds, wait_ms, ctx)?;
-        Ok(())
+        self.watch_control(involved, &fds, wait_ms, w, ctx)
+    }
+
+    /// The control connections' news: an abort frame fails the wait at once; an involved
+    /// peer's close starts [`CLOSED_PEER_GRACE`] in `w`, for its last messages to be read.
+    fn watch_control(&mut self, involved: &[bool], fds: &[i32], wait_ms: i32, w: &mut Waiting, ctx: &OpCtx) -> Result<()> {
+        match self.tcp.watch_control(involved, fds, wait_ms, ctx) {
+            Err(e) if self.tcp.closed_among(involved) => {
+                let report_at = (Instant::now() + CLOSED_PEER_GRACE).min(ctx.deadline);
+                w.peer_closed = Some((e, report_at));
+                Ok(())
+            }
+            r => r.map(|_| ()),
+        }
     }
 
     /// A failed phase: cancels every outstanding post and reads completions until each is back;
@@ -213,8 +242,10 @@ impl OfiTransport {
         }
         if posts.outstanding > 0 {
             let why = format!("{} posts did not come back after a failed phase", posts.outstanding);
-            tracing::warn!(rank = self.rank, "{why}; closing the libfabric endpoint");
-            self.ep = None;
+            tracing::warn!(rank = self.rank, "{why}; giving the libfabric endpoint up");
+            if let Some(ep) = self.ep.take() {
+                ep.abandon();
+            }
             self.broken = Some(why);
         }
     }
@@ -416,7 +447,11 @@ impl Transport for OfiTransport {
         if !self.aborted {
             self.deliver_held(self.linger);
         }
-        self.ep = None;
+        // Sends still in flight (a peer gone, a link down) are what closing may crash on.
+        match self.ep.take() {
+            Some(ep) if !self.held.is_empty() => ep.abandon(),
+            ep => drop(ep),
+        }
         self.held.clear();
         self.lookahead.iter_mut().for_each(|l| *l = None);
         self.tcp.close();

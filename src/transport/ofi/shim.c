@@ -167,6 +167,9 @@ struct xofi_ep *xofi_open(const struct fi_info *info, char *err, size_t err_len)
 
 int xofi_wait_fd(const struct xofi_ep *e) { return e->wait_fd; }
 
+/* Whether the provider moves data only when the queue is read (FI_PROGRESS_MANUAL). */
+int xofi_manual_progress(const struct xofi_ep *e) { return e->info->domain_attr->data_progress == FI_PROGRESS_MANUAL; }
+
 /* This endpoint's address into `buf` (`*len` its size in, the address's out). */
 int xofi_name(struct xofi_ep *e, void *buf, size_t *len) { return fi_getname(&e->ep->fid, buf, len); }
 

@@ -62,6 +62,7 @@ unsafe extern "C" {
     fn xofi_open(info: *const FiInfo, err: *mut c_char, err_len: usize) -> *mut RawEndpoint;
     fn xofi_close(ep: *mut RawEndpoint);
     fn xofi_wait_fd(ep: *const RawEndpoint) -> c_int;
+    fn xofi_manual_progress(ep: *const RawEndpoint) -> c_int;
     fn xofi_name(ep: *mut RawEndpoint, buf: *mut c_void, len: *mut usize) -> c_int;
     fn xofi_av_insert(ep: *mut RawEndpoint, addr: *const c_void, out: *mut u64) -> c_int;
     fn xofi_tsend(ep: *mut RawEndpoint, buf: *const c_void, len: usize, dest: u64, tag: u64, context: *mut c_void) -> c_long;
@@ -292,6 +293,19 @@ impl Endpoint {
             return Err(format!("fi_cq_read failed: {}", self.lib.strerror(n as i64)));
         }
         Ok(n as usize)
+    }
+
+    /// Gives up an endpoint whose posts did not come back after they were cancelled, without
+    /// closing it where that is safe: libfabric 1.17's rxm crashes (SIGSEGV) closing an endpoint
+    /// with posts still in flight, as after a link cut. A provider with manual progress never
+    /// touches a post's buffer again once nobody reads its queue, so such an endpoint is left
+    /// open, unused, until the process ends (its memory and sockets). One that progresses on
+    /// its own could still write into the buffers: it is closed, which ends its posts.
+    pub fn abandon(self) {
+        // SAFETY: `raw` is open.
+        if unsafe { xofi_manual_progress(self.raw) } != 0 {
+            std::mem::forget(self);
+        }
     }
 
     /// Whether the caller may now sleep on [`wait_fd`](Self::wait_fd) (fi_trywait).

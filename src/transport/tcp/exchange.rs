@@ -147,6 +147,12 @@ impl TcpTransport {
         }
     }
 
+    /// Whether an involved peer has closed its control connection (EOF: it exited or died, as
+    /// opposed to sending an abort frame).
+    pub fn closed_among(&self, involved: &[bool]) -> bool {
+        involved.iter().enumerate().any(|(p, &inv)| inv && self.peers.get(p).and_then(|x| x.as_ref()).is_some_and(|peer| peer.closed))
+    }
+
     fn peer_mut(&mut self, peer: usize) -> &mut Peer {
         self.peers[peer].as_mut().expect("peer index checked by the caller")
     }
