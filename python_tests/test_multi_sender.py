@@ -398,10 +398,11 @@ def test_fsdp2_state_dict(dtype):
                 # two buckets of staging (the window's pages, or two private buckets), nothing gathered
                 bound = 2 * FSDP_BUCKET + SLACK
             else:
-                # its two buckets -- with the window, each sender's two, read in place (they count
-                # in RSS) -- the tensors being assembled (about a round: n buckets' worth of
-                # shards, and the largest tensor, larger than a bucket), the one handed out, the slack
-                staging = 2 * n * FSDP_BUCKET if shared else 2 * FSDP_BUCKET
+                # two buckets per sender -- with the window, each sender's two, read in place (they
+                # count in RSS); sent, a round in flight and one being unpacked -- the tensors being
+                # assembled (about a round: n buckets' worth of shards, and the largest tensor,
+                # larger than a bucket), the one handed out, the slack
+                staging = 2 * n * FSDP_BUCKET
                 bound = staging + n * FSDP_BUCKET + 2 * largest + SLACK
             assert extra <= bound and extra < model / 2, f"{report[-1]}: above {bound / 1e6:.2f} MB (model {model / 1e6:.2f} MB)"
         if r < n:

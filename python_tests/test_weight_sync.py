@@ -142,7 +142,7 @@ def _sync(pg, src, case, bucket, recv_bucket=None, progress=False, gen=False, se
         stats = s.send(items, progress=progress)
         return [], stats
     r = WeightReceiver(pg, src=src, bucket_bytes=recv_bucket)
-    assert r._bufs == [None, None], "receiver allocated at construction"
+    assert not any(b is not None for b in r._bufs), "receiver allocated at construction"
     if copy:
         got = list(r.receive(progress=progress))
         views = 0

@@ -76,14 +76,40 @@ def all_gather(group, tensor: torch.Tensor) -> list[list[int]]:
 TAG = 0
 
 
-def send_to(group, tensor: torch.Tensor, dst: int):
-    """Sends ``tensor`` to group rank ``dst`` (async: returns the Work)."""
-    return group.send([tensor], dst, TAG)
+def _coalesces(group) -> bool:
+    """Whether ``group`` runs coalesced sends and receives as one operation whose transfers
+    proceed at once (xccl_rs: one phase); other backends take them one by one."""
+    return group.name() == "xccl_rs"
 
 
-def recv_from(group, tensor: torch.Tensor, src: int):
-    """Receives ``tensor`` from group rank ``src`` (async: returns the Work)."""
-    return group.recv([tensor], src, TAG)
+def send_each(group, tensor: torch.Tensor, dsts: list[int]) -> list:
+    """Sends ``tensor`` to each group rank of ``dsts`` (async: the Works). On xccl_rs the sends
+    are one operation, so that every destination's link carries its copy at the same time (a
+    group's operations otherwise run one after another)."""
+    return _p2p_each(group, [(tensor, d) for d in dsts], [])
+
+
+def recv_each(group, recvs: list[tuple[torch.Tensor, int]]) -> list:
+    """Receives each ``(tensor, group rank)`` pair (async: the Works), as one operation on xccl_rs,
+    so that every source's link carries its part at the same time."""
+    return _p2p_each(group, [], recvs)
+
+
+def _p2p_each(group, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list:
+    """Posts every ``(tensor, group rank)`` send and receive, as one operation where the group
+    coalesces them (async: the Works to wait for)."""
+    if not _coalesces(group) or len(sends) + len(recvs) < 2:
+        return [group.send([t], d, TAG) for t, d in sends] + [group.recv([t], r, TAG) for t, r in recvs]
+    device = (sends or recvs)[0][0].device
+    group._start_coalescing(device)
+    try:
+        for t, d in sends:
+            group.send([t], d, TAG)
+        for t, r in recvs:
+            group.recv([t], r, TAG)
+    finally:
+        work = group._end_coalescing(device)
+    return [work]
 
 
 def group_senders(group, senders, src: int, who: str) -> tuple[int, int, list[int]]:

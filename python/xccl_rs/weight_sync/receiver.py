@@ -19,7 +19,7 @@ from ._common import (
     describe,
     group_senders,
     progress_bar,
-    recv_from,
+    recv_each,
     resolve_device,
     tensor_bytes,
     write_flat_range,
@@ -151,7 +151,9 @@ class WeightReceiver:
     ``src`` is the sender's group rank; with several senders, ``senders`` lists their group
     ranks, as every rank of the group passes them (``src`` is then ignored). ``device`` is where
     received tensors are placed (default: ``bucket_device``); ``bucket_device`` is where the
-    two receive buckets live (default: CPU; ``"cuda"`` for an NCCL group). ``bucket_bytes`` is
+    receive buckets live (default: CPU; ``"cuda"`` for an NCCL group): two, or with several
+    senders whose buckets are sent rather than shared, two per sender, so that every sender's
+    bucket of a round arrives at once while the last round is unpacked. ``bucket_bytes`` is
     only a hint: buffer sizes come from the senders' headers, so a receiver given a different
     value still works. Nothing is allocated before the first ``receive``; buffers are kept for
     the next one until :meth:`release`.
@@ -171,7 +173,9 @@ class WeightReceiver:
         self.bucket_bytes = bucket_bytes
         self.bucket_device = resolve_device(bucket_device)
         self.device = resolve_device(device) if device is not None else self.bucket_device
-        self._bufs: list[Optional[torch.Tensor]] = [None, None]
+        # Receive buckets: two (one in flight, one being unpacked), or two per sender when
+        # several senders' buckets travel at once (_receive_rounds).
+        self._bufs: list[Optional[torch.Tensor]] = []
         self.last_stats: Optional[SyncStats] = None
         # The tensors of delta syncs, by name: (the version held, the tensor), each a base
         # that the next delta sync updates (delta.py).
@@ -190,10 +194,12 @@ class WeightReceiver:
 
     def release(self) -> None:
         """Frees the receive buckets and the shared windows kept mapped."""
-        self._bufs = [None, None]
+        self._bufs = []
         window.drop_mapped()
 
     def _buffer(self, i: int, h: Header) -> torch.Tensor:
+        if len(self._bufs) <= i:
+            self._bufs += [None] * (i + 1 - len(self._bufs))
         buf = self._bufs[i]
         if buf is None or buf.numel() < h.used_bytes:
             # A last bucket gets just what it needs; any other gets the sender's bucket size,
@@ -228,9 +234,59 @@ class WeightReceiver:
         try:
             if len(self.senders) == 1:
                 return broadcast(self.group, buf, owner)
-            return recv_from(self.group, buf, owner)
+            return recv_each(self.group, [(buf, owner)])[0]
         except Exception as e:
             raise WeightSyncError(f"weight sync: receiving {what} from rank {owner} failed: {e}") from e
+
+    def _receive_rounds(self, copy: bool, progress: bool, stats: SyncStats, bars: list):
+        """The buckets of several senders without shared windows, a round at a time: every
+        header of the round, then every sender's bucket at once (each sender sends to every
+        receiver at once, sender.py `_post_payload`), unpacking the previous round meanwhile.
+        Holds two buckets per sender. Returns the tensors still being assembled (none when
+        the sync was whole); the progress bar, once made, is ``bars[0]``."""
+        n = len(self.senders)
+        pending: dict[str, _Pending] = {}
+        prev: list = []  # (buffer, entries, index) of the last round's buckets, to unpack
+        bucket_bytes = None
+        round = 0
+        while True:
+            final = self._agree(round, bucket_bytes)
+            arriving = []
+            for i, owner in enumerate(self.senders):
+                index = round * n + i
+                h, meta = self._recv_announcement(index, bucket_bytes, owner)
+                bucket_bytes = h.bucket_bytes
+                if h.last != (final and i == n - 1):
+                    raise WeightSyncError(
+                        f"weight sync: bucket {index} from rank {owner} is {'' if h.last else 'not '}the last "
+                        f"of the sync, but its round's agreement says {'it is' if final and i == n - 1 else 'not'}"
+                    )
+                if meta.window is not None:
+                    raise WeightSyncError(f"weight sync: rank {owner} offered a shared window the receivers cannot all map")
+                if index == 0 and progress:
+                    bars[0] = progress_bar(True, meta.total if meta.total >= 0 else None, "weight sync (receive)")
+                buf = self._buffer((round % 2) * n + i, h)[: h.used_bytes] if h.used_bytes else None
+                arriving.append((buf, meta, index, owner))
+            what = f"the buckets of round {round} from ranks {self.senders}"
+            try:
+                works = recv_each(self.group, [(buf, owner) for buf, _, _, owner in arriving if buf is not None])
+            except Exception as e:
+                raise WeightSyncError(f"weight sync: receiving {what} failed: {e}") from e
+            for p in prev:
+                pending = yield from self._unpack(copy, p, pending, stats, bars[0])
+            try:
+                for w in works:
+                    w.wait()
+            except Exception as e:
+                raise WeightSyncError(f"weight sync: receiving {what} failed: {e}") from e
+            prev = [(buf, meta.entries, index) for buf, meta, index, _ in arriving]
+            stats.buckets += n
+            if final:
+                break
+            round += 1
+        for p in prev:
+            pending = yield from self._unpack(copy, p, pending, stats, bars[0])
+        return pending
 
     @torch.no_grad()
     def receive(self, progress: bool = False, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -275,70 +331,78 @@ class WeightReceiver:
                         self.group, self.senders, None,
                         lambda n, v: n in self._held and self._held[n][0] == v, self.bucket_device,
                     )
+                batched = n > 1 and not any(window_hosts(records, self.senders))
             except WeightSyncError:
                 raise
             except Exception as e:
                 raise WeightSyncError(f"weight sync: the first step with the senders {self.senders} failed: {e}") from e
-            while True:
-                i = index % n
-                owner = self.senders[i]
-                if n > 1 and i == 0:
-                    final = self._agree(index // n, bucket_bytes)
-                h, meta = self._recv_announcement(index, bucket_bytes, owner)
-                bucket_bytes = h.bucket_bytes
-                if n > 1 and h.last != (final and i == n - 1):
-                    raise WeightSyncError(
-                        f"weight sync: bucket {index} from rank {owner} is {'' if h.last else 'not '}the last "
-                        f"of the sync, but its round's agreement says {'it is' if final and i == n - 1 else 'not'}"
-                    )
-                if index == 0 and progress:
-                    bar = progress_bar(True, meta.total if meta.total >= 0 else None, "weight sync (receive)")
-                if meta.window is not None:
-                    try:
-                        self._windows[i] = self._join_window(meta.window, owner)
-                    except WeightSyncError:
-                        raise
-                    except Exception as e:
+            if batched:
+                bars = [None]
+                try:
+                    pending = yield from self._receive_rounds(copy, progress, stats, bars)
+                finally:
+                    bar = bars[0]
+            else:
+                while True:
+                    i = index % n
+                    owner = self.senders[i]
+                    if n > 1 and i == 0:
+                        final = self._agree(index // n, bucket_bytes)
+                    h, meta = self._recv_announcement(index, bucket_bytes, owner)
+                    bucket_bytes = h.bucket_bytes
+                    if n > 1 and h.last != (final and i == n - 1):
                         raise WeightSyncError(
-                            f"weight sync: agreeing on the shared window with rank {owner} failed: {e}"
-                        ) from e
-                what = f"{describe(index, [e.name for e in meta.entries])} of {h.used_bytes} bytes"
-                memory = self._windows[i]
-                work = buf = None
-                if memory is None and h.used_bytes:
-                    buf = self._buffer(cur, h)
-                    work = self._recv_payload(buf[: h.used_bytes], owner, what)
-                # C_(k-1) after this bucket's receive is posted, as its sender posts its sends
-                # before it (progress threads run each rank's ops in order)
-                if index > 0:
-                    self._done_reading(index - 1)
-                if memory is not None:  # read in place, where its sender packed it
-                    if prev is not None:
-                        pending = yield from self._unpack(copy, prev, pending, stats, bar)
-                        prev = None
-                    start = ((index // n) % 2) * h.bucket_bytes
-                    stats.shared_window = True
-                    pending = yield from self._unpack(copy, (memory[start : start + h.used_bytes], meta.entries, index),
-                                                      pending, stats, bar)
-                else:
-                    # Unpack the previous bucket while this one is in flight.
-                    if prev is not None:
-                        pending = yield from self._unpack(copy, prev, pending, stats, bar)
-                        prev = None
-                    if work is not None:
+                            f"weight sync: bucket {index} from rank {owner} is {'' if h.last else 'not '}the last "
+                            f"of the sync, but its round's agreement says {'it is' if final and i == n - 1 else 'not'}"
+                        )
+                    if index == 0 and progress:
+                        bar = progress_bar(True, meta.total if meta.total >= 0 else None, "weight sync (receive)")
+                    if meta.window is not None:
                         try:
-                            work.wait()
+                            self._windows[i] = self._join_window(meta.window, owner)
+                        except WeightSyncError:
+                            raise
                         except Exception as e:
-                            raise WeightSyncError(f"weight sync: receiving {what} from rank {owner} failed: {e}") from e
-                    prev = (buf, meta.entries, index)
-                    cur ^= 1
-                stats.buckets += 1
-                if h.last:
-                    break
-                index += 1
-            self._done_reading(index)
-            if prev is not None:
-                pending = yield from self._unpack(copy, prev, pending, stats, bar)
+                            raise WeightSyncError(
+                                f"weight sync: agreeing on the shared window with rank {owner} failed: {e}"
+                            ) from e
+                    what = f"{describe(index, [e.name for e in meta.entries])} of {h.used_bytes} bytes"
+                    memory = self._windows[i]
+                    work = buf = None
+                    if memory is None and h.used_bytes:
+                        buf = self._buffer(cur, h)
+                        work = self._recv_payload(buf[: h.used_bytes], owner, what)
+                    # C_(k-1) after this bucket's receive is posted, as its sender posts its sends
+                    # before it (progress threads run each rank's ops in order)
+                    if index > 0:
+                        self._done_reading(index - 1)
+                    if memory is not None:  # read in place, where its sender packed it
+                        if prev is not None:
+                            pending = yield from self._unpack(copy, prev, pending, stats, bar)
+                            prev = None
+                        start = ((index // n) % 2) * h.bucket_bytes
+                        stats.shared_window = True
+                        pending = yield from self._unpack(copy, (memory[start : start + h.used_bytes], meta.entries, index),
+                                                          pending, stats, bar)
+                    else:
+                        # Unpack the previous bucket while this one is in flight.
+                        if prev is not None:
+                            pending = yield from self._unpack(copy, prev, pending, stats, bar)
+                            prev = None
+                        if work is not None:
+                            try:
+                                work.wait()
+                            except Exception as e:
+                                raise WeightSyncError(f"weight sync: receiving {what} from rank {owner} failed: {e}") from e
+                        prev = (buf, meta.entries, index)
+                        cur ^= 1
+                    stats.buckets += 1
+                    if h.last:
+                        break
+                    index += 1
+                self._done_reading(index)
+                if prev is not None:
+                    pending = yield from self._unpack(copy, prev, pending, stats, bar)
             if pending:
                 p = next(iter(pending.values()))
                 raise WeightSyncError(

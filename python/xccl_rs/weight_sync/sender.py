@@ -24,7 +24,7 @@ from ._common import (
     progress_bar,
     read_flat_range,
     resolve_device,
-    send_to,
+    send_each,
     synchronize,
     tensor_bytes,
 )
@@ -133,13 +133,14 @@ def _piece(name: str, t: torch.Tensor, senders: int) -> _Piece:
 class _Slot:
     """One of the two send buffers and the transfers that still read it."""
 
-    __slots__ = ("buf", "works", "keep", "label")
+    __slots__ = ("buf", "works", "keep", "label", "used")
 
     def __init__(self):
         self.buf: Optional[torch.Tensor] = None
         self.works: list = []
         self.keep: list = []
         self.label = ""
+        self.used = 0  # the bytes of buf the round's bucket sends (0: none, or read in place)
 
     def wait(self) -> None:
         works, self.works = self.works, []
@@ -287,7 +288,11 @@ class SendStream:
             sync = delta_mod.new_version() if self.bases is not None else 0
             host = window.host_hash() if s.shared_memory else -1
             records = hello(s.group, s.senders, host, s.device, PAYLOADS[s.payload], sync)
-            self.co_located = window_hosts(records, s.senders)[self.me]
+            windows = window_hosts(records, s.senders)
+            self.co_located = windows[self.me]
+            # Without shared windows, a round's buckets from several senders travel at once:
+            # every header of the round first, then each sender's bucket to every receiver.
+            self.batched = self.n > 1 and not any(windows)
             self.version = records[s.senders[0]].sync
             if self.bases is not None:
                 mine = self.bases.base_list()
@@ -459,7 +464,9 @@ class SendStream:
 
     def _flush_round(self, final: bool) -> None:
         """Every bucket of the current round, in sender order: this sender's own, and its part
-        in the others' (their headers, their windows' votes, the barriers); then the next round."""
+        in the others' (their headers, their windows' votes, the barriers); then the next round.
+        Batched (several senders, no window): every header first, then this sender's bucket,
+        which travels while the other senders' do."""
         s = self.s
         with self._breaking(f"round {self.round}"):
             if self.n > 1:
@@ -476,6 +483,8 @@ class SendStream:
                     self._follow(k, s.senders[i], last)
                 if k > 0:
                     self._done_reading(k - 1)
+            if self.batched:
+                self._post_payload()
             if final:
                 self._done_reading(self.round * self.n + self.n - 1)
         self.entries = []
@@ -501,16 +510,29 @@ class SendStream:
             if announced is not None:
                 self.shared[self.me] = self._settle_window(announced, used)
                 self.window.unlink()  # every rank has mapped it or given up
-            if not self.shared[self.me] and used:
-                payload = slot.buf[:used]
-                if self.n == 1:
-                    slot.works.append(broadcast(s.group, payload, s.src))
-                else:  # the other senders do not take it: point to point, to each receiver
-                    slot.works.extend(send_to(s.group, payload, r) for r in s.receivers)
         except Exception as e:
             raise WeightSyncError(f"weight sync: sending {slot.label} failed: {e}") from e
         slot.keep = [header, meta_t]
+        slot.used = 0 if self.shared[self.me] else used
         self.stats.buckets += 1
+        if not self.batched:
+            self._post_payload()
+
+    def _post_payload(self) -> None:
+        """Sends this round's bucket unless the receivers read it in place: with one sender, a
+        broadcast; with several (the others do not take it), to each receiver at once."""
+        s = self.s
+        slot = s._slots[self.round % 2]
+        if not slot.used:
+            return
+        payload = slot.buf[: slot.used]
+        try:
+            if self.n == 1:
+                slot.works.append(broadcast(s.group, payload, s.src))
+            else:
+                slot.works.extend(send_each(s.group, payload, s.receivers))
+        except Exception as e:
+            raise WeightSyncError(f"weight sync: sending {slot.label} failed: {e}") from e
 
     def _receive_control(self, k: int, owner: int) -> tuple[Header, BucketMeta]:
         """Bucket ``k``'s header and metadata from sender ``owner`` (this sender takes part in the
