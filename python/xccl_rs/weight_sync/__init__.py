@@ -26,21 +26,26 @@ window.py step 1); then, round by round, with several senders an agreement that 
 planned the same round (agreement.py); then per bucket ``k``, from its sender ``k % N``, the
 header, the metadata, and the first ``used_bytes`` bytes of the bucket (skipped when 0). With
 one sender those bytes are broadcast; with several they go point to point from the sender to
-each receiver (a broadcast would make the other senders take them too). The headers,
-metadata, votes and barriers are the group's collectives: every sender takes part in every
-other sender's, so it sees an abort or a failure when the receivers do.
+each receiver (a broadcast would make the other senders take them too). With several senders
+and no shared window (below) a round goes *batched*: the headers and metadata of all its
+buckets first, then every sender's bytes at once, each sender sending to every receiver in one
+coalesced operation and each receiver taking every sender's in one, so that every link carries
+data at the same time. The headers, metadata, votes and barriers are the group's collectives:
+every sender takes part in every other sender's, so it sees an abort or a failure when the
+receivers do.
 
 A sender packs into two buffers in turn: while its bucket of round ``r`` is sent (async), it
 packs its bucket of round ``r + 1`` into the other buffer; before packing round ``r + 1`` it
 waits for the transfers of round ``r - 1`` (the last users of that buffer). A receiver posts
-the receive of bucket ``k`` and, while it is in flight, unpacks bucket ``k - 1``. A sender
+the receive of bucket ``k`` (batched: of round ``r``'s buckets) and, while it is in flight,
+unpacks bucket ``k - 1`` (round ``r - 1``'s). A sender
 whose producer fails gives up: a single sender sends an abort notice in place of its next
 header; with several, it says so in the next round's agreement and the first such sender sends
 its notice there. Every rank then raises.
 
 Memory: a rank allocates nothing until its first ``send``/``receive``; then a sender at most
-two buckets, only once it has bytes to pack, and a receiver two (sized from the headers: a
-single last bucket gets only its used bytes), the small header/metadata tensors, the tensors
+two buckets, only once it has bytes to pack, and a receiver two (batched: two per sender;
+sized from the headers: a single last bucket gets only its used bytes), the small header/metadata tensors, the tensors
 it hands out, and the tensors being assembled from pieces (with several senders, those of
 about one round).
 
