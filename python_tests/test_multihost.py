@@ -170,6 +170,50 @@ def test_collectives_between_hosts(layout, transport):
     res.assert_no_problems(f"{layout} {transport}: ")
 
 
+def _rail_bytes_sent(rails: int) -> list[int]:
+    """Bytes each rail of this rank's host has sent: its namespace's interfaces rail0, rail1, ...
+    (/proc/self/net/dev is the namespace's view; /sys is the one it was mounted in)."""
+    sent = {}
+    with open("/proc/self/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, counters = line.split(":", 1)
+            sent[name.strip()] = int(counters.split()[8])  # receive: 8 columns, then bytes sent
+    return [sent[f"rail{i}"] for i in range(rails)]
+
+
+def w_rails(rank, world, rails):
+    """Every local rank on the wire: while the group runs large all_reduces, each rail of the
+    host carries a fair part of what the host sends (a rank of local index i sends on rail i).
+    Every rank returns its host's counters; the test reads one rank per host."""
+    import torch
+    import torch.distributed as dist
+
+    multihost.init_in_namespace(rank, world, timeout=timedelta(seconds=60))
+    big = torch.ones(4 << 20)
+    dist.all_reduce(big)  # every connection made
+    dist.barrier()
+    before = _rail_bytes_sent(rails)
+    for _ in range(3):
+        dist.all_reduce(big)
+    dist.barrier()
+    sent = [after - b for after, b in zip(_rail_bytes_sent(rails), before)]
+    dist.barrier()
+    return sent
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_local_rank_sends_on_its_own_rail(transport):
+    _skip_unless_transport(transport)
+    layout = LAYOUTS["2x2"]
+    world = sum(layout)
+    with netns.NamespaceHosts(len(layout), rails=max(layout)) as hosts:
+        res = run_ranks(world, w_rails, max(layout), init="none", timeout_s=120,
+                        rank_env=multihost.rank_env(hosts, layout, transport))
+    for rank in (0, layout[0]):  # the first rank of each host
+        sent = res.value(rank)
+        assert min(sent) >= 0.3 * sum(sent), f"{transport}: the rails of rank {rank}'s host sent {sent} bytes"
+
+
 def w_sweep(rank, world):
     """test_collectives.py's whole sweep, on this rank's host."""
     from test_collectives import THEMES, collectives_sweep

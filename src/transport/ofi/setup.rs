@@ -32,10 +32,26 @@ fn rank_of(info: &Info<'_>, any: bool) -> Option<(usize, bool)> {
     Some((place, info.domain == "lo"))
 }
 
+/// The providers' list: with `source` (XCCL_RS_SOCKET_HOST, this rank's address), those that
+/// can use it as the endpoint's own address, so that each rank of a host sends from its own NIC
+/// (by default a provider takes its first interface for every rank); where none can (providers
+/// without IP addresses), every provider.
+fn providers(lib: &Library, source: Option<&str>) -> std::result::Result<shim::InfoList, i32> {
+    if let Some(addr) = source {
+        match lib.providers(Some(addr)) {
+            Err(rc) if rc == -shim::FI_ENODATA || rc == -shim::FI_EINVAL => {
+                tracing::info!(address = addr, "no libfabric provider can use this rank's address (XCCL_RS_SOCKET_HOST) as its own: using the provider's default");
+            }
+            r => return r,
+        }
+    }
+    lib.providers(None)
+}
+
 /// The endpoint of the best provider, with its provider name and largest message.
-fn open(lib: &Library) -> std::result::Result<(Endpoint, String, usize), String> {
+fn open(lib: &Library, source: Option<&str>) -> std::result::Result<(Endpoint, String, usize), String> {
     let wanted = fi_provider();
-    let list = match lib.providers() {
+    let list = match providers(lib, source) {
         Ok(list) => list,
         Err(rc) if rc == -shim::FI_ENODATA => return Err(no_provider(lib, wanted.as_deref(), &[])),
         Err(rc) => return Err(format!("fi_getinfo failed: {}", lib.strerror(rc as i64))),
@@ -110,7 +126,7 @@ fn parse(value: &[u8]) -> std::result::Result<(&str, &[u8]), String> {
 pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<OfiTransport> {
     let (rank, size) = (tcp.rank(), tcp.size());
     let opened = shim::load().and_then(|lib| {
-        let (mut ep, provider, max) = open(&lib)?;
+        let (mut ep, provider, max) = open(&lib, config.socket_host.as_deref())?;
         let addr = ep.name()?;
         Ok((ep, provider, max, addr))
     });

@@ -66,10 +66,12 @@ const char *xofi_strerror(int code) { return lib.strerror(code < 0 ? -code : cod
  * The providers that offer what the transport needs: reliable unconnected endpoints
  * (FI_EP_RDM) with tagged messages received from a named source, in send order between a
  * pair, without the caller registering its buffers (no FI_MR_LOCAL: the provider registers or
- * copies). libfabric itself applies FI_PROVIDER. 0 and the list in `out`, or a negative
- * libfabric error code (-FI_ENODATA: none matches).
+ * copies). `source`, if not NULL, is the address (or host name) the endpoint must use
+ * (FI_SOURCE): on a host with a NIC per rank, the rank's own. libfabric itself applies
+ * FI_PROVIDER. 0 and the list in `out`, or a negative libfabric error code (-FI_ENODATA: none
+ * matches).
  */
-int xofi_getinfo(struct fi_info **out) {
+int xofi_getinfo(const char *source, struct fi_info **out) {
     struct fi_info *hints = lib.dupinfo(NULL);
     if (!hints) return -FI_ENOMEM;
     hints->caps = FI_TAGGED | FI_DIRECTED_RECV | FI_SEND | FI_RECV;
@@ -80,7 +82,7 @@ int xofi_getinfo(struct fi_info **out) {
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->domain_attr->mr_mode = FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
     hints->domain_attr->av_type = FI_AV_TABLE;
-    int rc = lib.getinfo(XOFI_API, NULL, NULL, 0, hints, out);
+    int rc = lib.getinfo(XOFI_API, source, NULL, source ? FI_SOURCE : 0, hints, out);
     lib.freeinfo(hints);
     return rc;
 }

@@ -18,6 +18,8 @@ pub const FI_ETRUNC: i32 = 265;
 pub const FI_ECANCELED: i32 = 125;
 /// FI_ENODATA: no provider matches.
 pub const FI_ENODATA: c_int = 61;
+/// FI_EINVAL: an invalid argument.
+pub const FI_EINVAL: c_int = 22;
 
 /// libfabric's opaque `struct fi_info`.
 #[repr(C)]
@@ -53,7 +55,7 @@ unsafe extern "C" {
     fn xofi_load(path: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn xofi_version() -> u32;
     fn xofi_strerror(code: c_int) -> *const c_char;
-    fn xofi_getinfo(out: *mut *mut FiInfo) -> c_int;
+    fn xofi_getinfo(source: *const c_char, out: *mut *mut FiInfo) -> c_int;
     fn xofi_freeinfo(info: *mut FiInfo);
     fn xofi_info_next(info: *const FiInfo) -> *const FiInfo;
     fn xofi_info_provider(info: *const FiInfo) -> *const c_char;
@@ -119,11 +121,18 @@ impl Library {
     }
 
     /// The providers that offer reliable tagged messages (shim.c `xofi_getinfo`), each with
-    /// its name and domain, in libfabric's order.
-    pub fn providers(&self) -> std::result::Result<InfoList, i32> {
+    /// its name and domain, in libfabric's order; with `source`, those whose endpoint can use
+    /// that address (or host name) as its own.
+    pub fn providers(&self, source: Option<&str>) -> std::result::Result<InfoList, i32> {
+        let source = match source.map(CString::new) {
+            Some(Ok(s)) => Some(s),
+            Some(Err(_)) => return Err(-FI_EINVAL),
+            None => None,
+        };
         let mut head = std::ptr::null_mut();
-        // SAFETY: loaded; `head` is a valid out-pointer.
-        let rc = unsafe { xofi_getinfo(&mut head) };
+        // SAFETY: loaded; `source` is NULL or a NUL-terminated string alive for the call; `head`
+        // is a valid out-pointer.
+        let rc = unsafe { xofi_getinfo(source.as_ref().map_or(std::ptr::null(), |s| s.as_ptr()), &mut head) };
         if rc != 0 {
             return Err(rc);
         }
