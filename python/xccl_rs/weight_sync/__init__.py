@@ -38,16 +38,15 @@ A sender packs into two buffers in turn: while its bucket of round ``r`` is sent
 packs its bucket of round ``r + 1`` into the other buffer; before packing round ``r + 1`` it
 waits for the transfers of round ``r - 1`` (the last users of that buffer). A receiver posts
 the receive of bucket ``k`` (batched: of round ``r``'s buckets) and, while it is in flight,
-unpacks bucket ``k - 1`` (round ``r - 1``'s). A sender
-whose producer fails gives up: a single sender sends an abort notice in place of its next
+unpacks bucket ``k - 1`` (round ``r - 1``'s). A sender whose producer fails gives up: a single sender sends an abort notice in place of its next
 header; with several, it says so in the next round's agreement and the first such sender sends
 its notice there. Every rank then raises.
 
 Memory: a rank allocates nothing until its first ``send``/``receive``; then a sender at most
 two buckets, only once it has bytes to pack, and a receiver two (batched: two per sender;
-sized from the headers: a single last bucket gets only its used bytes), the small header/metadata tensors, the tensors
-it hands out, and the tensors being assembled from pieces (with several senders, those of
-about one round).
+sized from the headers: a single last bucket gets only its used bytes), the small
+header/metadata tensors, the tensors it hands out, and the tensors being assembled from
+pieces (with several senders, those of about one round).
 
 **Shared window** (window.py). When the group is an xccl_rs group, the buckets are on the CPU
 and the hello found every receiver on a sender's host, that sender's two buckets live in a

@@ -288,6 +288,80 @@ class WeightReceiver:
             pending = yield from self._unpack(copy, p, pending, stats, bars[0])
         return pending
 
+    def _receive_buckets(self, copy: bool, progress: bool, stats: SyncStats, bars: list):
+        """The buckets one at a time: one sender's, or several senders' where some are read in
+        place from shared windows (C_k barriers between them). While bucket ``k`` is in flight,
+        bucket ``k - 1`` is unpacked. Returns the tensors still being assembled; the progress
+        bar, once made, is ``bars[0]``."""
+        n = len(self.senders)
+        pending: dict[str, _Pending] = {}
+        prev = None  # (buffer, entries, index) of a received bucket to unpack
+        index = 0
+        cur = 0
+        bucket_bytes = None  # the senders', from bucket 0's header
+        final = False  # the round being received is the last (several senders)
+        while True:
+            i = index % n
+            owner = self.senders[i]
+            if n > 1 and i == 0:
+                final = self._agree(index // n, bucket_bytes)
+            h, meta = self._recv_announcement(index, bucket_bytes, owner)
+            bucket_bytes = h.bucket_bytes
+            if n > 1 and h.last != (final and i == n - 1):
+                raise WeightSyncError(
+                    f"weight sync: bucket {index} from rank {owner} is {'' if h.last else 'not '}the last "
+                    f"of the sync, but its round's agreement says {'it is' if final and i == n - 1 else 'not'}"
+                )
+            if index == 0 and progress:
+                bars[0] = progress_bar(True, meta.total if meta.total >= 0 else None, "weight sync (receive)")
+            if meta.window is not None:
+                try:
+                    self._windows[i] = self._join_window(meta.window, owner)
+                except WeightSyncError:
+                    raise
+                except Exception as e:
+                    raise WeightSyncError(
+                        f"weight sync: agreeing on the shared window with rank {owner} failed: {e}"
+                    ) from e
+            what = f"{describe(index, [e.name for e in meta.entries])} of {h.used_bytes} bytes"
+            memory = self._windows[i]
+            work = buf = None
+            if memory is None and h.used_bytes:
+                buf = self._buffer(cur, h)
+                work = self._recv_payload(buf[: h.used_bytes], owner, what)
+            # C_(k-1) after this bucket's receive is posted, as its sender posts its sends
+            # before it (progress threads run each rank's ops in order)
+            if index > 0:
+                self._done_reading(index - 1)
+            if memory is not None:  # read in place, where its sender packed it
+                if prev is not None:
+                    pending = yield from self._unpack(copy, prev, pending, stats, bars[0])
+                    prev = None
+                start = ((index // n) % 2) * h.bucket_bytes
+                stats.shared_window = True
+                pending = yield from self._unpack(copy, (memory[start : start + h.used_bytes], meta.entries, index),
+                                                  pending, stats, bars[0])
+            else:
+                # Unpack the previous bucket while this one is in flight.
+                if prev is not None:
+                    pending = yield from self._unpack(copy, prev, pending, stats, bars[0])
+                    prev = None
+                if work is not None:
+                    try:
+                        work.wait()
+                    except Exception as e:
+                        raise WeightSyncError(f"weight sync: receiving {what} from rank {owner} failed: {e}") from e
+                prev = (buf, meta.entries, index)
+                cur ^= 1
+            stats.buckets += 1
+            if h.last:
+                break
+            index += 1
+        self._done_reading(index)
+        if prev is not None:
+            pending = yield from self._unpack(copy, prev, pending, stats, bars[0])
+        return pending
+
     @torch.no_grad()
     def receive(self, progress: bool = False, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields ``(name, tensor)`` as each tensor completes (in the order sent, with one
@@ -307,14 +381,8 @@ class WeightReceiver:
         followed by its scales (``name + "_scale_inv"`` or ``name + "_scale"``, fp8.py)."""
         t0 = time.perf_counter()
         stats = SyncStats()
-        bar = None
+        bars = [None]  # the progress bar, once the first header says the sync's size
         n = len(self.senders)
-        pending: dict[str, _Pending] = {}
-        prev = None  # (buffer, entries, index) of a received bucket to unpack
-        index = 0
-        cur = 0
-        bucket_bytes = None  # the senders', from bucket 0's header
-        final = False  # the round being received is the last (several senders)
         self._names: set[str] = set()  # the tensors of this sync so far
         self._windows: list[Optional[torch.Tensor]] = [None] * n  # the senders' windows read in place
         try:
@@ -336,73 +404,8 @@ class WeightReceiver:
                 raise
             except Exception as e:
                 raise WeightSyncError(f"weight sync: the first step with the senders {self.senders} failed: {e}") from e
-            if batched:
-                bars = [None]
-                try:
-                    pending = yield from self._receive_rounds(copy, progress, stats, bars)
-                finally:
-                    bar = bars[0]
-            else:
-                while True:
-                    i = index % n
-                    owner = self.senders[i]
-                    if n > 1 and i == 0:
-                        final = self._agree(index // n, bucket_bytes)
-                    h, meta = self._recv_announcement(index, bucket_bytes, owner)
-                    bucket_bytes = h.bucket_bytes
-                    if n > 1 and h.last != (final and i == n - 1):
-                        raise WeightSyncError(
-                            f"weight sync: bucket {index} from rank {owner} is {'' if h.last else 'not '}the last "
-                            f"of the sync, but its round's agreement says {'it is' if final and i == n - 1 else 'not'}"
-                        )
-                    if index == 0 and progress:
-                        bar = progress_bar(True, meta.total if meta.total >= 0 else None, "weight sync (receive)")
-                    if meta.window is not None:
-                        try:
-                            self._windows[i] = self._join_window(meta.window, owner)
-                        except WeightSyncError:
-                            raise
-                        except Exception as e:
-                            raise WeightSyncError(
-                                f"weight sync: agreeing on the shared window with rank {owner} failed: {e}"
-                            ) from e
-                    what = f"{describe(index, [e.name for e in meta.entries])} of {h.used_bytes} bytes"
-                    memory = self._windows[i]
-                    work = buf = None
-                    if memory is None and h.used_bytes:
-                        buf = self._buffer(cur, h)
-                        work = self._recv_payload(buf[: h.used_bytes], owner, what)
-                    # C_(k-1) after this bucket's receive is posted, as its sender posts its sends
-                    # before it (progress threads run each rank's ops in order)
-                    if index > 0:
-                        self._done_reading(index - 1)
-                    if memory is not None:  # read in place, where its sender packed it
-                        if prev is not None:
-                            pending = yield from self._unpack(copy, prev, pending, stats, bar)
-                            prev = None
-                        start = ((index // n) % 2) * h.bucket_bytes
-                        stats.shared_window = True
-                        pending = yield from self._unpack(copy, (memory[start : start + h.used_bytes], meta.entries, index),
-                                                          pending, stats, bar)
-                    else:
-                        # Unpack the previous bucket while this one is in flight.
-                        if prev is not None:
-                            pending = yield from self._unpack(copy, prev, pending, stats, bar)
-                            prev = None
-                        if work is not None:
-                            try:
-                                work.wait()
-                            except Exception as e:
-                                raise WeightSyncError(f"weight sync: receiving {what} from rank {owner} failed: {e}") from e
-                        prev = (buf, meta.entries, index)
-                        cur ^= 1
-                    stats.buckets += 1
-                    if h.last:
-                        break
-                    index += 1
-                self._done_reading(index)
-                if prev is not None:
-                    pending = yield from self._unpack(copy, prev, pending, stats, bar)
+            receive_all = self._receive_rounds if batched else self._receive_buckets
+            pending = yield from receive_all(copy, progress, stats, bars)
             if pending:
                 p = next(iter(pending.values()))
                 raise WeightSyncError(
@@ -418,8 +421,8 @@ class WeightReceiver:
                 except Exception as e:
                     raise WeightSyncError(f"weight sync: the confirmation of the delta sync failed: {e}") from e
         finally:
-            if bar is not None:
-                bar.close()
+            if bars[0] is not None:
+                bars[0].close()
         stats.seconds = time.perf_counter() - t0
         self.last_stats = stats
 
