@@ -73,7 +73,7 @@ def _load_extension():
 
 _C = _load_extension()
 
-__all__ = ["BACKEND_NAME", "LIBFABRIC_DEFAULTS", "destroy_group", "dump", "empty", "new_group", "register", "stats", "torch_version_built", "zero_copy_ops", "zeros"]
+__all__ = ["BACKEND_NAME", "destroy_group", "dump", "empty", "new_group", "register", "stats", "torch_version_built", "zero_copy_ops", "zeros"]
 __version__ = "0.1.0"
 
 BACKEND_NAME = "xccl_rs"
@@ -117,25 +117,10 @@ def _timeout_of(opts) -> timedelta:
     return timeout
 
 
-#: libfabric settings the OFI transport uses where the user set none. ofi_rxm moves a large
-#: message by RMA write instead of read: 1.4-1.7x faster over libfabric's tcp provider from
-#: 16 MiB (docs/perf.md, "Between hosts").
-LIBFABRIC_DEFAULTS = {"FI_OFI_RXM_USE_RNDV_WRITE": "1"}
-
-
-def _apply_libfabric_defaults() -> None:
-    """Sets :data:`LIBFABRIC_DEFAULTS` that are unset, for a group that will load libfabric
-    (``XCCL_RS_TRANSPORT=ofi``): libfabric reads them when it first loads its providers."""
-    if os.environ.get("XCCL_RS_TRANSPORT", "").strip().lower() == "ofi":
-        for name, value in LIBFABRIC_DEFAULTS.items():
-            os.environ.setdefault(name, value)
-
-
 def _create_backend(dist_backend_opts, backend_options=None):
     """The creator torch calls for every group (extended API): a Backend, or, for a group that
     init_process_group/new_group make for xccl_rs alone, a whole ProcessGroup (see _whole_group)."""
     o = dist_backend_opts
-    _apply_libfabric_defaults()
     backend = _C.create_backend(
         o.store,
         o.group_rank,
@@ -265,7 +250,6 @@ def new_group(
         raise TypeError(f"xccl_rs.new_group: store must be a torch.distributed.Store, got {type(store).__name__}")
     if world_size <= 0 or not 0 <= rank < world_size:
         raise ValueError(f"xccl_rs.new_group: rank {rank} is not in a group of size {world_size}")
-    _apply_libfabric_defaults()
     return _C.new_process_group(store, rank, world_size, timeout, name, _bound_device(device))
 
 

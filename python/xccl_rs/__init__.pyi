@@ -7,7 +7,6 @@ import torch.distributed as dist
 __version__: str
 BACKEND_NAME: str
 DEVICES: list[str]
-LIBFABRIC_DEFAULTS: dict[str, str]
 REBUILD: str
 torch_version_built: str
 
