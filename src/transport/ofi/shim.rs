@@ -304,12 +304,13 @@ impl Endpoint {
         Ok(n as usize)
     }
 
-    /// Gives up an endpoint whose posts did not come back after they were cancelled, without
-    /// closing it where that is safe: libfabric 1.17's rxm crashes (SIGSEGV) closing an endpoint
-    /// with posts still in flight, as after a link cut. A provider with manual progress never
-    /// touches a post's buffer again once nobody reads its queue, so such an endpoint is left
-    /// open, unused, until the process ends (its memory and sockets). One that progresses on
-    /// its own could still write into the buffers: it is closed, which ends its posts.
+    /// Gives up an endpoint whose posts did not come back after they were cancelled.
+    /// libfabric 1.17's rxm crashes (SIGSEGV) closing an endpoint with posts still in flight,
+    /// as after a link cut. A provider with manual progress never touches a post's buffer
+    /// again once nobody reads its queue (a later group opens a fabric and domain of its own),
+    /// so its endpoint is left open and unused until the process ends, keeping its memory and
+    /// sockets. One that progresses on its own could still write into the buffers: it is
+    /// closed, which ends its posts.
     pub fn abandon(self) {
         // SAFETY: `raw` is open.
         if unsafe { xofi_manual_progress(self.raw) } != 0 {
