@@ -145,6 +145,16 @@ class _Pending:
         return True
 
 
+def _check_last(h: Header, index: int, owner: int, agreed_last: bool) -> None:
+    """With several senders: bucket ``index``'s header must say it is the sync's last exactly
+    when its round's agreement does."""
+    if h.last != agreed_last:
+        raise WeightSyncError(
+            f"weight sync: bucket {index} from rank {owner} is {'' if h.last else 'not '}the last "
+            f"of the sync, but its round's agreement says {'it is' if agreed_last else 'not'}"
+        )
+
+
 class WeightReceiver:
     """Receives what the :class:`WeightSender` (or senders) of ``group`` send.
 
@@ -256,11 +266,7 @@ class WeightReceiver:
                 index = round * n + i
                 h, meta = self._recv_announcement(index, bucket_bytes, owner)
                 bucket_bytes = h.bucket_bytes
-                if h.last != (final and i == n - 1):
-                    raise WeightSyncError(
-                        f"weight sync: bucket {index} from rank {owner} is {'' if h.last else 'not '}the last "
-                        f"of the sync, but its round's agreement says {'it is' if final and i == n - 1 else 'not'}"
-                    )
+                _check_last(h, index, owner, final and i == n - 1)
                 if meta.window is not None:
                     raise WeightSyncError(f"weight sync: rank {owner} offered a shared window the receivers cannot all map")
                 if index == 0 and progress:
@@ -307,11 +313,8 @@ class WeightReceiver:
                 final = self._agree(index // n, bucket_bytes)
             h, meta = self._recv_announcement(index, bucket_bytes, owner)
             bucket_bytes = h.bucket_bytes
-            if n > 1 and h.last != (final and i == n - 1):
-                raise WeightSyncError(
-                    f"weight sync: bucket {index} from rank {owner} is {'' if h.last else 'not '}the last "
-                    f"of the sync, but its round's agreement says {'it is' if final and i == n - 1 else 'not'}"
-                )
+            if n > 1:
+                _check_last(h, index, owner, final and i == n - 1)
             if index == 0 and progress:
                 bars[0] = progress_bar(True, meta.total if meta.total >= 0 else None, "weight sync (receive)")
             if meta.window is not None:
