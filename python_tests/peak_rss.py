@@ -4,7 +4,13 @@ the RSS at its start (Linux).
 The high-water mark (``VmHWM`` in /proc/self/status) is reset to the current RSS right before
 the block (``echo 5 > /proc/self/clear_refs``) and read right after. Freed memory still resident
 in malloc's heap would serve the block's allocations without raising the RSS, hiding them:
-``malloc_trim(0)`` gives it back to the kernel first. The meter counts every page the process
+``malloc_trim(0)`` gives it back to the kernel first. Memory freed *within* the block would hide
+nothing but could still raise the mark: glibc's mmap threshold grows when a large block is freed,
+after which large tensors come from the heap, where fragmentation keeps freed ones resident, so a
+block that frees one tensor and allocates another can be charged for both. The meter therefore
+fixes the threshold (``mallopt(M_MMAP_THRESHOLD, 64 KiB)``, once per process): every large
+allocation is mapped on its own and unmapped when freed, and the mark follows live memory. The
+meter counts every page the process
 touches (torch's allocations, Python's, pages of shared memory it reads), so it is an upper
 bound on what the block costs, not a count of its own allocations.
 """
@@ -12,6 +18,10 @@ bound on what the block costs, not a count of its own allocations.
 from __future__ import annotations
 
 import re
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+_MMAP_THRESHOLD = 64 << 10
 
 
 def _status(key: str) -> int:
@@ -27,8 +37,10 @@ class PeakRss:
         import ctypes
         import gc
 
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
         gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc.malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
         self.start = _status("VmRSS")
