@@ -516,6 +516,48 @@ fn rail_allreduce_bf16_and_i32() {
     allreduce_on::<i32>(&RAIL_LAYOUTS, rail_cfgs, &[Sum, BXor], rail_counts);
 }
 
+/// Ops large enough that the rail all-reduce runs its steps in several pieces, overlapped
+/// (mixed/overlap.rs): shares of 2 to 3 MiB, with a tail, in one pipeline chunk.
+fn piece_cfgs(layout: &[&str]) -> Vec<Config> {
+    sweep_cfgs(layout).into_iter().map(|c| Config { pipeline_chunk_bytes: 16 << 20, ..c }).collect()
+}
+
+fn piece_counts(esz: usize, _size: usize) -> Vec<usize> {
+    vec![(6 << 20) / esz + 5]
+}
+
+#[test]
+fn rail_allreduce_in_overlapped_pieces() {
+    allreduce_on::<f32>(&RAIL_LAYOUTS, piece_cfgs, &[Sum, Avg], piece_counts);
+    allreduce_on::<bf16>(&RAIL_LAYOUTS[..1], piece_cfgs, &[PreMulSum], piece_counts);
+}
+
+/// A rank dies during a rail all-reduce in several pieces, overlapped (a non-leader, then a
+/// leader, of the second host of 2 × 2): every other rank fails well before the timeout, its
+/// host's peer through the rail thread's or the shared-memory step's error.
+#[test]
+fn dead_rank_fails_an_overlapped_rail_allreduce() {
+    let mut failures = Failures::new();
+    for dead in [3, 2] {
+        let what = format!("rank {dead} dies");
+        let cfgs = |layout: &[&str]| err_cfgs(layout).into_iter().map(|c| Config { pipeline_chunk_bytes: 16 << 20, ..c }).collect();
+        sweep_ranks_with(&mut failures, &what, MemoryStore::new(), cfgs(LAYOUTS[0]), LIMIT, move |rank, comm, barrier, f| {
+            let what = format!("rank {rank} (rank {dead} dies)");
+            if rank == dead {
+                std::thread::sleep(Duration::from_millis(150));
+                drop(comm);
+            } else {
+                let mut data = f32::to_bytes(&vec![1.0; (16 << 20) / 4]);
+                let o = op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut data)]);
+                fails_within_then_next_job(f, &comm, vec![o], &[&format!("rank {dead}")], Duration::from_millis(1500), &what);
+            }
+            barrier.wait();
+            Ok(())
+        });
+    }
+    failures.finish("dead rank fails an overlapped rail all-reduce");
+}
+
 #[test]
 fn rail_allreduce_is_what_runs() {
     sweep_on(&RAIL_LAYOUTS, rail_cfgs, "rail allreduce", |layout, rank, comm, f| {
@@ -572,29 +614,56 @@ fn rail_allgather_every_view_layout() {
     });
 }
 
+/// Inputs of 2 MiB and more: the rail all-gather runs in overlapped pieces (mixed/overlap.rs).
+#[test]
+fn rail_allgather_in_overlapped_pieces() {
+    sweep_on(&[RAIL_LAYOUTS[0], RAIL_LAYOUTS[2]], piece_cfgs, "rail allgather in pieces", |layout, rank, comm, f| {
+        let size = layout.len();
+        let n = (2 << 20) / 4 + 3;
+        for (mode, views) in VIEW_LAYOUTS.into_iter().enumerate() {
+            let what = format!("allgather float32 {layout:?} n {n} {views:?} rank {rank}");
+            allgather_point(f, comm, rank, size, DType::Float32, n, views, mix((n * 10 + mode) as u64), &what)?;
+        }
+        ran(f, comm, "AllGatherRail", &format!("allgather {layout:?} rank {rank}"));
+        Ok(())
+    });
+}
+
 #[test]
 fn rail_reduce_scatter() {
-    fn case<T: TestElem>(f: &mut Failures, layout: &[&str], comm: &Communicator, rank: usize, rop: ReduceOp, k: usize) -> Result<(), Stop> {
-        let size = layout.len();
-        let esz = T::DTYPE.size();
-        let n = RAIL_BYTES / (esz * size) + 3;
-        let what = format!("reduce_scatter {} {rop:?} {layout:?} n {n} rank {rank}", T::DTYPE);
-        let salt = (k * 100_000 + n) as u64 + 777;
-        let mut input = T::to_bytes(&inputs::<T>(rank, 0, n * size, salt, rop));
-        let mut out = vec![0u8; n * esz];
-        let o = reduction_with(OpKind::ReduceScatter, T::DTYPE, views(&mut input, size, n * esz), vec![buf(&mut out)], rop);
-        f.op(run(comm, vec![o]), &what)?;
-        f.result(check::<T>(layout, &out, salt, rop, rank * n), &what);
-        Ok(())
-    }
     sweep_on(&RAIL_LAYOUTS, rail_cfgs, "rail reduce_scatter", |layout, rank, comm, f| {
+        let n = |esz: usize| RAIL_BYTES / (esz * layout.len()) + 3;
         for (k, rop) in [Sum, Avg, PreMulSum, Max].into_iter().enumerate() {
-            case::<f32>(f, layout, comm, rank, rop, k)?;
+            reduce_scatter_case::<f32>(f, layout, comm, rank, rop, k, n(4))?;
         }
-        case::<bf16>(f, layout, comm, rank, Avg, 9)?;
+        reduce_scatter_case::<bf16>(f, layout, comm, rank, Avg, 9, n(2))?;
         ran(f, comm, "ReduceScatterRail", &format!("reduce_scatter {layout:?} rank {rank}"));
         Ok(())
     });
+}
+
+/// Results of 2 MiB and more: the rail reduce-scatter runs in overlapped pieces (mixed/overlap.rs).
+#[test]
+fn rail_reduce_scatter_in_overlapped_pieces() {
+    sweep_on(&[RAIL_LAYOUTS[0], RAIL_LAYOUTS[2]], piece_cfgs, "rail reduce_scatter in pieces", |layout, rank, comm, f| {
+        reduce_scatter_case::<f32>(f, layout, comm, rank, Avg, 0, (2 << 20) / 4 + 3)?;
+        reduce_scatter_case::<bf16>(f, layout, comm, rank, Sum, 1, (4 << 20) / 2 + 1)?;
+        ran(f, comm, "ReduceScatterRail", &format!("reduce_scatter {layout:?} rank {rank}"));
+        Ok(())
+    });
+}
+
+fn reduce_scatter_case<T: TestElem>(f: &mut Failures, layout: &[&str], comm: &Communicator, rank: usize, rop: ReduceOp, k: usize, n: usize) -> Result<(), Stop> {
+    let size = layout.len();
+    let esz = T::DTYPE.size();
+    let what = format!("reduce_scatter {} {rop:?} {layout:?} n {n} rank {rank}", T::DTYPE);
+    let salt = (k * 100_000 + n) as u64 + 777;
+    let mut input = T::to_bytes(&inputs::<T>(rank, 0, n * size, salt, rop));
+    let mut out = vec![0u8; n * esz];
+    let o = reduction_with(OpKind::ReduceScatter, T::DTYPE, views(&mut input, size, n * esz), vec![buf(&mut out)], rop);
+    f.op(run(comm, vec![o]), &what)?;
+    f.result(check::<T>(layout, &out, salt, rop, rank * n), &what);
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------

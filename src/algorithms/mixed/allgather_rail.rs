@@ -7,8 +7,12 @@
 //!    (allgather_hier.rs) sends its whole host's through the leader's.
 //! 2. For each host j in turn, this host all-gathers the pieces of host j's ranks over shared
 //!    memory (allgather_shm.rs): local rank i holds rank (j, i)'s piece from step 1.
+//!
+//! The two steps run piece by piece, overlapped (overlap.rs): while piece p + 1 crosses the
+//! rail, the host all-gathers piece p.
 
-use super::{among, behind_remote, on_host, rail_of};
+use super::overlap::{overlapped, pieces};
+use super::{behind_remote, on_host, rail_of};
 use crate::algorithms::Step;
 use crate::algorithms::host::allgather_shm;
 use crate::algorithms::mesh::allgather_direct;
@@ -22,16 +26,34 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     let host_ranks: Vec<Vec<usize>> = (0..hosts.host_count()).map(|j| hosts.ranks(j).to_vec()).collect();
     let me = hosts.local_index(rank);
     let rail = rail_of(hosts, rank);
-    let ctx = step.ctx;
+    let pieces = pieces(op.inputs[0].len(), op.dtype.size());
+    let (par, ctx) = (step.par, step.ctx);
+    let after_ctx = behind_remote(ctx);
 
-    let rail_views = rail.iter().map(|&g| op.outputs[g]).collect();
-    among(mixed.shm.as_ref(), step, &rail, |s| allgather_direct::run(s, &Op { outputs: rail_views, ..op.clone() }))?;
-
-    for ranks in &host_ranks {
-        let (shm, desc) = on_host(&mut mixed.shm, step).expect("a host of k ≥ 2 ranks has shared memory");
-        let views = ranks.iter().map(|&g| op.outputs[g]).collect();
-        let host_step = Op { inputs: vec![op.outputs[ranks[me]]], outputs: views, ..op.clone() };
-        allgather_shm::run(shm, step.par, &behind_remote(ctx), &host_step, desc)?;
-    }
-    Ok(())
+    let (shm, desc) = on_host(&mut mixed.shm, step).expect("a host of k ≥ 2 ranks has shared memory");
+    overlapped(
+        shm,
+        step,
+        &rail,
+        pieces.len(),
+        |_, _| Ok(()),
+        {
+            // Its own copies: the rail thread may not share the caller's buffers by reference.
+            let (op, pieces, rail) = (op.clone(), pieces.clone(), rail.clone());
+            move |s, p| {
+                let (at, len) = pieces[p];
+                let outputs = rail.iter().map(|&g| op.outputs[g].sub(at, len)).collect();
+                allgather_direct::run(s, &Op { inputs: vec![op.inputs[0].sub(at, len)], outputs, ..op.clone() })
+            }
+        },
+        |shm, p| {
+            let (at, len) = pieces[p];
+            for ranks in &host_ranks {
+                let views = ranks.iter().map(|&g| op.outputs[g].sub(at, len)).collect();
+                let host_step = Op { inputs: vec![op.outputs[ranks[me]].sub(at, len)], outputs: views, ..op.clone() };
+                allgather_shm::run(shm, par, &after_ctx, &host_step, desc)?;
+            }
+            Ok(())
+        },
+    )
 }

@@ -11,10 +11,14 @@
 //!    (allreduce_hier.rs) sends all of it through the leader's.
 //! 3. Each host all-gathers the finished shares into every rank's tensor over shared memory.
 //!
+//! The three steps run piece by piece, overlapped (overlap.rs): while piece p crosses the
+//! rail, the host reduce-scatters piece p + 1 and all-gathers the pieces already back.
+//!
 //! The tail goes the leader way ([`all_reduce_via_leaders`]). Every element is computed on one
 //! rank of its rail and copied from there, so every rank ends with identical bits.
 
-use super::{all_reduce_via_leaders, among, behind_remote, local_op, on_host, rail_of};
+use super::overlap::{overlapped, pieces};
+use super::{all_reduce_via_leaders, behind_remote, local_op, on_host, rail_of};
 use crate::algorithms::Step;
 use crate::algorithms::host::{allgather_shm, reduce_scatter_shm};
 use crate::error::Result;
@@ -32,17 +36,37 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, between_hosts: fn(&m
     let share_bytes = n / k * esz;
     let shares: Vec<_> = (0..k).map(|i| buf.sub(i * share_bytes, share_bytes)).collect();
     let partial = mixed.partial(share_bytes);
-    let ctx = step.ctx;
+    let pieces = pieces(share_bytes, esz);
+    let (par, ctx) = (step.par, step.ctx);
+    let after_ctx = behind_remote(ctx);
 
     let (shm, desc) = on_host(&mut mixed.shm, step).expect("a host of k ≥ 2 ranks has shared memory");
-    let scatter = Op { kind: OpKind::ReduceScatter, reduce_op: local_op(op.reduce_op), inputs: shares.clone(), outputs: vec![partial], ..op.clone() };
-    reduce_scatter_shm::run(shm, step.par, ctx, &scatter, desc)?;
-
-    among(mixed.shm.as_ref(), step, &rail, |s| between_hosts(s, &Op { outputs: vec![partial], ..op.clone() }))?;
-
-    let (shm, desc) = on_host(&mut mixed.shm, step).expect("checked above");
-    let gather = Op { kind: OpKind::AllGather, inputs: vec![partial], outputs: shares, ..op.clone() };
-    allgather_shm::run(shm, step.par, &behind_remote(ctx), &gather, desc)?;
+    overlapped(
+        shm,
+        step,
+        &rail,
+        pieces.len(),
+        |shm, p| {
+            let (at, len) = pieces[p];
+            let inputs = shares.iter().map(|s| s.sub(at, len)).collect();
+            let scatter = Op { kind: OpKind::ReduceScatter, reduce_op: local_op(op.reduce_op), inputs, outputs: vec![partial.sub(at, len)], ..op.clone() };
+            reduce_scatter_shm::run(shm, par, ctx, &scatter, desc)
+        },
+        {
+            // Its own copies: the rail thread may not share the caller's buffers by reference.
+            let (op, pieces) = (op.clone(), pieces.clone());
+            move |s, p| {
+                let (at, len) = pieces[p];
+                between_hosts(s, &Op { outputs: vec![partial.sub(at, len)], ..op.clone() })
+            }
+        },
+        |shm, p| {
+            let (at, len) = pieces[p];
+            let outputs = shares.iter().map(|s| s.sub(at, len)).collect();
+            let gather = Op { kind: OpKind::AllGather, inputs: vec![partial.sub(at, len)], outputs, ..op.clone() };
+            allgather_shm::run(shm, par, &after_ctx, &gather, desc)
+        },
+    )?;
 
     let tail = buf.sub(k * share_bytes, buf.len() - k * share_bytes);
     if tail.len() > 0 {

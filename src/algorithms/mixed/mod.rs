@@ -35,6 +35,7 @@ pub mod allreduce_rail;
 pub mod barrier_hier;
 pub mod broadcast_hier;
 pub mod broadcast_rail;
+pub mod overlap;
 pub mod reduce_hier;
 pub mod reduce_rail;
 pub mod reduce_scatter_rail;

@@ -8,8 +8,12 @@
 //!    over TCP (reduce_scatter_direct.rs, area j to the rail's member on host j, scaling once
 //!    with the whole group's size), all rails at once: each rank's link carries (H − 1) results'
 //!    worth, where a direct reduce-scatter sends every peer its contribution over the network.
+//!
+//! The two steps run piece by piece, overlapped (overlap.rs): while piece p crosses the rail,
+//! the host reduce-scatters piece p + 1.
 
-use super::{among, local_op, on_host, rail_of};
+use super::overlap::{overlapped, pieces};
+use super::{local_op, on_host, rail_of};
 use crate::algorithms::Step;
 use crate::algorithms::host::reduce_scatter_shm;
 use crate::algorithms::mesh::reduce_scatter_direct;
@@ -25,13 +29,33 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
     let out = op.outputs[0];
     let scratch = mixed.partial(host_count * out.len());
     let areas: Vec<_> = (0..host_count).map(|j| scratch.sub(j * out.len(), out.len())).collect();
-    let ctx = step.ctx;
+    let pieces = pieces(out.len(), op.dtype.size());
+    let (par, ctx) = (step.par, step.ctx);
 
-    for (j, ranks) in host_ranks.iter().enumerate() {
-        let (shm, desc) = on_host(&mut mixed.shm, step).expect("a host of k ≥ 2 ranks has shared memory");
-        let inputs = ranks.iter().map(|&g| op.inputs[g]).collect();
-        let first = Op { reduce_op: local_op(op.reduce_op), inputs, outputs: vec![areas[j]], ..op.clone() };
-        reduce_scatter_shm::run(shm, step.par, ctx, &first, desc)?;
-    }
-    among(mixed.shm.as_ref(), step, &rail, |s| reduce_scatter_direct::run(s, &Op { inputs: areas, ..op.clone() }))
+    let (shm, desc) = on_host(&mut mixed.shm, step).expect("a host of k ≥ 2 ranks has shared memory");
+    overlapped(
+        shm,
+        step,
+        &rail,
+        pieces.len(),
+        |shm, p| {
+            let (at, len) = pieces[p];
+            for (j, ranks) in host_ranks.iter().enumerate() {
+                let inputs = ranks.iter().map(|&g| op.inputs[g].sub(at, len)).collect();
+                let first = Op { reduce_op: local_op(op.reduce_op), inputs, outputs: vec![areas[j].sub(at, len)], ..op.clone() };
+                reduce_scatter_shm::run(shm, par, ctx, &first, desc)?;
+            }
+            Ok(())
+        },
+        {
+            // Its own copies: the rail thread may not share the caller's buffers by reference.
+            let (op, pieces, areas) = (op.clone(), pieces.clone(), areas.clone());
+            move |s, p| {
+                let (at, len) = pieces[p];
+                let inputs = areas.iter().map(|a| a.sub(at, len)).collect();
+                reduce_scatter_direct::run(s, &Op { inputs, outputs: vec![out.sub(at, len)], ..op.clone() })
+            }
+        },
+        |_, _| Ok(()),
+    )
 }
