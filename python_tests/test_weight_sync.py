@@ -693,6 +693,113 @@ def test_gpu_tensors():
     assert not probs, "\n".join(probs)
 
 
+def w_gpu_window(rank, world_size, device_type="cuda"):
+    """Device tensors through the shared window (an xccl_rs group, CPU buckets), two syncs: every
+    rank registers the window with the device runtime (its memory reads as pinned), once (the
+    same registration in the second sync, the window being kept), and the tensors arrive bit
+    for bit although each side holds its stream: in the first sync the producer queues a 10 ms
+    kernel before each tensor (the sender must not publish a bucket before its copies from the
+    device land), in the second the consumer one after each tensor (a receiver must not hand a
+    bucket back before its copies out of it are done). Returns the problems."""
+    import torch
+    import torch.distributed as dist
+
+    import xccl_rs
+    from accel import sleep, use
+    from xccl_rs.weight_sync import WeightReceiver, WeightSender, window
+
+    dev = use(device_type)
+    c = ctx()
+    pg = xccl_rs.new_group(dist.PrefixStore("gpu_window/", c.connect_store()), rank, world_size, timeout=c.timeout())
+    probs, registrations = [], []
+    pinned = device_type == "cuda"  # other runtimes register nothing: the copies stay blocking
+    sender = WeightSender(pg, src=0, bucket_bytes=BUCKET) if rank == 0 else None
+    receiver = WeightReceiver(pg, src=0, device=dev) if rank != 0 else None
+    for sync, slow_side in enumerate(("sender", "receivers")):
+        expected = [(n, t.to(dev)) for n, t in make_tensors(f"gpu-window-{sync}")]
+        if rank == 0:
+            def produce():
+                for n, t in expected:
+                    if slow_side == "sender":
+                        sleep(device_type, 10)  # the producer still busy when the copy is queued
+                    yield n, t
+            stats = sender.send(produce())
+            mappings = [window._kept.get(BUCKET)]
+        else:
+            got = []
+            for n, t in receiver.receive():
+                got.append((n, t))
+                if slow_side == "receivers":
+                    sleep(device_type, 10)  # the next copies out of the window queue behind it
+            stats = receiver.last_stats
+            probs += [f"sync {sync}: {n} on {t.device}" for n, t in got if t.device != dev]
+            probs += [f"sync {sync}: {p}" for p in compare([(n, t.cpu()) for n, t in got],
+                                                          [(n, t.cpu()) for n, t in expected])]
+            mappings = list(window._mapped.values())
+        if not stats.shared_window:
+            probs.append(f"sync {sync}: the buckets were broadcast, not read in place")
+        if len(mappings) != 1 or mappings[0] is None:
+            probs.append(f"sync {sync}: {len(mappings)} windows kept, expected one")
+            continue
+        m = mappings[0]
+        if m.registration is None or m.registration.pinned != pinned or m.memory.is_pinned() != pinned:
+            probs.append(f"sync {sync}: the window is {'' if m.memory.is_pinned() else 'not '}pinned, expected "
+                         f"{pinned} (registration: {m.registration and m.registration.pinned})")
+        registrations.append(m.registration)
+    if len(registrations) == 2 and registrations[0] is not registrations[1]:
+        probs.append("the kept window was registered again in the second sync")
+    (sender or receiver).release()
+    if rank != 0 and window._mapped:
+        probs.append("release() left a mapping")
+    xccl_rs.destroy_group(pg)
+    return probs
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_through_a_registered_window():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    res = run_ranks(3, w_gpu_window, timeout_s=180)
+    probs = [f"rank {r}: {p}" for r in range(3) for p in res.value(r)]
+    assert not probs, "\n".join(probs)
+
+
+@pytest.mark.gpu
+def test_register_host_pins_and_unpins():
+    """host_memory.register_host: a mapping of /dev/shm reads as pinned while registered and not
+    after; memory torch pinned itself stays pinned when a registration of it ends; the CPU
+    registers nothing."""
+    import mmap
+    import tempfile
+
+    import torch
+
+    from xccl_rs import host_memory
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with tempfile.TemporaryFile(dir="/dev/shm") as f:  # the kind of memory a window is
+        f.truncate(1 << 20)
+        memory = torch.frombuffer(mmap.mmap(f.fileno(), 1 << 20, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+    assert not memory.is_pinned()
+    reg = host_memory.register_host(memory, "cuda")
+    assert reg.pinned and memory.is_pinned()
+    dev = torch.arange(1 << 18, dtype=torch.int32, device="cuda")
+    memory.view(torch.int32).copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(memory.view(torch.int32), dev.cpu())
+    reg.unregister()
+    assert not reg.pinned and not memory.is_pinned()
+    own = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    reg = host_memory.register_host(own, "cuda")
+    assert reg.pinned
+    reg.unregister()
+    assert own.is_pinned(), "ending a registration unpinned memory torch pinned itself"
+    assert not host_memory.register_host(torch.empty(16), "cpu").pinned
+
+
 def large_tensors():
     """About 5.4 GB: a 3 GiB tensor split across a 2.5 GiB bucket boundary, then a 1.9 GiB
     one and a small one at bucket offsets beyond 2^31 (cheap deterministic patterns)."""

@@ -164,22 +164,22 @@ def flat_views(t: torch.Tensor, e0: int, e1: int):
         yield from flat_views(t[r1], 0, o1)
 
 
-def read_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int) -> None:
+def read_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int, non_blocking: bool = False) -> None:
     """dst (1-D, e1 - e0 elements) <- elements [e0, e1) of src in row-major order; every element
     copied once, straight from src's strides (no .contiguous() temporary)."""
     pos = 0
     for v in flat_views(src, e0, e1):
         n = v.numel()
-        dst[pos : pos + n].view(v.shape).copy_(v)
+        dst[pos : pos + n].view(v.shape).copy_(v, non_blocking=non_blocking)
         pos += n
 
 
-def write_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int) -> None:
+def write_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int, non_blocking: bool = False) -> None:
     """Elements [e0, e1) of dst, in row-major order, <- src (1-D, e1 - e0 elements)."""
     pos = 0
     for v in flat_views(dst, e0, e1):
         n = v.numel()
-        v.copy_(src[pos : pos + n].view(v.shape))
+        v.copy_(src[pos : pos + n].view(v.shape), non_blocking=non_blocking)
         pos += n
 
 

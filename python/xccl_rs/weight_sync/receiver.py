@@ -9,6 +9,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from .. import host_memory
 from . import delta as delta_mod
 from . import window
 from ._common import (
@@ -87,9 +88,10 @@ class _Pending:
             runs.insert(i, [start, end])
         return True
 
-    def add(self, e: Entry, src: torch.Tensor, where: str) -> None:
+    def add(self, e: Entry, src: torch.Tensor, where: str, non_blocking: bool = False) -> None:
         """Writes piece ``e`` (``src``: its bytes) where it belongs; refuses overlaps. A piece of a
-        delta sync that cannot be applied (delta.apply) leaves the tensor failed, not raised."""
+        delta sync that cannot be applied (delta.apply) leaves the tensor failed, not raised.
+        ``non_blocking``: ``src`` is pinned memory and the caller fences the copy."""
         dense = e.dense
         if e.box is None:
             if self.boxes or not self._take(self.runs, e.chunk_offset, e.chunk_offset + dense):
@@ -102,7 +104,7 @@ class _Pending:
                 self._apply(e, self.tensor.view(-1)[e.chunk_offset // size : (e.chunk_offset + dense) // size], src,
                             where)
             else:
-                self.bytes[e.chunk_offset : e.chunk_offset + e.nbytes].copy_(src)
+                self.bytes[e.chunk_offset : e.chunk_offset + e.nbytes].copy_(src, non_blocking=non_blocking)
         else:
             runs = self.boxes.get(e.box)
             if runs is None:
@@ -127,7 +129,7 @@ class _Pending:
                 if self._apply(e, flat, src, where):
                     write_flat_range(view, flat, e0, e1)
             else:
-                write_flat_range(view, src.view(self.dtype), e0, e1)
+                write_flat_range(view, src.view(self.dtype), e0, e1, non_blocking)
         self.done += dense
 
     def _apply(self, e: Entry, target: torch.Tensor, src: torch.Tensor, where: str) -> bool:
@@ -190,6 +192,9 @@ class WeightReceiver:
         # The tensors of delta syncs, by name: (the version held, the tensor), each a base
         # that the next delta sync updates (delta.py).
         self._held: dict[str, tuple[int, torch.Tensor]] = {}
+        # Copies out of a registered window into the device are queued without waiting; the
+        # window's bucket is handed back to its sender (C_k) only once they are done.
+        self._fence = host_memory.CopyFence()
 
     @property
     def versions(self) -> dict[str, int]:
@@ -204,6 +209,7 @@ class WeightReceiver:
 
     def release(self) -> None:
         """Frees the receive buckets and the shared windows kept mapped."""
+        self._fence.wait()
         self._bufs = []
         window.drop_mapped()
 
@@ -342,8 +348,11 @@ class WeightReceiver:
                     prev = None
                 start = ((index // n) % 2) * h.bucket_bytes
                 stats.shared_window = True
-                pending = yield from self._unpack(copy, (memory[start : start + h.used_bytes], meta.entries, index),
-                                                  pending, stats, bars[0])
+                # Registered for this receiver's device (once per kept window): its copies into
+                # the device are DMA, queued without waiting, fenced before C_index.
+                pinned = memory.pin(self.device)
+                pending = yield from self._unpack(copy, (memory.memory[start : start + h.used_bytes], meta.entries,
+                                                         index), pending, stats, bars[0], pinned)
             else:
                 # Unpack the previous bucket while this one is in flight.
                 if prev is not None:
@@ -387,7 +396,7 @@ class WeightReceiver:
         bars = [None]  # the progress bar, once the first header says the sync's size
         n = len(self.senders)
         self._names: set[str] = set()  # the tensors of this sync so far
-        self._windows: list[Optional[torch.Tensor]] = [None] * n  # the senders' windows read in place
+        self._windows: list[Optional[window.Mapping]] = [None] * n  # the senders' windows read in place
         try:
             try:
                 cpu = self.bucket_device.type == "cpu"
@@ -424,6 +433,7 @@ class WeightReceiver:
                 except Exception as e:
                     raise WeightSyncError(f"weight sync: the confirmation of the delta sync failed: {e}") from e
         finally:
+            self._fence.wait()  # no copy out of a window outlives the sync, however it ended
             if bars[0] is not None:
                 bars[0].close()
         stats.seconds = time.perf_counter() - t0
@@ -443,11 +453,11 @@ class WeightReceiver:
             raise WeightSyncError(f"weight sync: the sender (rank {out.aborted_by}) aborted at round {round}")
         return out.final
 
-    def _join_window(self, announced: Announcement, owner: int) -> Optional[torch.Tensor]:
+    def _join_window(self, announced: Announcement, owner: int) -> Optional[window.Mapping]:
         """This rank's part of the group's agreement on sender ``owner``'s shared window
         (window.agree): the window every rank maps, or None."""
         cpu = self.bucket_device.type == "cpu"
-        mapped: dict[str, torch.Tensor] = {}
+        mapped: dict[str, window.Mapping] = {}
         keep = max(2, 2 * len(self.senders))
 
         def join(a: Announcement) -> bool:
@@ -465,17 +475,20 @@ class WeightReceiver:
         if self._windows[i] is None:
             return
         try:
+            self._fence.wait()  # the copies out of the bucket are done before its sender reuses it
             window.bucket_done(self.group).wait()
         except Exception as e:
             raise WeightSyncError(
                 f"weight sync: telling rank {self.senders[i]} that bucket {index} was read failed: {e}"
             ) from e
 
-    def _unpack(self, copy: bool, prev, pending, stats: SyncStats, bar):
+    def _unpack(self, copy: bool, prev, pending, stats: SyncStats, bar, pinned: bool = False):
         """Yields the tensors one received bucket completes (``prev``: its bytes, entries and
         index; the decoder checked every entry lies in them); returns the tensors still being
         assembled. With one sender, pieces must come in order; with several, the shards of a
-        tensor come from each, in any order, and only overlaps are refused."""
+        tensor come from each, in any order, and only overlaps are refused. ``pinned``: the bytes
+        are registered for ``self.device``, so the copies into it are queued without waiting (a
+        tensor yielded is ready for work on the current stream) and noted on the fence."""
         buf, entries, index = prev
         if pending is None:
             pending = {}
@@ -511,7 +524,9 @@ class WeightReceiver:
                     else:
                         src = buf[e.offset : e.end].view(e.dtype).view(e.shape)
                         if self.device != self.bucket_device:
-                            out = src.to(self.device)
+                            out = src.to(self.device, non_blocking=pinned)
+                            if pinned:
+                                self._fence.note(self.device)
                         else:
                             out = src.clone() if copy else src
                     if bar is not None:
@@ -539,7 +554,9 @@ class WeightReceiver:
                     f"weight sync: bucket {index}: unexpected chunk of {e.name!r} at byte "
                     f"{e.chunk_offset} (assembling {p.name!r}: {p.dtype} {list(p.shape)}, {p.done} of {p.total} bytes)"
                 )
-            p.add(e, _bytes_of(buf, e), f"bucket {index}")
+            p.add(e, _bytes_of(buf, e), f"bucket {index}", pinned and e.enc is None)
+            if pinned and e.enc is None:
+                self._fence.note(self.device)
             if bar is not None:
                 bar.update(e.nbytes)
             stats.bytes += e.nbytes

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from .. import host_memory
 from . import delta as delta_mod
 from . import window
 from ._common import (
@@ -37,9 +38,9 @@ from .fp8 import Fp8Rule
 from .plan import EVERY, NEXT_ROUND, RoundPlanner, shard_boxes
 
 
-def _copy_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int) -> None:
+def _copy_flat_range(dst: torch.Tensor, src: torch.Tensor, e0: int, e1: int, non_blocking: bool = False) -> None:
     """dst (1-D, e1 - e0 elements) <- elements [e0, e1) of src in row-major order."""
-    read_flat_range(dst, src, e0, e1)
+    read_flat_range(dst, src, e0, e1, non_blocking)
 
 
 # --------------------------------------------------------------------------------------
@@ -278,6 +279,9 @@ class SendStream:
         # The shared windows: this sender's, created with its first bucket if every receiver
         # can share its memory; shared[i]: sender i's buckets are read in place.
         self.window: Optional[window.Window] = None
+        # Copies from device tensors into a registered window are queued without waiting; a
+        # bucket is published (its header sent) only once they are done.
+        self.fence = host_memory.CopyFence()
         self.shared = [False] * self.n
         self.later: list = []  # barriers of other senders' buckets, waited for at the end
         self.round = 0  # the round being packed (the planner may be further on)
@@ -335,6 +339,12 @@ class SendStream:
         if slot.buf is None:  # a sender's device never changes: allocate once, then reuse
             slot.buf = torch.empty(s.bucket_bytes, dtype=torch.uint8, device=s.device)
         return slot.buf
+
+    def _pinned_for(self, device: torch.device) -> bool:
+        """Whether copies from ``device`` into the buffers are DMA that may be queued without
+        waiting: the window, registered for ``device``'s runtime (the first time, then kept with
+        the window). Private buffers, and runtimes that cannot register, copy blocking."""
+        return self.window is not None and device.type != "cpu" and self.window.pin(device)
 
     @torch.no_grad()
     def add(self, name: str, t: torch.Tensor) -> None:
@@ -410,11 +420,15 @@ class SendStream:
                     sent += entry.nbytes
                     continue
                 dst = self._buffer()[entry.offset : entry.end].view(t.dtype)
+                pinned = self._pinned_for(piece.src.device)
                 if entry.whole and piece.src.shape == piece.shape:
-                    dst.view(piece.shape).copy_(piece.src)  # one strided copy, contiguous or not
+                    # one strided copy, contiguous or not
+                    dst.view(piece.shape).copy_(piece.src, non_blocking=pinned)
                 else:
                     e0 = start // elsize
-                    _copy_flat_range(dst, piece.src, e0, e0 + entry.nbytes // elsize)
+                    _copy_flat_range(dst, piece.src, e0, e0 + entry.nbytes // elsize, pinned)
+                if pinned:
+                    self.fence.note(piece.src.device)
                 sent += entry.nbytes
         except WeightSyncError:
             raise
@@ -469,6 +483,7 @@ class SendStream:
         which travels while the other senders' do."""
         s = self.s
         with self._breaking(f"round {self.round}"):
+            self.fence.wait()  # the bucket's copies from the device have landed before anyone reads it
             if self.n > 1:
                 out = agree_round(s.group, s.senders, self.round, RoundRecord(self.round, FINAL if final else SENDING,
                                                                               self.plan.value), s.device)
@@ -596,9 +611,9 @@ class SendStream:
         agreed = window.agree(s.group, s.src, announced, lambda a: True, offer)
         if agreed is None or agreed.name == self.window.name:
             for w in fresh:
-                w.unlink()
+                w.close()
             return agreed is not None
-        self.window.unlink()
+        self.window.close()
         self.window = fresh[0]
         for i, slot in enumerate(s._slots):
             slot.buf = self.window.slot(i)
@@ -608,10 +623,14 @@ class SendStream:
         """The sync is over: its window is kept for the next sync if every receiver mapped it,
         else unlinked and dropped (the buffers return to private ones either way)."""
         if self.window is not None:
+            try:
+                self.fence.wait()  # a sync that failed may leave copies into the window queued
+            except Exception:  # noqa: BLE001 - the device's own error is the one that surfaces
+                pass
             if self.shared[self.me] and self.done and not self.broken:
-                window.keep_window(self.window)
+                window.keep_window(self.window)  # with its registration: kept windows pin once
             else:
-                self.window.unlink()
+                self.window.close()
             self.window = None
             for slot in self.s._slots:
                 slot.buf = None

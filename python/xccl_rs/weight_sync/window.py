@@ -12,6 +12,12 @@ A window is kept mapped for the next sync (the same sender process and bucket si
 receiver processes), so that steady-state syncs create, zero and fault in nothing: its two
 buckets stay allocated, shared by every process that maps them, until the roles' ``release()``.
 
+A process that copies between a window and a device (a sender's CUDA tensors, a receiver's
+``device="cuda"``) registers its mapping with the device runtime the first time it does
+(``pin``, host_memory.py), so that those copies are DMA at the link's speed; the registration
+is kept with the mapping and ends before it is unmapped. Where the runtime cannot register
+host memory (XPU, no device), nothing is, and the copies stay blocking.
+
 The protocol, on every rank of the group, in this order:
 
 1. The hello (agreement.py), once per sync, before anything else: every rank gives a hash of its
@@ -40,7 +46,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import _C
+from .. import _C, host_memory
 from ._common import broadcast, tensor_bytes, vote
 from .format import MAX_OFFER_BYTES, Announcement, check_length, decode_offer, encode_offer
 
@@ -135,7 +141,7 @@ def bucket_done(group):
 # costs as much as copying them): the sender's by bucket size, the receivers' mappings by name.
 # A window whose sync fell back to broadcasts is not kept: the next sync makes a fresh one.
 _kept: dict[int, "Window"] = {}
-_mapped: dict[str, torch.Tensor] = {}
+_mapped: dict[str, "Mapping"] = {}
 _MAPPED_KEPT = 2
 
 
@@ -145,7 +151,32 @@ def _map(fd: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive; unmapped with the tensor
 
 
-class Window:
+class Mapping:
+    """A window's memory in this process, and its registration with a device runtime (made by
+    the first :meth:`pin`, kept until :meth:`unpin`: once per kept window, not per sync)."""
+
+    def __init__(self, memory: torch.Tensor):
+        self.memory = memory
+        self.registration: Optional[host_memory.Registration] = None
+
+    def pin(self, device: torch.device) -> bool:
+        """Whether copies between this memory and ``device`` are DMA (registering it the first
+        time a device asks); False for the CPU and for runtimes that cannot register."""
+        if device.type == "cpu":
+            return False
+        if self.registration is None or self.registration.device.type != device.type:
+            self.unpin()
+            self.registration = host_memory.register_host(self.memory, device)
+        return self.registration.pinned
+
+    def unpin(self) -> None:
+        """Ends the registration; every non-blocking copy through the memory must be done."""
+        registration, self.registration = self.registration, None
+        if registration is not None:
+            registration.unregister()
+
+
+class Window(Mapping):
     """The sender's side: creates and maps the file; ``slot(i)`` is bucket buffer ``i``. Raises
     OSError when /dev/shm cannot hold it."""
 
@@ -160,7 +191,7 @@ class Window:
             # fails here with ENOSPC, where a sparse file would kill the process with SIGBUS on
             # the first write past the limit.
             os.posix_fallocate(fd, 0, self.nbytes)
-            self.memory = _map(fd, self.nbytes)
+            super().__init__(_map(fd, self.nbytes))
         except BaseException:
             self.unlink()
             raise
@@ -182,6 +213,11 @@ class Window:
             except FileNotFoundError:
                 pass
             self.path = None
+
+    def close(self) -> None:
+        """Unlinks the file and ends the registration (the memory goes with the last view)."""
+        self.unlink()
+        self.unpin()
 
     def __del__(self):
         self.unlink()
@@ -205,30 +241,32 @@ def drop_kept(bucket_bytes: int) -> None:
     """A sender's kept window of that bucket size goes."""
     window = _kept.pop(bucket_bytes, None)
     if window is not None:
-        window.unlink()
+        window.close()
 
 
 def drop_mapped() -> None:
-    """A receiver's kept mappings go."""
-    _mapped.clear()
+    """A receiver's kept mappings go (their registrations first)."""
+    while _mapped:
+        _mapped.popitem()[1].unpin()
 
 
-def open_window(announced: Announcement, keep: int = _MAPPED_KEPT) -> Optional[torch.Tensor]:
-    """The receiver's side: the announced window, mapped (or kept from an earlier sync), or None
-    when this rank cannot map it (another host, or a kept window this rank never mapped).
-    ``keep``: how many mappings stay kept (a receiver of ``N`` senders keeps ``2 * N``)."""
+def open_window(announced: Announcement, keep: int = _MAPPED_KEPT) -> Optional[Mapping]:
+    """The receiver's side: the announced window, mapped (or kept from an earlier sync, with its
+    registration), or None when this rank cannot map it (another host, or a kept window this rank
+    never mapped). ``keep``: how many mappings stay kept (a receiver of ``N`` senders keeps ``2 * N``)."""
     name = announced.name
     if announced.host != host_identity() or not is_window_name(name):
         return None
     kept = _mapped.get(name)
     if kept is not None:
-        return kept if kept.numel() == announced.nbytes else None
+        return kept if kept.memory.numel() == announced.nbytes else None
     memory = _open(name, announced.nbytes)
-    if memory is not None:
-        while len(_mapped) >= max(keep, 1):
-            _mapped.pop(next(iter(_mapped)))
-        _mapped[name] = memory
-    return memory
+    if memory is None:
+        return None
+    while len(_mapped) >= max(keep, 1):
+        _mapped.pop(next(iter(_mapped))).unpin()
+    mapping = _mapped[name] = Mapping(memory)
+    return mapping
 
 
 def _open(name: str, nbytes: int) -> Optional[torch.Tensor]:
