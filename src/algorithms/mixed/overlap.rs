@@ -50,8 +50,8 @@ pub fn pieces(bytes: usize, esz: usize) -> Vec<(usize, usize)> {
 
 /// Runs `count` pieces through `before` (shared memory, this thread), `remote` (among `rail`,
 /// on a thread of its own) and `after` (shared memory, this thread), overlapped as the module
-/// describes. While this thread waits for a piece's rail step, its host's ranks see it as
-/// waiting on a remote rank (ShmGroup::in_remote_step).
+/// describes (one piece runs on this thread alone). While this thread waits for a piece's rail
+/// step, its host's ranks see it as waiting on a remote rank (ShmGroup::in_remote_step).
 pub fn overlapped<B, R, A>(
     shm: &mut ShmGroup,
     step: &mut Step<'_>,
@@ -66,6 +66,12 @@ where
     R: Fn(&mut Step<'_>, usize) -> Result<()> + Send,
     A: FnMut(&mut ShmGroup, usize) -> Result<()>,
 {
+    if count == 1 {
+        // Nothing to overlap: no thread.
+        before(shm, 0)?;
+        among(Some(&*shm), step, rail, |s| remote(s, 0))?;
+        return after(shm, 0);
+    }
     let (to_rail, rail_inbox) = mpsc::channel::<usize>();
     let (from_rail, done) = mpsc::channel::<usize>();
     std::thread::scope(|scope| {
