@@ -15,9 +15,17 @@ is not in the sync group and allocates nothing for it. Each rollout loads the te
 every one, bit for bit, against the weights it computes itself (zeroing the engine before each
 sync, so a tensor that did not arrive cannot pass).
 
+With --device cuda (or xpu) the weights and the engine live on the device, and so do the
+buckets (--bucket-device device, the default): the backend stages every bucket through pinned
+host memory in its broadcasts, in chunks that overlap the copies each way. --bucket-device cpu
+keeps the buckets on the host instead, in the shared window, which every process registers with
+the device runtime, so that the trainer's copies into it and each rollout's copies out of it are
+DMA (docs/usage.md compares the two).
+
 The same sync then runs over gloo (a ProcessGroupGloo on the same kind of store) in the same
 run, and the demo prints the time and speed of each sync in GB and GB/s (10^9 bytes, as its
-progress bar) and xccl_rs's speed-up.
+progress bar) and xccl_rs's speed-up. After every sync, its copy floor: the same copies alone
+with the same tensors (copy_floor.py; on a device, through a pinned host bucket).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch.multiprocessing as mp
 
 from xccl_rs import copy_floor
 from xccl_rs._processes import free_port, join_all, messages
+from xccl_rs.weight_sync._common import synchronize
 
 TRAINERS, ROLLOUTS = 2, 2
 SYNC_SIZE = 1 + ROLLOUTS  # trainer 0 + the rollouts
@@ -118,6 +127,39 @@ def _status_kb(field: str) -> int:
     raise OSError(f"no {field} in /proc/self/status")
 
 
+def device_floor(pg, sending, receiving, bucket_bytes: int, device: torch.device) -> tuple[str, float]:
+    """copy_floor.measure for device tensors: the same copies, through a pinned host bucket (what
+    a registered window is), each queued without waiting and timed to the last one's end -- the
+    trainer's copy of its tensors to the host, then every rollout's copy of them back to the
+    device, all rollouts at once (one link: the floor of a sync between ranks of one device)."""
+    bucket = torch.empty(bucket_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def copies(tensors, to_host: bool) -> float:
+        at = 0
+        synchronize(device)
+        t0 = time.perf_counter()
+        for t in tensors:
+            flat = t.detach().reshape(-1).view(torch.uint8)
+            done = 0
+            while done < flat.numel():
+                n = min(flat.numel() - done, bucket_bytes - at)
+                if to_host:
+                    bucket[at:at + n].copy_(flat[done:done + n], non_blocking=True)
+                else:
+                    flat[done:done + n].copy_(bucket[at:at + n], non_blocking=True)
+                done, at = done + n, (at + n) % bucket_bytes
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    pg.barrier().wait()
+    seconds = copies(sending, True) if sending is not None else 0.0
+    pg.barrier().wait()
+    if receiving is not None:
+        seconds = copies(receiving, False)
+    pg.barrier().wait()
+    return ("send" if sending is not None else "load"), seconds
+
+
 def _sync_group(kind: str, round_: int, sync_rank: int, launcher: dist.Store, timeout: timedelta):
     """The private sync group of one round: trainer 0 is its master (TCPStore on port 0, real port
     published through the launcher's store); nothing touches the trainers' default world."""
@@ -151,6 +193,8 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
     timeout = timedelta(seconds=args.timeout)
     launcher = dist.TCPStore("127.0.0.1", launcher_port, TRAINERS + ROLLOUTS + 1, False, timeout=timeout)
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    # Where the buckets live: on the host (the window, registered for the device), or on it.
+    bucket_device = device if args.bucket_device == "device" else torch.device("cpu")
     is_trainer = proc < TRAINERS
     if is_trainer:
         world = dist.PrefixStore("trainers/", launcher)
@@ -184,12 +228,12 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
             pg.barrier().wait()  # time the sync alone, not who arrived last
             mark = _rss_mark() if device.type == "cpu" else None
             if sync_rank == 0:
-                stats = WeightSender(pg, src=0, bucket_bytes=bucket, device=device).send(
+                stats = WeightSender(pg, src=0, bucket_bytes=bucket, device=bucket_device).send(
                     weights, progress=args.progress and kind == "xccl_rs"
                 )
                 queue.put(("sync", kind, round_, stats.bytes, stats.seconds))
             else:
-                receiver = WeightReceiver(pg, src=0, bucket_bytes=bucket, device=device, bucket_device=device)
+                receiver = WeightReceiver(pg, src=0, bucket_bytes=bucket, device=device, bucket_device=bucket_device)
                 # Load every tensor into the engine as it arrives (views of the receive bucket:
                 # no copy besides the load), verify after the sync.
                 names = []
@@ -209,10 +253,14 @@ def _worker(proc: int, args, launcher_port: int, queue) -> None:
             peak = _rss_peak() if mark is not None else None
             if peak is not None and kind == "xccl_rs" and round_ > 0:
                 queue.put(("memory", proc, peak - mark))
-            if device.type == "cpu":  # the same copies alone, with the same tensors
-                part = copy_floor.measure(pg, weights.values() if sync_rank == 0 else None,
-                                          engine.values() if engine is not None else None, bucket)
-                queue.put(("floor", kind, round_, part))
+            # the same copies alone, with the same tensors
+            sending = weights.values() if sync_rank == 0 else None
+            receiving = engine.values() if engine is not None else None
+            if device.type == "cpu":
+                part = copy_floor.measure(pg, sending, receiving, bucket)
+            else:
+                part = device_floor(pg, sending, receiving, bucket, device)
+            queue.put(("floor", kind, round_, part))
             pg.barrier().wait()  # every rollout has verified before the group goes
             _destroy(kind, pg)
             del pg
@@ -248,8 +296,10 @@ def _report(args, rows, floors, verified) -> None:
             f"{verified.get(kind, 0)} tensors on {ROLLOUTS} rollouts x {len(syncs)} rounds"
         )
     if floors:
+        where = "a bucket" if args.device == "cpu" else "a pinned host bucket"
         print("x floor: the sync's time over its copy floor, the same copies alone with the same tensors in the "
-              "same run (the sender's into a bucket, then every rollout's out of one), medians after the first round")
+              f"same run (the sender's into {where}, then every rollout's out of one, all at once), medians after "
+              "the first round")
     if "gloo" in med and "xccl_rs" in med:
         print(f"xccl_rs is {med['gloo'] / med['xccl_rs']:.2f}x faster than gloo (medians of the rounds after the first)")
 
@@ -263,6 +313,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers (Qwen2.5-0.5B has 24)")
     p.add_argument("--bucket-mb", type=int, default=256, metavar="MIB", help="bucket size, MiB")
     p.add_argument("--device", default="cpu", help="where the weights live: cpu, cuda or xpu")
+    p.add_argument("--bucket-device", choices=["cpu", "device"], default="device",
+                   help="where the buckets live with device weights: device (staged through the host by the backend) "
+                        "or cpu (the shared window, registered with the device runtime)")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo comparison")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (it needs tqdm)")
     p.add_argument("--timeout", type=float, default=300.0, help="group timeout, seconds")
@@ -274,7 +327,9 @@ def main(argv=None) -> int:
     print(
         f"xccl_rs demo: {TRAINERS} trainers + {ROLLOUTS} rollouts on {args.device}, torch {torch.__version__}\n"
         f"model: Qwen2.5-0.5B layout, {args.layers} layers, {numel / 1e6:.1f}M parameters, {args.dtype}, "
-        f"{nbytes / 1e9:.2f} GB per sync, buckets of {args.bucket_mb} MiB, {args.rounds} rounds "
+        f"{nbytes / 1e9:.2f} GB per sync, buckets of {args.bucket_mb} MiB"
+        f"{'' if args.device == 'cpu' else ' on the ' + ('device' if args.bucket_device == 'device' else 'host')}"
+        f", {args.rounds} rounds "
         f"(private group rebuilt every round)",
         flush=True,
     )
@@ -298,10 +353,7 @@ def main(argv=None) -> int:
         if msg[0] == "sync":
             _, kind, round_, b, sec = msg
             rows[kind].append((b, sec))
-            if args.device == "cpu":
-                pending[(kind, round_)] = (b, sec)
-            else:
-                print(sync_line(round_, kind, b, sec), flush=True)
+            pending[(kind, round_)] = (b, sec)
         elif msg[0] == "floor":
             _, kind, round_, part = msg
             got = parts.setdefault((kind, round_), [])
