@@ -14,6 +14,10 @@ pub struct RawBuf {
 // memory stays valid and is not used by anyone else until the operation completes, which is
 // what moving it to the progress thread needs.
 unsafe impl Send for RawBuf {}
+// SAFETY: a RawBuf is Copy, so a thread holding `&RawBuf` can do no more than one holding a copy
+// of it, which `Send` above already allows (threads that split one operation's buffers, as the
+// rail thread of mixed/overlap.rs does, then share the op by reference).
+unsafe impl Sync for RawBuf {}
 
 impl RawBuf {
     /// # Safety

@@ -35,19 +35,13 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
         shm,
         step,
         &rail,
-        pieces.len(),
+        &pieces,
         |_, _| Ok(()),
-        {
-            // Its own copies: the rail thread may not share the caller's buffers by reference.
-            let (op, pieces, rail) = (op.clone(), pieces.clone(), rail.clone());
-            move |s, p| {
-                let (at, len) = pieces[p];
-                let outputs = rail.iter().map(|&g| op.outputs[g].sub(at, len)).collect();
-                allgather_direct::run(s, &Op { inputs: vec![op.inputs[0].sub(at, len)], outputs, ..op.clone() })
-            }
+        |s, (at, len)| {
+            let outputs = rail.iter().map(|&g| op.outputs[g].sub(at, len)).collect();
+            allgather_direct::run(s, &Op { inputs: vec![op.inputs[0].sub(at, len)], outputs, ..op.clone() })
         },
-        |shm, p| {
-            let (at, len) = pieces[p];
+        |shm, (at, len)| {
             for ranks in &host_ranks {
                 let views = ranks.iter().map(|&g| op.outputs[g].sub(at, len)).collect();
                 let host_step = Op { inputs: vec![op.outputs[ranks[me]].sub(at, len)], outputs: views, ..op.clone() };

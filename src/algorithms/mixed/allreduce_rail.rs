@@ -45,23 +45,14 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op, between_hosts: fn(&m
         shm,
         step,
         &rail,
-        pieces.len(),
-        |shm, p| {
-            let (at, len) = pieces[p];
+        &pieces,
+        |shm, (at, len)| {
             let inputs = shares.iter().map(|s| s.sub(at, len)).collect();
             let scatter = Op { kind: OpKind::ReduceScatter, reduce_op: local_op(op.reduce_op), inputs, outputs: vec![partial.sub(at, len)], ..op.clone() };
             reduce_scatter_shm::run(shm, par, ctx, &scatter, desc)
         },
-        {
-            // Its own copies: the rail thread may not share the caller's buffers by reference.
-            let (op, pieces) = (op.clone(), pieces.clone());
-            move |s, p| {
-                let (at, len) = pieces[p];
-                between_hosts(s, &Op { outputs: vec![partial.sub(at, len)], ..op.clone() })
-            }
-        },
-        |shm, p| {
-            let (at, len) = pieces[p];
+        |s, (at, len)| between_hosts(s, &Op { outputs: vec![partial.sub(at, len)], ..op.clone() }),
+        |shm, (at, len)| {
             let outputs = shares.iter().map(|s| s.sub(at, len)).collect();
             let gather = Op { kind: OpKind::AllGather, inputs: vec![partial.sub(at, len)], outputs, ..op.clone() };
             allgather_shm::run(shm, par, &after_ctx, &gather, desc)

@@ -48,36 +48,37 @@ pub fn pieces(bytes: usize, esz: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Runs `count` pieces through `before` (shared memory, this thread), `remote` (among `rail`,
-/// on a thread of its own) and `after` (shared memory, this thread), overlapped as the module
-/// describes (one piece runs on this thread alone). While this thread waits for a piece's rail
+/// Runs the `pieces` (byte ranges `(offset, len)`, from [`pieces`]) through `before` (shared
+/// memory, this thread), `remote` (among `rail`, on a thread of its own) and `after` (shared
+/// memory, this thread), overlapped as the module describes (one piece runs on this thread
+/// alone); each gets its piece's range. While this thread waits for a piece's rail
 /// step, its host's ranks see it as waiting on a remote rank (ShmGroup::in_remote_step).
 pub fn overlapped<B, R, A>(
     shm: &mut ShmGroup,
     step: &mut Step<'_>,
     rail: &[usize],
-    count: usize,
+    pieces: &[(usize, usize)],
     mut before: B,
     remote: R,
     mut after: A,
 ) -> Result<()>
 where
-    B: FnMut(&mut ShmGroup, usize) -> Result<()>,
-    R: Fn(&mut Step<'_>, usize) -> Result<()> + Send,
-    A: FnMut(&mut ShmGroup, usize) -> Result<()>,
+    B: FnMut(&mut ShmGroup, (usize, usize)) -> Result<()>,
+    R: Fn(&mut Step<'_>, (usize, usize)) -> Result<()> + Send,
+    A: FnMut(&mut ShmGroup, (usize, usize)) -> Result<()>,
 {
-    if count == 1 {
+    if let [piece] = *pieces {
         // Nothing to overlap: no thread.
-        before(shm, 0)?;
-        among(Some(&*shm), step, rail, |s| remote(s, 0))?;
-        return after(shm, 0);
+        before(shm, piece)?;
+        among(Some(&*shm), step, rail, |s| remote(s, piece))?;
+        return after(shm, piece);
     }
     let (to_rail, rail_inbox) = mpsc::channel::<usize>();
     let (from_rail, done) = mpsc::channel::<usize>();
     std::thread::scope(|scope| {
         let rail_thread = scope.spawn(move || -> Result<()> {
             for p in rail_inbox {
-                among(None, step, rail, |s| remote(s, p))?;
+                among(None, step, rail, |s| remote(s, pieces[p]))?;
                 if from_rail.send(p).is_err() {
                     break; // this thread failed and stopped listening
                 }
@@ -85,15 +86,15 @@ where
             Ok(())
         });
         let local = (|| -> Result<()> {
-            for p in 0..count {
-                before(shm, p)?;
+            for (p, &piece) in pieces.iter().enumerate() {
+                before(shm, piece)?;
                 // The rail thread only stops early after an error, which join() reports.
                 let _ = to_rail.send(p);
             }
             drop(to_rail);
-            for p in 0..count {
+            for &piece in pieces {
                 match shm.in_remote_step(|| done.recv()) {
-                    Ok(_) => after(shm, p)?,
+                    Ok(_) => after(shm, piece)?,
                     Err(_) => return Err(CommError::aborted("the step between hosts stopped")),
                 }
             }

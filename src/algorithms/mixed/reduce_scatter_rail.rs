@@ -37,9 +37,8 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
         shm,
         step,
         &rail,
-        pieces.len(),
-        |shm, p| {
-            let (at, len) = pieces[p];
+        &pieces,
+        |shm, (at, len)| {
             for (j, ranks) in host_ranks.iter().enumerate() {
                 let inputs = ranks.iter().map(|&g| op.inputs[g].sub(at, len)).collect();
                 let first = Op { reduce_op: local_op(op.reduce_op), inputs, outputs: vec![areas[j].sub(at, len)], ..op.clone() };
@@ -47,14 +46,9 @@ pub fn run(step: &mut Step<'_>, mixed: &mut Mixed, op: &Op) -> Result<()> {
             }
             Ok(())
         },
-        {
-            // Its own copies: the rail thread may not share the caller's buffers by reference.
-            let (op, pieces, areas) = (op.clone(), pieces.clone(), areas.clone());
-            move |s, p| {
-                let (at, len) = pieces[p];
-                let inputs = areas.iter().map(|a| a.sub(at, len)).collect();
-                reduce_scatter_direct::run(s, &Op { inputs, outputs: vec![out.sub(at, len)], ..op.clone() })
-            }
+        |s, (at, len)| {
+            let inputs = areas.iter().map(|a| a.sub(at, len)).collect();
+            reduce_scatter_direct::run(s, &Op { inputs, outputs: vec![out.sub(at, len)], ..op.clone() })
         },
         |_, _| Ok(()),
     )
