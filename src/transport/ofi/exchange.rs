@@ -61,23 +61,36 @@ pub(super) struct Post {
     pub state: State,
 }
 
-/// A phase's posts, in the order they are handed to libfabric, with their contexts (which do
-/// not move: `contexts` is allocated once, before the first post).
+/// A phase's posts, with their contexts (which do not move: `contexts` is allocated once, before
+/// the first post). Sends and receives are each handed to libfabric in their order, but apart:
+/// a provider whose receive queue is full still takes the phase's sends, and the other way
+/// round, so that two ranks that each post many receives before their sends do not wait on
+/// each other.
 pub(super) struct Posts {
     pub list: Vec<Post>,
     contexts: Vec<Context>,
-    pub next: usize,
+    /// The first send, and the first receive, not yet handed to libfabric.
+    next_send: usize,
+    next_recv: usize,
     pub outstanding: usize,
 }
 
 impl Posts {
     pub fn new(list: Vec<Post>) -> Posts {
         let contexts = vec![[0u64; 8]; list.len()];
-        Posts { list, contexts, next: 0, outstanding: 0 }
+        let mut p = Posts { list, contexts, next_send: 0, next_recv: 0, outstanding: 0 };
+        p.next_send = p.first_from(0, true);
+        p.next_recv = p.first_from(0, false);
+        p
     }
 
     fn context(&mut self, i: usize) -> *mut c_void {
         self.contexts[i].as_mut_ptr().cast()
+    }
+
+    /// The first send (or receive) at `i` or after it; the list's length if none.
+    fn first_from(&self, i: usize, send: bool) -> usize {
+        self.list[i.min(self.list.len())..].iter().position(|p| p.send == send).map_or(self.list.len(), |k| i + k)
     }
 
     /// The post whose context a completion returned, if it is one of ours.
@@ -88,30 +101,42 @@ impl Posts {
         (at % std::mem::size_of::<Context>() == 0 && i < self.list.len() && self.list[i].state == State::Posted).then_some(i)
     }
 
-    /// Hands libfabric the posts not yet handed, in order, until it is busy.
+    /// Hands libfabric the receives, then the sends, not yet handed, each in order until the
+    /// provider is busy with that kind.
     pub fn post_more(&mut self, ep: &mut Endpoint, addrs: &[u64], ctx: &OpCtx) -> Result<()> {
-        while self.next < self.list.len() {
-            let i = self.next;
-            let context = self.context(i);
-            let p = &self.list[i];
-            let dest = addrs[p.peer];
-            // SAFETY: every buffer of a phase stays valid and unused by anything else until the
-            // phase ends (the Transport contract), headers live in the phase's vectors, and
-            // the phase does not end while a post is outstanding (it reclaims them first);
-            // contexts never move (allocated once).
-            let r = unsafe {
-                if p.send { ep.tsend(p.ptr, p.len, dest, p.tag, context) } else { ep.trecv(p.ptr, p.len, dest, p.tag, context) }
-            };
-            match r.map_err(|e| CommError::io(format!("{}: {e} (rank {})", ctx.describe(), p.peer)))? {
-                Posted::Busy => return Ok(()),
-                Posted::Yes => {
-                    self.list[i].state = State::Posted;
-                    self.outstanding += 1;
-                    self.next += 1;
+        for send in [false, true] {
+            loop {
+                let i = if send { self.next_send } else { self.next_recv };
+                if i >= self.list.len() {
+                    break;
+                }
+                let context = self.context(i);
+                let p = &self.list[i];
+                let dest = addrs[p.peer];
+                // SAFETY: every buffer of a phase stays valid and unused by anything else until
+                // the phase ends (the Transport contract), headers live in the phase's vectors,
+                // and the phase does not end while a post is outstanding (it reclaims them
+                // first); contexts never move (allocated once).
+                let r = unsafe {
+                    if send { ep.tsend(p.ptr, p.len, dest, p.tag, context) } else { ep.trecv(p.ptr, p.len, dest, p.tag, context) }
+                };
+                match r.map_err(|e| CommError::io(format!("{}: {e} (rank {})", ctx.describe(), p.peer)))? {
+                    Posted::Busy => break,
+                    Posted::Yes => {
+                        self.list[i].state = State::Posted;
+                        self.outstanding += 1;
+                        let next = self.first_from(i + 1, send);
+                        if send { self.next_send = next } else { self.next_recv = next }
+                    }
                 }
             }
         }
         Ok(())
+    }
+
+    /// Every post has been handed to libfabric.
+    pub fn all_posted(&self) -> bool {
+        self.next_send == self.list.len() && self.next_recv == self.list.len()
     }
 
     /// Peers with a post not yet done: those whose death or silence ends the phase.
@@ -124,7 +149,7 @@ impl Posts {
     }
 
     pub fn finished(&self) -> bool {
-        self.next == self.list.len() && self.outstanding == 0
+        self.all_posted() && self.outstanding == 0
     }
 }
 
@@ -274,7 +299,8 @@ impl OfiTransport {
     /// Runs a phase's posts to the end. A receive marked in `from_lookahead` takes its header
     /// from the peer's look-ahead (lookahead.rs) instead of a post of its own.
     fn run_phase(&mut self, transfers: &[Transfer], posts: &mut Posts, got: &mut [Option<Header>], from_lookahead: &mut [bool], ctx: &OpCtx, inbox: &[[u8; HEADER_LEN]]) -> Result<()> {
-        let mut truncated: Vec<Option<u64>> = vec![None; transfers.len()];
+        // Per transfer, a message of it that came with the wrong size: (its size, the expected).
+        let mut truncated: Vec<Option<(u64, usize)>> = vec![None; transfers.len()];
         let mut done = [Completion::default(); 32];
         let mut w = Waiting::new(self.spin);
         loop {
@@ -305,7 +331,7 @@ impl OfiTransport {
                 posts.outstanding -= 1;
                 let role = posts.list[i].role;
                 match (role, c.err) {
-                    (Role::RecvPayload(t), FI_ETRUNC) => truncated[t] = Some(c.len + c.olen),
+                    (Role::RecvPayload(t), FI_ETRUNC) => truncated[t] = Some((c.len + c.olen, posts.list[i].len)),
                     (_, 0) => {}
                     (_, _) => return Err(self.failed_post(&posts.list[i], c, ctx)),
                 }
@@ -317,20 +343,19 @@ impl OfiTransport {
                         check_message(&transfers[t].id, transfers[t].buf.len() as u64, &h.id, h.payload_len, peer, ctx)?;
                         got[t] = Some(h);
                     }
-                    Role::RecvPayload(t) if c.err == 0 && c.len != transfers[t].buf.len() as u64 => truncated[t] = Some(c.len),
+                    Role::RecvPayload(t) if c.err == 0 && c.len != posts.list[i].len as u64 => truncated[t] = Some((c.len, posts.list[i].len)),
                     _ => {}
                 }
             }
             // A payload of the wrong size is reported once its header passed (the header's
             // error says more when it did not).
             for (t, bad) in truncated.iter().enumerate() {
-                if let (Some(len), Some(_)) = (bad, got[t]) {
+                if let (Some((len, expected)), Some(_)) = (bad, got[t]) {
                     return Err(CommError::mismatch(format!(
-                        "{}: rank {} sent {len} bytes, rank {} expected {} (size mismatch)",
+                        "{}: rank {} sent a message of {len} bytes, rank {} expected {expected} (size mismatch)",
                         ctx.describe(),
                         transfers[t].peer,
                         ctx.rank,
-                        transfers[t].buf.len()
                     )));
                 }
             }
@@ -413,9 +438,11 @@ impl Transport for OfiTransport {
                     None => list.push(post(Role::RecvHeader(t), false, inbox[t].as_mut_ptr(), HEADER_LEN, HEADER_TAG)),
                 },
             }
-            if !tr.buf.is_empty() {
-                let role = if tr.dir == Direction::Send { Role::Send } else { Role::RecvPayload(t) };
-                list.push(post(role, tr.dir == Direction::Send, tr.buf.ptr(), tr.buf.len(), tr.id.tag()));
+            let role = if tr.dir == Direction::Send { Role::Send } else { Role::RecvPayload(t) };
+            for (at, len) in message_pieces(tr.buf.len(), self.max_post) {
+                // SAFETY: `at + len` is within the transfer's buffer (message_pieces).
+                let ptr = unsafe { tr.buf.ptr().add(at) };
+                list.push(post(role, tr.dir == Direction::Send, ptr, len, tr.id.tag()));
             }
         }
         let mut posts = Posts::new(list);
@@ -459,22 +486,21 @@ impl Transport for OfiTransport {
 }
 
 impl OfiTransport {
-    /// A transfer this transport can carry: to another rank of the group, within the
-    /// provider's largest message.
+    /// A transfer this transport can carry: to another rank of the group.
     fn check_transfer(&self, tr: &Transfer, ctx: &OpCtx) -> Result<()> {
         if tr.peer >= self.size || tr.peer == self.rank {
             return Err(CommError::invalid(format!("{}: transfer to invalid peer {}", ctx.describe(), tr.peer)));
         }
-        if tr.buf.len() > self.max_msg_size {
-            return Err(CommError::invalid(format!(
-                "{}: a message of {} bytes, more than provider {}'s largest ({})",
-                ctx.describe(),
-                tr.buf.len(),
-                self.provider,
-                self.max_msg_size
-            )));
-        }
         Ok(())
     }
+}
+
+/// A payload of `len` bytes as the messages that carry it: `(offset, length)` pieces of at most
+/// `max_post` bytes, in order, all on the transfer's tag. Sender and receiver cut alike, and the
+/// provider keeps a pair's messages of one tag in their order (FI_ORDER_SAS), so piece k lands
+/// in receive k. None for an empty payload.
+pub(super) fn message_pieces(len: usize, max_post: usize) -> impl Iterator<Item = (usize, usize)> {
+    let max_post = max_post.max(1);
+    (0..len).step_by(max_post).map(move |at| (at, max_post.min(len - at)))
 }
 

@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use super::OfiTransport;
-use super::exchange::{Post, Posts, Role, State, Waiting};
+use super::exchange::{Post, Posts, Role, State, Waiting, message_pieces};
 use super::header::{HEADER_LEN, HEADER_TAG, Header};
 use super::shim::Completion;
 use crate::error::{CommError, Result};
@@ -139,7 +139,10 @@ impl OfiTransport {
                 // SAFETY: the transfer's buffer is valid for its length for the whole phase (the
                 // Transport contract), and this phase only reads it.
                 let mut copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(tr.buf.ptr(), tr.buf.len()) }.into();
-                list.push(post(copy.as_mut_ptr(), copy.len(), tr.id.tag()));
+                for (at, len) in message_pieces(copy.len(), self.max_post) {
+                    // SAFETY: `at + len` is within the copy (message_pieces).
+                    list.push(post(unsafe { copy.as_mut_ptr().add(at) }, len, tr.id.tag()));
+                }
                 payloads.push(copy);
                 bytes.push((tr.peer, tr.buf.len()));
             }
@@ -156,7 +159,7 @@ impl OfiTransport {
             let ep = self.ep.as_mut().ok_or_else(|| CommError::aborted(format!("{}: the group was destroyed", ctx.describe())))?;
             self.held.phases[k].posts.post_more(ep, &self.addrs, ctx)?;
             let posts = &self.held.phases[k].posts;
-            if posts.next == posts.list.len() {
+            if posts.all_posted() {
                 return Ok(());
             }
             // The provider is busy: progress it (reading completions) until it takes more.

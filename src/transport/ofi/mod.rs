@@ -11,10 +11,12 @@
 //!   progress: nothing moves unless we read it). Peers' addresses come through the Store
 //!   (setup.rs) into the endpoint's address vector, one entry per rank, so any subset of the
 //!   group can talk;
-//! - *header* and *payload*: each transfer is two tagged messages, a 40-byte header on the
-//!   pair's header tag, which the receiver checks like TCP's frame header, and the payload on
-//!   the message's tag ([`MessageId::tag`](crate::transport::MessageId::tag)) straight from and
-//!   into the algorithm's buffers (header.rs);
+//! - *header* and *payload*: each transfer is a 40-byte header on the pair's header tag, which
+//!   the receiver checks like TCP's frame header, then the payload on the message's tag
+//!   ([`MessageId::tag`](crate::transport::MessageId::tag)) straight from and into the
+//!   algorithm's buffers (header.rs). A payload larger than the transport's *largest post* goes
+//!   as several messages in order: over `tcp;ofi_rxm`, that is its eager limit, so that no
+//!   message waits for a rendezvous (setup.rs `largest_post`);
 //! - *held send*: a point-to-point send whose bytes this transport copied, so that it completes
 //!   before its receiver posts, as over TCP (held.rs);
 //! - *post*: one send or receive handed to libfabric, with a context that comes back in its
@@ -61,8 +63,8 @@ pub struct OfiTransport {
     broken: Option<String>,
     /// Each rank's handle in the address vector (this rank's own entry unused).
     addrs: Vec<u64>,
-    /// The provider's largest message.
-    max_msg_size: usize,
+    /// The largest message this transport posts: larger payloads go as several (setup.rs).
+    max_post: usize,
     /// Headers that look-aheads received, per peer, for the receives to come.
     stash: Vec<VecDeque<Header>>,
     /// How long a wait polls the completion queue before it sleeps (XCCL_RS_SPIN_US).
