@@ -73,9 +73,11 @@ WORKER = textwrap.dedent(
 )
 
 
-def _run(tmp_path, hosts, env):
+def _run(tmp_path, hosts, env, rank_env=None, worker=WORKER):
+    """Runs `worker` on one process per entry of `hosts` over OFI; `rank_env` adds variables
+    for one rank ({rank: {name: value}})."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(worker)
     port = free_port()
     procs = [
         subprocess.Popen(
@@ -83,7 +85,7 @@ def _run(tmp_path, hosts, env):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=dict(os.environ, XCCL_RS_TRANSPORT="ofi", XCCL_RS_HOST_ID=hosts[r], **env),
+            env=dict(os.environ, XCCL_RS_TRANSPORT="ofi", XCCL_RS_HOST_ID=hosts[r], **env, **(rank_env or {}).get(r, {})),
         )
         for r in range(len(hosts))
     ]
@@ -106,6 +108,53 @@ def test_a_provider_that_does_not_exist_fails_every_rank(tmp_path):
         assert rc == 3, f"rank {rank} exited {rc}:\n{out}"
         assert 'FI_PROVIDER="no_such_provider"' in out, f"rank {rank}:\n{out}"
 
+
+
+def test_ranks_that_cut_messages_differently_fail_at_set_up(tmp_path):
+    """Over tcp;ofi_rxm a payload goes as messages of the eager limit, which
+    FI_OFI_RXM_BUFFER_SIZE raises: ranks that disagree could not match each other's messages,
+    so every rank stops at set-up, saying what differs."""
+    if why := _libfabric_missing():
+        pytest.skip(why)
+    results = _run(tmp_path, ["a", "b"], {"FI_PROVIDER": "tcp;ofi_rxm"}, rank_env={1: {"FI_OFI_RXM_BUFFER_SIZE": "65536"}})
+    for rank, (rc, out) in enumerate(results):
+        assert rc == 3, f"rank {rank} exited {rc}:\n{out}"
+        assert "cut libfabric messages at different sizes" in out and "FI_OFI_RXM_BUFFER_SIZE" in out, f"rank {rank}:\n{out}"
+
+
+SEND_AND_LEAVE = textwrap.dedent(
+    """
+    import sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import xccl_rs
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 1, timeout=timedelta(seconds=60))
+    dist.init_process_group("xccl_rs", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    want = torch.arange(3_000_000, dtype=torch.float32)  # 12 MB: hundreds of messages, not held
+    try:
+        if rank == 0:
+            dist.send(want, dst=1)
+            dist.destroy_process_group()
+        else:
+            got = torch.empty_like(want)
+            dist.recv(got, src=0)
+            assert torch.equal(got, want), "wrong data"
+    except Exception as e:
+        print("ERROR", type(e).__name__, e, flush=True)
+        sys.exit(3)
+    print("DONE", flush=True)
+    """
+)
+
+
+def test_a_large_message_sent_just_before_its_sender_exits_is_received(tmp_path):
+    """Rank 0 sends 12 MB, more than it holds for a receiver that has not asked, then leaves
+    at once: every message of it must still reach rank 1."""
+    if why := _libfabric_missing():
+        pytest.skip(why)
+    for rank, (rc, out) in enumerate(_run(tmp_path, ["a", "b"], {"FI_PROVIDER": "tcp;ofi_rxm"}, worker=SEND_AND_LEAVE)):
+        assert rc == 0 and "DONE" in out, f"rank {rank}:\n{out}"
 
 
 LAST_WORDS = textwrap.dedent(
