@@ -439,8 +439,8 @@ impl Transport for OfiTransport {
                 },
             }
             let role = if tr.dir == Direction::Send { Role::Send } else { Role::RecvPayload(t) };
-            for (at, len) in message_pieces(tr.buf.len(), self.max_post) {
-                // SAFETY: `at + len` is within the transfer's buffer (message_pieces).
+            for (at, len) in self.cutting.pieces(tr.buf.len()) {
+                // SAFETY: `at + len` is within the transfer's buffer (Cutting::pieces).
                 let ptr = unsafe { tr.buf.ptr().add(at) };
                 list.push(post(role, tr.dir == Direction::Send, ptr, len, tr.id.tag()));
             }
@@ -495,12 +495,4 @@ impl OfiTransport {
     }
 }
 
-/// A payload of `len` bytes as the messages that carry it: `(offset, length)` pieces of at most
-/// `max_post` bytes, in order, all on the transfer's tag. Sender and receiver cut alike, and the
-/// provider keeps a pair's messages of one tag in their order (FI_ORDER_SAS), so piece k lands
-/// in receive k. None for an empty payload.
-pub(super) fn message_pieces(len: usize, max_post: usize) -> impl Iterator<Item = (usize, usize)> {
-    let max_post = max_post.max(1);
-    (0..len).step_by(max_post).map(move |at| (at, max_post.min(len - at)))
-}
 

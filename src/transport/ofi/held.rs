@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use super::OfiTransport;
-use super::exchange::{Post, Posts, Role, State, Waiting, message_pieces};
+use super::exchange::{Post, Posts, Role, State, Waiting};
 use super::header::{HEADER_LEN, HEADER_TAG, Header};
 use super::shim::Completion;
 use crate::error::{CommError, Result};
@@ -139,8 +139,8 @@ impl OfiTransport {
                 // SAFETY: the transfer's buffer is valid for its length for the whole phase (the
                 // Transport contract), and this phase only reads it.
                 let mut copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(tr.buf.ptr(), tr.buf.len()) }.into();
-                for (at, len) in message_pieces(copy.len(), self.max_post) {
-                    // SAFETY: `at + len` is within the copy (message_pieces).
+                for (at, len) in self.cutting.pieces(copy.len()) {
+                    // SAFETY: `at + len` is within the copy (Cutting::pieces).
                     list.push(post(unsafe { copy.as_mut_ptr().add(at) }, len, tr.id.tag()));
                 }
                 payloads.push(copy);

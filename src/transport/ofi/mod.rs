@@ -14,15 +14,16 @@
 //! - *header* and *payload*: each transfer is a 40-byte header on the pair's header tag, which
 //!   the receiver checks like TCP's frame header, then the payload on the message's tag
 //!   ([`MessageId::tag`](crate::transport::MessageId::tag)) straight from and into the
-//!   algorithm's buffers (header.rs). A payload larger than the transport's *largest post* goes
-//!   as several messages in order: over `tcp;ofi_rxm`, that is its eager limit, so that no
-//!   message waits for a rendezvous (setup.rs `largest_post`);
+//!   algorithm's buffers (header.rs), as one message or several in order: over `tcp;ofi_rxm`, a
+//!   payload of a few MiB goes as messages of its eager limit, so that none waits for a
+//!   rendezvous (cutting.rs);
 //! - *held send*: a point-to-point send whose bytes this transport copied, so that it completes
 //!   before its receiver posts, as over TCP (held.rs);
 //! - *post*: one send or receive handed to libfabric, with a context that comes back in its
 //!   completion; a buffer is the provider's from its post to its completion, so a phase that
 //!   fails cancels what it posted and waits for it before it returns (exchange.rs).
 
+mod cutting;
 mod exchange;
 pub mod header;
 mod held;
@@ -33,6 +34,7 @@ pub mod shim;
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use cutting::Cutting;
 use header::Header;
 use held::Held;
 use lookahead::LookAhead;
@@ -63,8 +65,8 @@ pub struct OfiTransport {
     broken: Option<String>,
     /// Each rank's handle in the address vector (this rank's own entry unused).
     addrs: Vec<u64>,
-    /// The largest message this transport posts: larger payloads go as several (setup.rs).
-    max_post: usize,
+    /// How payloads are cut into messages (cutting.rs).
+    cutting: Cutting,
     /// Headers that look-aheads received, per peer, for the receives to come.
     stash: Vec<VecDeque<Header>>,
     /// How long a wait polls the completion queue before it sleeps (XCCL_RS_SPIN_US).

@@ -5,6 +5,7 @@
 //! fail with that message at once rather than at the timeout.
 
 use super::OfiTransport;
+use super::cutting::Cutting;
 use super::held::Held;
 use super::shim::{self, Endpoint, Info, Library};
 use crate::config::Config;
@@ -48,38 +49,8 @@ fn providers(lib: &Library, source: Option<&str>) -> std::result::Result<shim::I
     lib.providers(None)
 }
 
-/// `ofi_rxm`'s bounce buffer size where `FI_OFI_RXM_BUFFER_SIZE` does not set it.
-const RXM_BUFFER_SIZE: usize = 16384;
-
-/// The largest message the transport posts with `provider`. `ofi_rxm` sends a message larger
-/// than its eager limit by rendezvous: the receiver reads it from the sender's memory. Over the
-/// `tcp` provider that read moves at a fraction of the link's rate (it is served only while the
-/// sender reads its completion queue, a round trip later), so there the transport cuts payloads
-/// into messages of the eager limit, which go at once and straight into the posted receive.
-/// The eager limit is what `ofi_rxm` over `tcp` takes: `FI_OFI_RXM_EAGER_LIMIT`, but at least
-/// the bounce buffers' size. Elsewhere (RDMA providers, whose reads the NIC serves) it is the
-/// provider's largest message.
-fn largest_post(provider: &str, max_msg_size: usize, env: impl Fn(&str) -> Option<String>) -> usize {
-    if provider != "tcp;ofi_rxm" {
-        return max_msg_size;
-    }
-    let size = |name: &str| env(name).and_then(|v| parse_size(&v));
-    let eager = size("FI_OFI_RXM_BUFFER_SIZE").unwrap_or(RXM_BUFFER_SIZE).max(size("FI_OFI_RXM_EAGER_LIMIT").unwrap_or(0));
-    eager.max(RXM_BUFFER_SIZE).min(max_msg_size.max(1))
-}
-
-/// A size as libfabric reads its variables (strtol of base 0): decimal, or hexadecimal after
-/// `0x`. None for anything else, which then leaves the default.
-fn parse_size(v: &str) -> Option<usize> {
-    let v = v.trim();
-    match v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
-        Some(hex) => usize::from_str_radix(hex, 16).ok(),
-        None => v.parse().ok(),
-    }
-}
-
-/// The endpoint of the best provider, with its provider name and largest post.
-fn open(lib: &Library, source: Option<&str>) -> std::result::Result<(Endpoint, String, usize), String> {
+/// The endpoint of the best provider, with its provider name and how it cuts payloads.
+fn open(lib: &Library, source: Option<&str>) -> std::result::Result<(Endpoint, String, Cutting), String> {
     let wanted = fi_provider();
     let list = match providers(lib, source) {
         Ok(list) => list,
@@ -94,8 +65,8 @@ fn open(lib: &Library, source: Option<&str>) -> std::result::Result<(Endpoint, S
         return Err(no_provider(lib, wanted.as_deref(), &found));
     };
     let ep = Endpoint::open(lib, info).map_err(|e| format!("libfabric provider {} (domain {}): {e}", info.provider, info.domain))?;
-    let max_post = largest_post(&info.provider, info.max_msg_size, |name| std::env::var(name).ok());
-    Ok((ep, info.provider.clone(), max_post))
+    let cutting = Cutting::for_provider(&info.provider, info.max_msg_size, info.rx_size, |name| std::env::var(name).ok());
+    Ok((ep, info.provider.clone(), cutting))
 }
 
 fn no_provider(lib: &Library, wanted: Option<&str>, found: &[String]) -> String {
@@ -114,15 +85,15 @@ fn no_provider(lib: &Library, wanted: Option<&str>, found: &[String]) -> String 
     }
 }
 
-/// What a rank publishes: `1`, the provider's name length (one byte), the name, its largest
-/// post (8 bytes, little-endian) and the address; or `0` and why it has no endpoint.
-fn published(opened: &std::result::Result<(Endpoint, String, usize, Vec<u8>), String>) -> Vec<u8> {
+/// What a rank publishes: `1`, the provider's name length (one byte), the name, its cutting
+/// rule ([`Cutting::encode`]) and the address; or `0` and why it has no endpoint.
+fn published(opened: &std::result::Result<(Endpoint, String, Cutting, Vec<u8>), String>) -> Vec<u8> {
     match opened {
-        Ok((_, provider, max_post, addr)) => {
+        Ok((_, provider, cutting, addr)) => {
             let name = &provider.as_bytes()[..provider.len().min(255)];
             let mut v = vec![1u8, name.len() as u8];
             v.extend_from_slice(name);
-            v.extend_from_slice(&(*max_post as u64).to_le_bytes());
+            v.extend_from_slice(&cutting.encode());
             v.extend_from_slice(addr);
             v
         }
@@ -138,7 +109,7 @@ fn published(opened: &std::result::Result<(Endpoint, String, usize, Vec<u8>), St
 #[derive(Debug, PartialEq)]
 struct Published<'a> {
     provider: &'a str,
-    max_post: u64,
+    cutting: Cutting,
     addr: &'a [u8],
 }
 
@@ -150,14 +121,14 @@ fn parse(value: &[u8]) -> std::result::Result<Published<'_>, String> {
     match value.split_first() {
         Some((1, rest)) => {
             let (&n, rest) = rest.split_first().ok_or("it published an empty address")?;
-            if rest.len() < n as usize + 8 {
+            if rest.len() < n as usize + Cutting::ENCODED_LEN {
                 return Err("it published a truncated address".into());
             }
             let (name, rest) = rest.split_at(n as usize);
-            let (max_post, addr) = rest.split_at(8);
+            let (cutting, addr) = rest.split_at(Cutting::ENCODED_LEN);
             Ok(Published {
                 provider: std::str::from_utf8(name).map_err(|_| "its provider name is not UTF-8")?,
-                max_post: u64::from_le_bytes(max_post.try_into().expect("8 bytes")),
+                cutting: Cutting::decode(cutting.try_into().expect("ENCODED_LEN bytes")),
                 addr,
             })
         }
@@ -176,7 +147,7 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<
         Ok((ep, provider, max, addr))
     });
     store.set(&Key::OfiAddress(rank).text(), &published(&opened))?;
-    let (mut ep, provider, max_post, own) = opened.map_err(|why| CommError::invalid(format!("rank {rank}: {why}")))?;
+    let (mut ep, provider, cutting, own) = opened.map_err(|why| CommError::invalid(format!("rank {rank}: {why}")))?;
     let mut addrs = vec![u64::MAX; size];
     for peer in (0..size).filter(|&p| p != rank) {
         let value = store.get(&Key::OfiAddress(peer).text(), config.timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
@@ -188,16 +159,16 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<
                 theirs.provider
             )));
         }
-        if theirs.max_post != max_post as u64 {
+        if theirs.cutting != cutting {
             return Err(CommError::invalid(format!(
-                "the ranks cut libfabric messages at different sizes: rank {peer} at {} bytes, rank {rank} at {max_post} \
-                 (set FI_OFI_RXM_BUFFER_SIZE and FI_OFI_RXM_EAGER_LIMIT alike on every rank)",
-                theirs.max_post
+                "the ranks cut libfabric messages differently: rank {peer} {}, rank {rank} {cutting} \
+                 (set FI_OFI_RXM_BUFFER_SIZE, FI_OFI_RXM_EAGER_LIMIT and FI_OFI_RXM_RX_SIZE alike on every rank)",
+                theirs.cutting
             )));
         }
         addrs[peer] = ep.insert(theirs.addr, own.len()).map_err(failed)?;
     }
-    tracing::info!(rank, size, provider = %provider, max_post, version = ?ep.lib().version, wait_fd = ep.wait_fd().is_some(), "xccl_rs OFI endpoint ready");
+    tracing::info!(rank, size, provider = %provider, cutting = %cutting, version = ?ep.lib().version, wait_fd = ep.wait_fd().is_some(), "xccl_rs OFI endpoint ready");
     Ok(OfiTransport {
         rank,
         size,
@@ -209,7 +180,7 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<
         aborted: false,
         broken: None,
         addrs,
-        max_post,
+        cutting,
         stash: (0..size).map(|_| Default::default()).collect(),
         spin: config.spin,
         provider,
@@ -223,27 +194,15 @@ mod tests {
     #[test]
     fn published_values_from_peers_are_bounded_and_checked() {
         let mut value = vec![1, 3, b't', b'c', b'p'];
-        value.extend_from_slice(&16384u64.to_le_bytes());
+        let cutting = Cutting { piece: 16384, small_up_to: 16 << 20, largest: usize::MAX };
+        value.extend_from_slice(&cutting.encode());
         value.extend_from_slice(&[9, 9]);
-        assert_eq!(parse(&value), Ok(Published { provider: "tcp", max_post: 16384, addr: &[9u8, 9][..] }));
-        assert!(parse(&value[..10]).is_err(), "a cut largest post");
+        assert_eq!(parse(&value), Ok(Published { provider: "tcp", cutting, addr: &[9u8, 9][..] }));
+        assert!(parse(&value[..20]).is_err(), "a cut rule");
         assert!(parse(&[1, 9, b't']).is_err());
         assert!(parse(&[]).is_err());
         assert!(parse(&[7]).is_err());
         assert!(parse(&vec![1; MAX_PUBLISHED + 1]).is_err());
         assert!(parse(b"\0no provider").unwrap_err().contains("no provider"));
-    }
-
-    #[test]
-    fn payloads_over_tcp_are_cut_at_the_eager_limit() {
-        let env = |vars: &'static [(&'static str, &'static str)]| move |name: &str| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string());
-        assert_eq!(largest_post("tcp;ofi_rxm", usize::MAX, env(&[])), 16384);
-        assert_eq!(largest_post("tcp;ofi_rxm", usize::MAX, env(&[("FI_OFI_RXM_BUFFER_SIZE", "65536")])), 65536);
-        assert_eq!(largest_post("tcp;ofi_rxm", usize::MAX, env(&[("FI_OFI_RXM_BUFFER_SIZE", "128")])), 16384, "never below the default");
-        assert_eq!(largest_post("tcp;ofi_rxm", usize::MAX, env(&[("FI_OFI_RXM_EAGER_LIMIT", "0x100000")])), 1 << 20);
-        assert_eq!(largest_post("tcp;ofi_rxm", usize::MAX, env(&[("FI_OFI_RXM_EAGER_LIMIT", "1024")])), 16384, "at least the bounce buffer");
-        assert_eq!(largest_post("tcp;ofi_rxm", 4096, env(&[])), 4096, "never above the provider's largest");
-        assert_eq!(largest_post("tcp;ofi_rxm", usize::MAX, env(&[("FI_OFI_RXM_BUFFER_SIZE", "lots")])), 16384);
-        assert_eq!(largest_post("verbs;ofi_rxm", 1 << 30, env(&[])), 1 << 30);
     }
 }

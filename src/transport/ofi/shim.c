@@ -96,6 +96,7 @@ const char *xofi_info_domain(const struct fi_info *info) {
     return info->domain_attr && info->domain_attr->name ? info->domain_attr->name : "";
 }
 size_t xofi_info_max_msg_size(const struct fi_info *info) { return info->ep_attr->max_msg_size; }
+size_t xofi_info_rx_size(const struct fi_info *info) { return info->rx_attr ? info->rx_attr->size : 0; }
 
 /* One endpoint and what it needs; Rust owns it (xofi_close). */
 struct xofi_ep {

@@ -61,6 +61,7 @@ unsafe extern "C" {
     fn xofi_info_provider(info: *const FiInfo) -> *const c_char;
     fn xofi_info_domain(info: *const FiInfo) -> *const c_char;
     fn xofi_info_max_msg_size(info: *const FiInfo) -> usize;
+    fn xofi_info_rx_size(info: *const FiInfo) -> usize;
     fn xofi_open(info: *const FiInfo, err: *mut c_char, err_len: usize) -> *mut RawEndpoint;
     fn xofi_close(ep: *mut RawEndpoint);
     fn xofi_wait_fd(ep: *const RawEndpoint) -> c_int;
@@ -152,6 +153,8 @@ pub struct Info<'a> {
     pub provider: String,
     pub domain: String,
     pub max_msg_size: usize,
+    /// How many receives the endpoint holds posted at once.
+    pub rx_size: usize,
     _list: std::marker::PhantomData<&'a InfoList>,
 }
 
@@ -162,14 +165,15 @@ impl InfoList {
         while !p.is_null() {
             // SAFETY: `p` is an element of the list fi_getinfo returned, alive until drop; the
             // accessors return strings owned by it (copied here) or plain numbers.
-            let (provider, domain, max_msg_size) = unsafe {
+            let (provider, domain, max_msg_size, rx_size) = unsafe {
                 (
                     CStr::from_ptr(xofi_info_provider(p)).to_string_lossy().into_owned(),
                     CStr::from_ptr(xofi_info_domain(p)).to_string_lossy().into_owned(),
                     xofi_info_max_msg_size(p),
+                    xofi_info_rx_size(p),
                 )
             };
-            out.push(Info { ptr: p, provider, domain, max_msg_size, _list: std::marker::PhantomData });
+            out.push(Info { ptr: p, provider, domain, max_msg_size, rx_size, _list: std::marker::PhantomData });
             // SAFETY: as above.
             p = unsafe { xofi_info_next(p) };
         }
