@@ -494,5 +494,3 @@ impl OfiTransport {
         Ok(())
     }
 }
-
-

@@ -142,9 +142,9 @@ fn parse(value: &[u8]) -> std::result::Result<Published<'_>, String> {
 pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<OfiTransport> {
     let (rank, size) = (tcp.rank(), tcp.size());
     let opened = shim::load().and_then(|lib| {
-        let (mut ep, provider, max) = open(&lib, config.socket_host.as_deref())?;
+        let (mut ep, provider, cutting) = open(&lib, config.socket_host.as_deref())?;
         let addr = ep.name()?;
-        Ok((ep, provider, max, addr))
+        Ok((ep, provider, cutting, addr))
     });
     store.set(&Key::OfiAddress(rank).text(), &published(&opened))?;
     let (mut ep, provider, cutting, own) = opened.map_err(|why| CommError::invalid(format!("rank {rank}: {why}")))?;
