@@ -110,16 +110,30 @@ def test_a_provider_that_does_not_exist_fails_every_rank(tmp_path):
 
 
 
-def test_ranks_that_cut_messages_differently_fail_at_set_up(tmp_path):
+CUT_DIFFERENTLY = """
+import os
+rank = int(os.environ["RANK"])
+os.environ.update(XCCL_RS_TRANSPORT="ofi", FI_PROVIDER="tcp;ofi_rxm", XCCL_RS_HOST_ID="ab"[rank])
+if rank == 1:
+    os.environ["FI_OFI_RXM_BUFFER_SIZE"] = "65536"  # larger messages on this rank only
+import torch, torch.distributed as dist, xccl_rs
+dist.init_process_group("xccl_rs")
+dist.all_reduce(torch.ones(1000))  # the exception ends the script
+"""
+
+
+def test_ranks_that_cut_messages_differently_end_every_rank_at_set_up(tmp_path):
     """Over tcp;ofi_rxm a payload goes as messages of the eager limit, which
-    FI_OFI_RXM_BUFFER_SIZE raises: ranks that disagree could not match each other's messages,
-    so every rank stops at set-up, saying what differs."""
+    FI_OFI_RXM_BUFFER_SIZE raises: ranks that disagree could not match each other's messages.
+    Run by torchrun with the exception uncaught, every rank exits 1, saying what differs."""
     if why := _libfabric_missing():
         pytest.skip(why)
-    results = _run(tmp_path, ["a", "b"], {"FI_PROVIDER": "tcp;ofi_rxm"}, rank_env={1: {"FI_OFI_RXM_BUFFER_SIZE": "65536"}})
-    for rank, (rc, out) in enumerate(results):
-        assert rc == 3, f"rank {rank} exited {rc}:\n{out}"
-        assert "cut libfabric messages differently" in out and "FI_OFI_RXM_BUFFER_SIZE" in out, f"rank {rank}:\n{out}"
+    from test_script_exit import assert_clean_exit, torchrun_each_rank
+
+    results, _ = torchrun_each_rank(tmp_path, CUT_DIFFERENTLY, 2, wait_for=[0, 1])
+    assert_clean_exit(results, "different cutting rules")
+    for rank, (_, out) in results.items():
+        assert "cut libfabric messages differently" in out and "FI_OFI_RXM_BUFFER_SIZE" in out, f"rank {rank}:\n{out[-4000:]}"
 
 
 SEND_AND_LEAVE = textwrap.dedent(

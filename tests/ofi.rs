@@ -64,6 +64,7 @@ fn child() {
         "collectives_mixed" => collectives(&["a", "a", "b", "b"]),
         "point_to_point" => point_to_point(),
         "send_then_leave" => send_then_leave(),
+        "more_messages_than_receives" => more_messages_than_receives(),
         "wrong_provider" => wrong_provider(),
         "different_settings" => different_settings(),
         "size_mismatch" => size_mismatch(),
@@ -223,6 +224,23 @@ fn send_then_leave() {
     });
 }
 
+/// An all-to-all whose messages are each cut into the most pieces (16 MiB in 16 KiB messages
+/// over tcp;ofi_rxm): every rank's phase has more receives than its endpoint holds posted
+/// (2048), so some wait for the provider while the rank's sends must still go out.
+fn more_messages_than_receives() {
+    let cfgs = (0..3).map(|r| Config { pipeline_chunk_bytes: 64 << 20, ..ofi_config(Duration::from_secs(30), ["a", "b", "c"][r]) }).collect();
+    spawn_ranks_with(MemoryStore::new(), cfgs, LIMIT, move |rank, comm, _| {
+        let len = 16 << 20;
+        let mut ins: Vec<Vec<u8>> = (0..3).map(|d| pattern(rank * 16 + d, 7, len)).collect();
+        let mut outs: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; len]).collect();
+        let o = op_with(OpKind::AllToAll, DType::UInt8, ins.iter_mut().map(|v| buf(v)).collect(), outs.iter_mut().map(|v| buf(v)).collect());
+        run_ok(&comm, vec![o], "alltoall of 16 MiB per pair");
+        for (s, got) in outs.iter().enumerate() {
+            assert!(*got == pattern(s * 16 + rank, 7, len), "alltoall: wrong message from rank {s} on rank {rank}");
+        }
+    });
+}
+
 /// Every rank's creation result, in rank order.
 fn create_all(cfgs: Vec<Config>) -> Vec<Result<(), CommError>> {
     let store = MemoryStore::new();
@@ -319,6 +337,11 @@ fn point_to_point_and_receive_from_any_source() {
 #[test]
 fn a_rank_that_sends_and_leaves_still_delivers() {
     in_child("send_then_leave", TCP_RXM);
+}
+
+#[test]
+fn a_phase_with_more_messages_than_posted_receives() {
+    in_child("more_messages_than_receives", "tcp;ofi_rxm");
 }
 
 #[test]
