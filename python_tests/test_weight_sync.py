@@ -282,6 +282,57 @@ def w_dead_receiver(rank, world_size):
     return {"raised": False}
 
 
+def _straddling_tensors():
+    """With 64 KiB buckets: "straddle" (88 KiB) fills the end of bucket 0 and goes on at the start
+    of bucket 1, right after it in the window; "long" (150 KiB) spans buckets 2 to 4, so it is
+    assembled; bucket 2 reuses the window's first half, where "straddle" began."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed_of("weight_sync", "straddling"))
+
+    def rnd(dtype, n):
+        size = torch.empty((), dtype=dtype).element_size()
+        return torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g).view(dtype)
+
+    return [
+        ("head", rnd(torch.uint8, 16 << 10)),
+        ("straddle", rnd(torch.float32, 22 << 10).view(11, 2048)),
+        ("fill", rnd(torch.uint8, 30 << 10)),
+        ("mid", rnd(torch.bfloat16, 5 << 10)),
+        ("long", rnd(torch.uint8, 150 << 10)),
+        ("tail", rnd(torch.uint8, 1000)),
+    ]
+
+
+def w_straddling(rank, world_size):
+    """A tensor whose two pieces lie back to back across the window's halves is handed out whole
+    from the window (a view with copy=False): no assembly. The consumer holds that view while
+    the sender could already pack bucket 2 over its first piece, so it must still be intact
+    when cloned later. Every tensor compares bit for bit, with copy=False and copy=True."""
+    import torch.distributed as dist
+
+    from xccl_rs.weight_sync import WeightReceiver
+
+    pg = dist.group.WORLD
+    expected = _straddling_tensors()
+    out = {}
+    for copy in (False, True):
+        if rank == 0:
+            stats = _sender(pg, src=0, bucket_bytes=BUCKET).send(expected)
+            out[copy] = ([] if stats.buckets == 5 else [f"{stats.buckets} buckets, expected 5"], None)
+            continue
+        receiver = WeightReceiver(pg, src=0)
+        got, views = [], []
+        for name, t in receiver.receive(copy=copy):
+            if t._base is not None:
+                views.append(name)
+            if name == "straddle":
+                time.sleep(0.3)  # the sender packs bucket 2 meanwhile, unless it waits for this view
+            got.append((name, t.clone()))
+        out[copy] = (compare(got, expected) + _expect_mode(receiver.last_stats, "straddling"), views)
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # tests
 # --------------------------------------------------------------------------------------
@@ -306,6 +357,23 @@ def test_round_trips(shared):
                 problems.append(f"rank {rank} {case}: {nb} buckets, plan says {nplan}")
             if case == "mixed" and nb is not None and nb < 3:
                 problems.append(f"rank {rank}: only {nb} buckets")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("shared", ["1", "0"], ids=["shared-window", "broadcast"])
+def test_a_tensor_across_the_window_halves_is_read_whole_from_the_window(shared):
+    res = run_ranks(3, w_straddling, timeout_s=90, env={SHARED_ENV: shared})
+    _no_window_files()
+    problems = []
+    for rank in range(3):
+        for copy, (probs, views) in res.value(rank).items():
+            problems += [f"rank {rank} copy={copy}: {p}" for p in probs]
+            # Only a tensor read whole from a window is a view; "long" is assembled, and the
+            # others were whole in one bucket.
+            want = None if rank == 0 else (["head", "straddle", "fill", "mid", "tail"] if shared == "1" and not copy else
+                                          ["head", "fill", "mid", "tail"] if not copy else [])
+            if views != want:
+                problems.append(f"rank {rank} copy={copy}: views {views}, expected {want}")
     assert not problems, "\n".join(problems)
 
 

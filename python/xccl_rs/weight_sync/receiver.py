@@ -4,6 +4,7 @@ docstring gives the protocol)."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from typing import Iterator, Optional
 
@@ -145,6 +146,28 @@ class _Pending:
             self.failed = str(err)
             return False
         return True
+
+
+def _straddling(entries: list[Entry], bucket_bytes: int) -> Optional[Entry]:
+    """The last entry of a bucket in the window's first half, when it is a tensor's first piece
+    that fills the bucket to its end and whose rest fits in the next bucket: its rest then starts
+    the next bucket, right after it in the window, and the tensor can be read there whole, with
+    no assembly (its bucket's C barrier waits until it is)."""
+    e = entries[-1] if entries else None
+    if e is None or e.enc is not None or e.box is not None or e.whole or e.chunk_offset != 0:
+        return None
+    return e if e.end == bucket_bytes and e.total - e.nbytes <= bucket_bytes else None
+
+
+def _joined(first: Entry, nxt: Optional[Entry]) -> Optional[Entry]:
+    """The whole tensor, in window offsets, when ``nxt`` (the next bucket's first entry) is the
+    rest of ``first`` (``_straddling``) at the start of that bucket; else None."""
+    if nxt is None or nxt.enc is not None or nxt.box is not None or nxt.offset != 0:
+        return None
+    same = (nxt.name, nxt.dtype, nxt.shape, nxt.total) == (first.name, first.dtype, first.shape, first.total)
+    if not same or nxt.chunk_offset != first.nbytes or first.nbytes + nxt.nbytes != first.total:
+        return None
+    return dataclasses.replace(first, nbytes=first.total)
 
 
 def _check_last(h: Header, index: int, owner: int, agreed_last: bool) -> None:
@@ -312,6 +335,9 @@ class WeightReceiver:
         cur = 0
         bucket_bytes = None  # the senders', from bucket 0's header
         final = False  # the round being received is the last (several senders)
+        # The first piece of a tensor that fills the end of the window's first bucket and goes on
+        # at the start of its second: read whole from there, with the next bucket (_straddling).
+        straddle = None
         while True:
             i = index % n
             owner = self.senders[i]
@@ -340,7 +366,7 @@ class WeightReceiver:
                 work = self._recv_payload(buf[: h.used_bytes], owner, what)
             # C_(k-1) after this bucket's receive is posted, as its sender posts its sends
             # before it (progress threads run each rank's ops in order)
-            if index > 0:
+            if index > 0 and straddle is None:
                 self._done_reading(index - 1)
             if memory is not None:  # read in place, where its sender packed it
                 if prev is not None:
@@ -351,7 +377,18 @@ class WeightReceiver:
                 # Registered for this receiver's device (once per kept window): its copies into
                 # the device are DMA, queued without waiting, fenced before C_index.
                 pinned = memory.pin(self.device)
-                pending = yield from self._unpack(copy, (memory.memory[start : start + h.used_bytes], meta.entries,
+                entries = meta.entries
+                if straddle is not None:
+                    joined = _joined(straddle, entries[0] if entries else None)
+                    held = (memory.memory, [joined], index) if joined else (memory.memory, [straddle], index - 1)
+                    pending = yield from self._unpack(copy, held, pending, stats, bars[0], pinned)
+                    entries = entries[1:] if joined else entries
+                    straddle = None
+                    self._done_reading(index - 1)  # C_(index-1), once the consumer is done with it
+                if n == 1 and not h.last and start == 0:
+                    straddle = _straddling(entries, h.bucket_bytes)
+                    entries = entries[:-1] if straddle is not None else entries
+                pending = yield from self._unpack(copy, (memory.memory[start : start + h.used_bytes], entries,
                                                          index), pending, stats, bars[0], pinned)
             else:
                 # Unpack the previous bucket while this one is in flight.
