@@ -285,7 +285,7 @@ def w_dead_receiver(rank, world_size):
 def _straddling_tensors():
     """With 64 KiB buckets: "straddle" (88 KiB) fills the end of bucket 0 and goes on at the start
     of bucket 1, right after it in the window; "long" (150 KiB) spans buckets 2 to 4, so it is
-    assembled; bucket 2 reuses the window's first half, where "straddle" began."""
+    assembled; bucket 2 reuses the window's first half, where "straddle" began. Eight buckets."""
     import torch
 
     g = torch.Generator().manual_seed(seed_of("weight_sync", "straddling"))
@@ -301,6 +301,11 @@ def _straddling_tensors():
         ("mid", rnd(torch.bfloat16, 5 << 10)),
         ("long", rnd(torch.uint8, 150 << 10)),
         ("tail", rnd(torch.uint8, 1000)),
+        ("small", rnd(torch.uint8, 40 << 10)),
+        # would start in bucket 5 (the window's second half) and span three buckets; through
+        # the window it starts bucket 6 instead and goes on in bucket 7
+        ("odd", rnd(torch.uint8, 100 << 10)),
+        ("end", rnd(torch.uint8, 100)),
     ]
 
 
@@ -319,7 +324,7 @@ def w_straddling(rank, world_size):
     for copy in (False, True):
         if rank == 0:
             stats = _sender(pg, src=0, bucket_bytes=BUCKET).send(expected)
-            out[copy] = ([] if stats.buckets == 5 else [f"{stats.buckets} buckets, expected 5"], None)
+            out[copy] = ([] if stats.buckets == 8 else [f"{stats.buckets} buckets, expected 8"], None)
             continue
         receiver = WeightReceiver(pg, src=0)
         got, views = [], []
@@ -368,10 +373,11 @@ def test_a_tensor_across_the_window_halves_is_read_whole_from_the_window(shared)
     for rank in range(3):
         for copy, (probs, views) in res.value(rank).items():
             problems += [f"rank {rank} copy={copy}: {p}" for p in probs]
-            # Only a tensor read whole from a window is a view; "long" is assembled, and the
-            # others were whole in one bucket.
-            want = None if rank == 0 else (["head", "straddle", "fill", "mid", "tail"] if shared == "1" and not copy else
-                                          ["head", "fill", "mid", "tail"] if not copy else [])
+            # Only a tensor read whole from a bucket or a window is a view; "long" is assembled,
+            # and so are "straddle" and "odd" without the window.
+            whole = ["head", "fill", "mid", "tail", "small", "end"]
+            want = None if rank == 0 else ([] if copy else whole if shared == "0" else
+                                          ["head", "straddle", "fill", "mid", "tail", "small", "odd", "end"])
             if views != want:
                 problems.append(f"rank {rank} copy={copy}: views {views}, expected {want}")
     assert not problems, "\n".join(problems)
@@ -474,6 +480,28 @@ def test_dead_receiver_raises():
     assert "bucket" in out["msg"], out["msg"]
     assert out["elapsed"] < pg_timeout + 20, out
     _no_window_files()
+
+
+def test_plan_through_a_window_starts_large_tensors_in_its_first_half():
+    """One sender through a shared window: a tensor of one to two buckets that would start in
+    an odd-numbered bucket (the window's second half) starts the next bucket instead, filling it
+    and ending in the one after, where receivers read it whole; a larger tensor, which cannot
+    be read whole, and a plan without a window are laid out as before."""
+    import torch
+
+    from xccl_rs.weight_sync import plan_buckets
+
+    b = 1 << 20
+    ts = [(n, torch.empty(k, dtype=torch.uint8, device="meta")) for n, k in
+          [("a", b + 1000), ("x", 1000), ("two", 2 * b - 4096), ("y", 1000), ("three", 2 * b + 4096)]]
+    layout = [[(e[0], e[3], e[4]) for e in bucket] for bucket in plan_buckets(ts, b, window_halves=True)]
+    assert layout == [
+        [("a", 0, b)], [("a", 0, 1000), ("x", 1024, 1000)],  # "a" starts in bucket 0: as it was
+        [("two", 0, b)], [("two", 0, b - 4096), ("y", b - 4096, 1000), ("three", b - 3072, 3072)],  # moved on
+        [("three", 0, b)], [("three", 0, b)], [("three", 0, 1024)],  # larger than two buckets: not moved
+    ], layout
+    plain = [[(e[0], e[3]) for e in bucket] for bucket in plan_buckets(ts, b)]
+    assert plain[1] == [("a", 0), ("x", 1024), ("two", 2048)], plain  # without a window it starts in bucket 1
 
 
 def test_plan_64bit():

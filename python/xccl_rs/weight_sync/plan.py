@@ -73,11 +73,15 @@ class RoundPlanner:
     """Lays tensors out in rounds of ``senders`` buckets of ``bucket_bytes`` each (module
     docstring). Every sender runs one over the same tensors, in the same order."""
 
-    def __init__(self, bucket_bytes: int, senders: int = 1):
+    def __init__(self, bucket_bytes: int, senders: int = 1, window_halves: bool = False):
         if senders < 1:
             raise ValueError(f"weight sync: {senders} senders")
         self.cap = int(bucket_bytes)
         self.n = int(senders)
+        # One sender whose buckets take turns in the two halves of a shared window: a tensor of
+        # one to two buckets starts in the first half, so that its pieces lie back to back there
+        # and receivers read it whole (receiver._straddling).
+        self.window_halves = window_halves and self.n == 1
         self.round = 0
         self.load = [0] * self.n  # bytes placed in each sender's buckets so far
         self._reset()
@@ -132,6 +136,9 @@ class RoundPlanner:
                 done = nbytes
                 continue
             # larger than a bucket: chunks fill the room left, round after round
+            if done == 0 and self._in_second_half() and nbytes <= 2 * self.cap:
+                self._next_round(out)
+                continue
             i = self._pick(lambda i: _align_up(self.used[i], align) + elsize <= self.cap)
             if i is None:
                 if not any(self.nonempty):
@@ -143,6 +150,10 @@ class RoundPlanner:
             self._place(out, i, off, done, take)
             done += take
         return out
+
+    def _in_second_half(self) -> bool:
+        """The current bucket is a window's second half and holds something already."""
+        return self.window_halves and self.round % 2 == 1 and self.nonempty[0]
 
     def add_sharded(self, name: str, dtype: torch.dtype, footprint: int, elsize: int) -> list[Step]:
         """A sharded tensor whose largest shard has ``footprint`` bytes (more than 0): every
@@ -198,14 +209,15 @@ class Packer:
         ]
 
 
-def plan_buckets(named_tensors, bucket_bytes: int, senders: int = 1) -> list[list[list]]:
+def plan_buckets(named_tensors, bucket_bytes: int, senders: int = 1, window_halves: bool = False) -> list[list[list]]:
     """The bucket layouts a sync of whole tensors would produce: a list of buckets in the
     order they are sent (bucket ``k`` by sender ``k % senders``), each a list of entries as
     they travel, ``[name, dtype, shape, offset, nbytes, chunk_offset, total_nbytes]``. Reads
-    only dtypes and shapes, so tensors on the ``meta`` device work (used by the tests)."""
+    only dtypes and shapes, so tensors on the ``meta`` device work (used by the tests).
+    ``window_halves``: the layout of one sender through a shared window (RoundPlanner)."""
     if isinstance(named_tensors, Mapping):
         named_tensors = named_tensors.items()
-    planner = RoundPlanner(bucket_bytes, senders)
+    planner = RoundPlanner(bucket_bytes, senders, window_halves)
     rounds: list[list[list]] = [[[] for _ in range(senders)]]
     for name, t in named_tensors:
         shape = tuple(t.shape)

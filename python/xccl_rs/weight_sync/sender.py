@@ -270,7 +270,6 @@ class SendStream:
         self.bar = progress_bar(progress, total_bytes, "weight sync (send)")
         self.n = len(s.senders)
         self.me = s.senders.index(s.src)
-        self.planner = RoundPlanner(s.bucket_bytes, self.n)
         self.plan = PlanHash(s.bucket_bytes, self.n)
         self.entries: list[Entry] = []  # this sender's bucket of the current round
         self.names: set[str] = set()  # receivers refuse a name sent twice
@@ -294,6 +293,8 @@ class SendStream:
             records = hello(s.group, s.senders, host, s.device, PAYLOADS[s.payload], sync)
             windows = window_hosts(records, s.senders)
             self.co_located = windows[self.me]
+            # A delta sync's entries are encoded ranges, never read whole from the window.
+            self.planner = RoundPlanner(s.bucket_bytes, self.n, s.shared_memory and self.co_located and s._bases is None)
             # Without shared windows, a round's buckets from several senders travel at once:
             # every header of the round first, then each sender's bucket to every receiver.
             self.batched = self.n > 1 and not any(windows)
