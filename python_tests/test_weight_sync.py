@@ -309,11 +309,16 @@ def _straddling_tensors():
     ]
 
 
+def _inside(t, memory) -> bool:
+    return memory is not None and memory.data_ptr() <= t.data_ptr() < memory.data_ptr() + memory.numel()
+
+
 def w_straddling(rank, world_size):
-    """A tensor whose two pieces lie back to back across the window's halves is handed out whole
-    from the window (a view with copy=False): no assembly. The consumer holds that view while
-    the sender could already pack bucket 2 over its first piece, so it must still be intact
-    when cloned later. Every tensor compares bit for bit, with copy=False and copy=True."""
+    """Where each tensor is handed out from, with copy=False and copy=True: a tensor whose two
+    pieces lie back to back across the window's halves is read whole from the window (no
+    assembly); a CPU tensor assembled from pieces lies in the receiver's kept assembly memory.
+    The consumer holds "straddle" while the sender could already pack bucket 2 over its first
+    piece, so it must still be intact when cloned later. Every tensor compares bit for bit."""
     import torch.distributed as dist
 
     from xccl_rs.weight_sync import WeightReceiver
@@ -327,14 +332,16 @@ def w_straddling(rank, world_size):
             out[copy] = ([] if stats.buckets == 8 else [f"{stats.buckets} buckets, expected 8"], None)
             continue
         receiver = WeightReceiver(pg, src=0)
-        got, views = [], []
+        got, where = [], {}
         for name, t in receiver.receive(copy=copy):
-            if t._base is not None:
-                views.append(name)
+            window = receiver._windows[0]
+            places = {"window": window.memory if window is not None else None, "assembly": receiver._assembly_memory}
+            places.update({"bucket": b for b in receiver._bufs if b is not None and _inside(t, b)})
+            where.setdefault(next((k for k, m in places.items() if _inside(t, m)), "own"), []).append(name)
             if name == "straddle":
                 time.sleep(0.3)  # the sender packs bucket 2 meanwhile, unless it waits for this view
             got.append((name, t.clone()))
-        out[copy] = (compare(got, expected) + _expect_mode(receiver.last_stats, "straddling"), views)
+        out[copy] = (compare(got, expected) + _expect_mode(receiver.last_stats, "straddling"), where)
     return out
 
 
@@ -366,20 +373,25 @@ def test_round_trips(shared):
 
 
 @pytest.mark.parametrize("shared", ["1", "0"], ids=["shared-window", "broadcast"])
-def test_a_tensor_across_the_window_halves_is_read_whole_from_the_window(shared):
+def test_large_tensors_are_read_whole_from_the_window_or_assembled_in_kept_memory(shared):
     res = run_ranks(3, w_straddling, timeout_s=90, env={SHARED_ENV: shared})
     _no_window_files()
     problems = []
+    whole = ["head", "fill", "mid", "tail", "small", "end"]
+    wants = {
+        ("1", False): {"window": ["head", "straddle", "fill", "mid", "tail", "small", "odd", "end"],
+                       "assembly": ["long"]},
+        ("0", False): {"bucket": whole, "assembly": ["straddle", "long", "odd"]},
+    }
     for rank in range(3):
-        for copy, (probs, views) in res.value(rank).items():
+        for copy, (probs, where) in res.value(rank).items():
             problems += [f"rank {rank} copy={copy}: {p}" for p in probs]
-            # Only a tensor read whole from a bucket or a window is a view; "long" is assembled,
-            # and so are "straddle" and "odd" without the window.
-            whole = ["head", "fill", "mid", "tail", "small", "end"]
-            want = None if rank == 0 else ([] if copy else whole if shared == "0" else
-                                          ["head", "straddle", "fill", "mid", "tail", "small", "odd", "end"])
-            if views != want:
-                problems.append(f"rank {rank} copy={copy}: views {views}, expected {want}")
+            want = None if rank == 0 else wants.get((shared, copy), {"own": [n for n, _ in _straddling_tensors()]})
+            if want is not None:
+                where = {k: sorted(v) for k, v in where.items()}
+                want = {k: sorted(v) for k, v in want.items()}
+            if where != want:
+                problems.append(f"rank {rank} copy={copy}: handed out from {where}, expected {want}")
     assert not problems, "\n".join(problems)
 
 

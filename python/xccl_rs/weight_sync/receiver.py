@@ -49,7 +49,9 @@ class _Pending:
 
     __slots__ = ("name", "dtype", "shape", "tensor", "bytes", "done", "total", "runs", "boxes", "base", "failed")
 
-    def __init__(self, entry: Entry, device: torch.device, base: Optional[tuple[int, torch.Tensor]] = None):
+    def __init__(self, entry: Entry, device: torch.device, base: Optional[tuple[int, torch.Tensor]] = None,
+                 into: Optional[torch.Tensor] = None):
+        """``into``: the bytes to assemble it in (else new memory on ``device``)."""
         self.name = entry.name
         self.dtype = entry.dtype
         self.shape = entry.shape
@@ -59,6 +61,8 @@ class _Pending:
         if base is not None and base[1].shape == entry.shape and base[1].dtype == entry.dtype:
             self.base = base[0]
             self.tensor = base[1].clone()
+        elif into is not None:
+            self.tensor = into.view(entry.dtype).view(entry.shape)
         else:
             self.tensor = torch.empty(entry.shape, dtype=entry.dtype, device=device)  # contiguous
         self.failed: Optional[str] = None  # why a piece could not be applied
@@ -218,6 +222,9 @@ class WeightReceiver:
         # Copies out of a registered window into the device are queued without waiting; the
         # window's bucket is handed back to its sender (C_k) only once they are done.
         self._fence = host_memory.CopyFence()
+        # Where CPU tensors are assembled for a consumer that copies each at once (copy=False):
+        # kept from sync to sync, as the buckets are, so that assembling faults no fresh pages.
+        self._assembly_memory: Optional[torch.Tensor] = None
 
     @property
     def versions(self) -> dict[str, int]:
@@ -231,9 +238,10 @@ class WeightReceiver:
         self._held.clear()
 
     def release(self) -> None:
-        """Frees the receive buckets and the shared windows kept mapped."""
+        """Frees the receive buckets, the assembly memory and the shared windows kept mapped."""
         self._fence.wait()
         self._bufs = []
+        self._assembly_memory = None
         window.drop_mapped()
 
     def _buffer(self, i: int, h: Header) -> torch.Tensor:
@@ -248,6 +256,17 @@ class WeightReceiver:
             buf = self._bufs[i] = None  # free the old one first
             buf = self._bufs[i] = torch.empty(n, dtype=torch.uint8, device=self.bucket_device)
         return buf
+
+    def _assembly(self, nbytes: int) -> Optional[torch.Tensor]:
+        """``nbytes`` of the kept assembly memory (grown to fit), for a CPU tensor assembled from
+        one sender's pieces, which end before the next tensor starts; None for other devices,
+        whose allocators reuse memory anyway."""
+        if self.device.type != "cpu":
+            return None
+        if self._assembly_memory is None or self._assembly_memory.numel() < nbytes:
+            self._assembly_memory = None  # free the old one first
+            self._assembly_memory = torch.empty(nbytes, dtype=torch.uint8)
+        return self._assembly_memory[:nbytes]
 
     def _recv(self, t: torch.Tensor, what: str, owner: int) -> None:
         try:
@@ -419,9 +438,11 @@ class WeightReceiver:
 
         ``copy=False`` saves a copy for consumers that load each tensor somewhere at once (a
         rollout engine's ``param.copy_(tensor)``): a tensor that arrived whole in one bucket
-        is then a view into the receive bucket, valid only until the next item is requested
-        (clone it to keep it). Tensors assembled from pieces (split across buckets, or shards
-        from several senders), and tensors for another ``device``, are new tensors either way.
+        (or back to back in a shared window) is then a view into it, and a CPU tensor that one
+        sender split across buckets is assembled in memory this receiver keeps for the next
+        one (until :meth:`release`); either is valid only until the next item is requested
+        (clone it to keep it). Shards from several senders, and tensors for another ``device``,
+        are new tensors either way.
 
         In a sync from a ``payload="delta"`` sender, every tensor yielded is the one this receiver
         holds (its base for the next delta, :attr:`versions`): treat it as read-only; the next
@@ -585,7 +606,8 @@ class WeightReceiver:
                             f"weight sync: bucket {index}: unexpected chunk of {e.name!r} at byte {e.chunk_offset} "
                             "(its first piece; one sender sends a tensor's pieces in order)"
                         )
-                p = pending[e.name] = _Pending(e, self.device, self._held.get(e.name) if e.enc is not None else None)
+                into = self._assembly(e.total) if not copy and ordered and e.enc is None and e.box is None else None
+                p = pending[e.name] = _Pending(e, self.device, self._held.get(e.name) if e.enc is not None else None, into)
             elif not p.matches(e) or (ordered and (p.done != e.chunk_offset or e.box is not None)):
                 raise WeightSyncError(
                     f"weight sync: bucket {index}: unexpected chunk of {e.name!r} at byte "
