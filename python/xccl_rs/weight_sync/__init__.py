@@ -57,7 +57,11 @@ tells the sender a buffer is free again. In order on every rank, with one sender
 header and metadata of bucket k, ``C_k`` = the barrier "every receiver is done with bucket
 k"): ``H_0, vote, H_1, C_0, H_2, C_1, ..., H_L, C_(L-1), C_L``; with several, the same with
 each sender's vote after its first bucket's ``H``, and ``C_k`` only for the buckets read in
-place. The sender packs a bucket while the receivers unpack the ones before. If some rank could
+place. The sender packs a bucket while the receivers unpack the ones before. A tensor that fills
+the end of an even-numbered bucket (the window's first half) and ends within the next lies back
+to back there: receivers read it whole after ``H_(k+1)`` and join ``C_k`` only once its consumer
+is done with it (the order of the ops is unchanged); the sender starts such a tensor, of up to
+two buckets, in the first half (plan.py). If some rank could
 not map it, that sender's buckets are sent from the window as above. Either way the file is
 unlinked right after the vote. The window saves the transfer's copies: the sender's bytes are
 copied once (packing) and each receiver's once (unpacking). A window every receiver mapped is
