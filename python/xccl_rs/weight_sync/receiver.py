@@ -223,7 +223,8 @@ class WeightReceiver:
         # window's bucket is handed back to its sender (C_k) only once they are done.
         self._fence = host_memory.CopyFence()
         # Where CPU tensors are assembled for a consumer that copies each at once (copy=False):
-        # kept from sync to sync, as the buckets are, so that assembling faults no fresh pages.
+        # kept from sync to sync, as the buckets are, so that a sync neither faults in nor frees
+        # that memory.
         self._assembly_memory: Optional[torch.Tensor] = None
 
     @property
