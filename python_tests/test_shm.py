@@ -96,15 +96,17 @@ def test_nothing_left_after_a_rank_is_killed(tmp_path):
 
 
 def test_all_reduce_by_cross_memory_attach_across_processes(tmp_path):
-    """XCCL_RS_CMA=1: the group probes and agrees on it (the log says cma=true), and 4 MiB
-    all-reduces over SUM and AVG in float32 and bfloat16 are exact; with it off, cma=false."""
+    """XCCL_RS_CMA=1: the group probes and agrees on it for every tensor (the log says
+    cma="all"), and 4 MiB all-reduces over SUM and AVG in float32 and bfloat16 are exact. By
+    default the group reads only staged broadcasts that way (cma="staged"); with 0, nothing."""
     outs = run_group(tmp_path, 3, "cma", {"XCCL_RS_CMA": "1", "XCCL_RS_LOG": "info"})
     for rc, out in outs:
         assert rc == 0 and "CMA EXACT" in out and "DONE" in out, out
-        assert "cma=true" in out, out
-    outs = run_group(tmp_path, 2, "normal", {"XCCL_RS_LOG": "info"})
-    for rc, out in outs:
-        assert rc == 0 and "cma=false" in out, out
+        assert 'cma="all"' in out, out
+    for env, says in (({}, 'cma="staged"'), ({"XCCL_RS_CMA": "0"}, 'cma="off"')):
+        outs = run_group(tmp_path, 2, "normal", {"XCCL_RS_LOG": "info", **env})
+        for rc, out in outs:
+            assert rc == 0 and says in out, (env, out)
 
 
 def test_tcp_can_be_forced(tmp_path):

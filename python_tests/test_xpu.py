@@ -66,6 +66,37 @@ def test_pinned_memory_is_a_window_on_xpu():
     _check(run_xpu(2, test_gpu.w_pinned_window, device_type="xpu", n=16 << 20, timeout_s=240, env=env), 2)
 
 
+def w_broadcast_from_every_root(rank, world_size, n):
+    """Broadcasts of ``n`` float32 from every root, each into tensors holding other values:
+    every rank ends with the root's. In 1 MiB chunks by default the receivers read each chunk
+    from the root's pinned staging buffer by cross-memory attach (tests/pipeline.rs counts it)."""
+    import torch
+    import torch.distributed as dist
+
+    from accel import use
+
+    dev = use("xpu")
+    probs = []
+    for root in range(world_size):
+        want = torch.arange(n, dtype=torch.float32) * (root + 2)
+        t = want.to(dev) if rank == root else torch.full((n,), -1.0, device=dev)
+        dist.broadcast(t, src=root)
+        got = t.cpu()
+        if not torch.equal(got, want):
+            probs.append(f"root {root}: {(got != want).sum().item()} of {n} elements differ")
+    return probs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_large_broadcast_from_every_root_on_xpu(world_size):
+    # 3 chunks and a short one, the copy streams delayed: a receiver that read the root's pinned
+    # buffer before its copy off the device, or a root that refilled it before the receivers
+    # were done, would show other values.
+    env = {"XCCL_RS_PIPELINE_CHUNK_BYTES": str(1 << 20), "XCCL_RS_XPU_EMU_POOL_DELAY_US": "2000"}
+    res = run_xpu(world_size, w_broadcast_from_every_root, (3 << 18) + 37, timeout_s=240, env=env)
+    _check(res, world_size)
+
+
 def test_xpu_stream_order():
     _check(run_xpu(2, test_gpu.w_stream_order, device_type="xpu", timeout_s=120, env=DELAYED), 2)
 

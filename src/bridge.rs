@@ -155,6 +155,7 @@ fn to_op(r: &OpRequest) -> Result<Op<Buf>> {
         tag: r.tag,
         inputs: views(&r.inputs)?,
         outputs: views(&r.outputs)?,
+        staged: false,
     })
 }
 

@@ -29,6 +29,29 @@ impl TransportChoice {
     }
 }
 
+/// What ranks of one host read of each other by cross-memory attach (transport/shm/cma.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CmaUse {
+    /// Nothing (`0`).
+    Never,
+    /// The root's pinned buffers in broadcasts of accelerator tensors, which they are staged
+    /// through (staging/): the default.
+    StagedBroadcasts,
+    /// Also ordinary tensors, in all-reduces and broadcasts (`1`).
+    Everything,
+}
+
+impl CmaUse {
+    /// The setting's value as the communicator's log line shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CmaUse::Never => "0",
+            CmaUse::StagedBroadcasts => "staged broadcasts",
+            CmaUse::Everything => "1",
+        }
+    }
+}
+
 pub const DEFAULT_SHM_SLOT_BYTES: usize = 4 << 20;
 pub const DEFAULT_ROUND_BYTES: usize = 1 << 20;
 pub const DEFAULT_THREAD_MIN_BYTES: usize = 256 << 10;
@@ -116,11 +139,14 @@ settings! {
     /// certificate per rank published through the Store (transport/tcp/tls.rs). Must be the
     /// same on every rank. Shared memory is not affected.
     tls: bool = "XCCL_RS_TLS", default false, parse flag;
-    /// `XCCL_RS_CMA` (default 0): `1` lets ranks of one host read each other's ordinary
-    /// tensors with cross-memory attach (`process_vm_readv`) for all-reduces of 1 MiB or more,
-    /// where the kernel allows it (probed at set-up). Off by default: every rank reading every
-    /// peer at once pins pages, which can cost more than the slots' copy it saves.
-    cma: bool = "XCCL_RS_CMA", default false, parse flag;
+    /// `XCCL_RS_CMA` (default unset: broadcasts of accelerator tensors only): ranks of one host
+    /// read each other's memory with cross-memory attach (`process_vm_readv`), where the kernel
+    /// allows it (probed at set-up). By default the receivers of a broadcast of 1 MiB or more
+    /// read the root's pinned buffer through which its accelerator tensor is staged (one copy
+    /// instead of two through the slots). `1`: also ordinary tensors, in broadcasts and
+    /// all-reduces of 1 MiB or more; off for those by default, because every rank reading every
+    /// peer at once pins pages, which can cost more than the slots' copy it saves. `0`: never.
+    cma: CmaUse = "XCCL_RS_CMA", default CmaUse::StagedBroadcasts, parse cma_use;
     /// `XCCL_RS_HOST_ID` (default unset: hostname and /dev/shm's device and inode): when set,
     /// replaces this rank's host identity. Ranks with equal ids count as one host: for
     /// containers that share /dev/shm under different hostnames, and for tests (one process
@@ -191,6 +217,14 @@ fn flag(v: &str) -> Result<bool, String> {
         "1" => Ok(true),
         "0" | "" => Ok(false),
         _ => Err("0 or 1".to_string()),
+    }
+}
+
+fn cma_use(v: &str) -> Result<CmaUse, String> {
+    match v {
+        "0" => Ok(CmaUse::Never),
+        "1" => Ok(CmaUse::Everything),
+        _ => Err("0 or 1 (unset: broadcasts of accelerator tensors)".to_string()),
     }
 }
 

@@ -145,7 +145,8 @@ impl Fabric {
         let shm_ranks = parts.shm().map(|s| s.size());
         let fabric = Fabric { net, parts, par: compute_threads(config, shm_ranks) };
         let local_ranks = shm_ranks.unwrap_or(1);
-        let cma = fabric.shm().is_some_and(|s| s.cma().is_some());
+        // What the group reads by cross-memory attach: nothing, staged broadcasts, or all it can.
+        let cma = fabric.shm().and_then(|s| s.cma()).map_or("off", |c| if c.ordinary() { "all" } else { "staged" });
         let threads = fabric.par.threads();
         let streaming_min = shm_ranks.map_or(0, |_| fabric.par.streaming_min());
         tracing::info!(

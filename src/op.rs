@@ -39,6 +39,9 @@ pub struct Op<B = RawBuf> {
     pub tag: i64,
     pub inputs: Vec<B>,
     pub outputs: Vec<B>,
+    /// Its host buffers are the pinned memory through which the job stages accelerator tensors
+    /// (staging/): a broadcast's root lets its peers read them by cross-memory attach.
+    pub staged: bool,
 }
 
 /// What every message of an op says it belongs to, and what each rank of a shared-memory group
@@ -85,6 +88,7 @@ impl<B: Extent> Op<B> {
             tag: 0,
             inputs: Vec::new(),
             outputs: Vec::new(),
+            staged: false,
         }
     }
 
@@ -238,6 +242,7 @@ impl<B: Extent> Op<B> {
             tag: self.tag,
             inputs: self.inputs.iter().map(&mut f).collect::<Result<_>>()?,
             outputs: self.outputs.iter().map(&mut f).collect::<Result<_>>()?,
+            staged: self.staged,
         })
     }
 }

@@ -474,3 +474,36 @@ both_nets!(
     range_outside_its_tensor_fails_every_rank,
     chunk_size_mismatch
 );
+
+/// A broadcast of a staged tensor over shared memory, in chunks of 1 MiB (the smallest that
+/// cross-memory attach reads): by default the receivers read each chunk from the root's pinned
+/// buffer by cross-memory attach (counted on every rank; the last, short chunk goes through the
+/// slots), with `XCCL_RS_CMA=0` none does; either way every receiver's device tensor ends with
+/// the root's bytes, from every root, at 2 and 3 ranks.
+#[test]
+fn staged_broadcast_reads_the_roots_pinned_buffer_by_cma() {
+    use xccl_rs::config::CmaUse;
+    const MIB: usize = 1 << 20;
+    let len = 3 * MIB + 100;
+    for setting in [CmaUse::StagedBroadcasts, CmaUse::Never] {
+        let config = Config { cma: setting, pipeline_chunk_bytes: MIB, shm_slot_bytes: 64 << 10, ..cfg(Net::Shm) };
+        let mut failures = Failures::new();
+        for size in [2usize, 3] {
+            let group = format!("staged broadcast, cma {setting:?}, size {size}");
+            sweep_ranks(&mut failures, &group, size, config.clone(), LIMIT, move |rank, comm, _, f| {
+                for root in 0..size {
+                    let what = format!("root {root}, rank {rank}");
+                    let t = tensor(len, true, rank == root, rank != root);
+                    let fake = FakeDevice::new(vec![t.clone()], vec![pattern(rank, root as u64, len)]);
+                    let broadcast = Op { root: root as i64, ..job_op(OpKind::Broadcast, DType::UInt8, vec![], vec![staged(0, 0, len)]) };
+                    f.op(run_staged(&comm, vec![broadcast], fake), &what)?;
+                    f.result(same_bytes(&t.bytes.lock().unwrap(), &pattern(root, root as u64, len)), &what);
+                    let want = if setting == CmaUse::Never { 0 } else { 3 * (root as u64 + 1) };
+                    f.eq(comm.cma_ops(), want, format!("{what}: chunks read by cross-memory attach"));
+                }
+                Ok(())
+            });
+        }
+        failures.finish(&format!("staged broadcast with cma {setting:?}"));
+    }
+}

@@ -18,8 +18,9 @@
 //! - whether every rank's buffers lie in its heap, so that the op reads them in place: the
 //!   pre-sync of `AllGatherZeroCopy`, `ReduceScatterZeroCopy` and `AllReduceCmaOrZeroCopy`
 //!   (host/zero_copy.rs), the first block of `AllReduceSlotsOrZeroCopy` and, the root's answer
-//!   only, of `BroadcastSlotsOrZeroCopy`. When the answer is no, the op goes on through the
-//!   slots (or, for `AllReduceCmaOrZeroCopy`, by cross-memory attach);
+//!   only, of `BroadcastSlotsOrZeroCopy` and `BroadcastCmaOrZeroCopy`. When the answer is no,
+//!   the op goes on through the slots (or, for the `…CmaOrZeroCopy` paths, by cross-memory
+//!   attach);
 //! - the restart through the slots of `AllReduceSlotsOrZeroCopy` when the ranks' answers
 //!   differ (host/allreduce_shm.rs).
 
@@ -91,6 +92,10 @@ pub enum Path {
     /// Blocks through the root's slot, the first block asking whether the root's tensor lies in
     /// its heap; the others copy it from there if so (host/broadcast_shm.rs).
     BroadcastSlotsOrZeroCopy,
+    /// The root says with the first block where its tensor lies; the others copy it from its
+    /// heap or read it by cross-memory attach, where the root allows it (its staged pinned
+    /// buffer, or any tensor with `XCCL_RS_CMA=1`), else through its slot (host/broadcast_shm.rs).
+    BroadcastCmaOrZeroCopy,
     /// Blocks through every rank's slot (host/allgather_shm.rs).
     AllGatherSlots,
     /// A pre-sync, then reading the peers' inputs in their heaps, or the slots if some are not
@@ -122,8 +127,11 @@ pub struct ShmCaps {
     pub oneshot_bytes: usize,
     /// Every rank has a heap, so buffers may be read in place (transport/shm/heap.rs).
     pub heaps: bool,
-    /// Ranks read each other's memory by cross-memory attach (`XCCL_RS_CMA`).
+    /// Ranks read each other's memory by cross-memory attach (`XCCL_RS_CMA`): at least the
+    /// pinned buffers of staged broadcasts.
     pub cma: bool,
+    /// Also ordinary tensors (`XCCL_RS_CMA=1`).
+    pub cma_ordinary: bool,
 }
 
 impl ShmCaps {
@@ -134,6 +142,7 @@ impl ShmCaps {
             oneshot_bytes: shm.oneshot_bytes(),
             heaps: shm.heaps().is_some_and(|h| h.zero_copy()),
             cma: shm.cma().is_some(),
+            cma_ordinary: shm.cma().is_some_and(|c| c.ordinary()),
         }
     }
 }
@@ -341,7 +350,13 @@ pub fn allreduce_on_host(shm: &ShmCaps, bytes: usize) -> Path {
 
 /// The broadcast's path on one host (a whole-host group, or a host's step of a mixed one).
 pub fn broadcast_on_host(shm: &ShmCaps, bytes: usize) -> Path {
-    if tries_zero_copy(shm, bytes) { Path::BroadcastSlotsOrZeroCopy } else { Path::BroadcastSlots }
+    if shm.cma && bytes >= CMA_MIN_BYTES {
+        Path::BroadcastCmaOrZeroCopy
+    } else if tries_zero_copy(shm, bytes) {
+        Path::BroadcastSlotsOrZeroCopy
+    } else {
+        Path::BroadcastSlots
+    }
 }
 
 /// Whether an all-reduce of `bytes` takes the one-shot path. There each rank reads every other
@@ -352,14 +367,16 @@ pub fn takes_one_shot(shm: &ShmCaps, bytes: usize) -> bool {
     bytes <= shm.slot_bytes && bytes.saturating_mul(shm.ranks.saturating_sub(1).max(1)) <= shm.oneshot_bytes
 }
 
-/// The smallest all-reduce (bytes) that reads by cross-memory attach: below it the pre-sync
-/// and the system calls cost more than the slots' second copy saves. A constant, not a
+/// The smallest all-reduce or broadcast (bytes) that reads by cross-memory attach: below it
+/// the synchronization and the system calls cost more than the slots' second copy saves.
+/// A broadcast of that size on a group with cross-memory attach asks its root where its
+/// tensor lies (`BroadcastCmaOrZeroCopy`); the root says whether it may be read there. A constant, not a
 /// setting: it decides whether the pre-sync happens, so every rank must use the same value.
 pub const CMA_MIN_BYTES: usize = 1 << 20;
 
 /// Whether an all-reduce of `bytes`, past the one-shot limit, reads by cross-memory attach.
 pub fn reads_by_cma(shm: &ShmCaps, bytes: usize) -> bool {
-    shm.cma && bytes >= CMA_MIN_BYTES
+    shm.cma_ordinary && bytes >= CMA_MIN_BYTES
 }
 
 /// The smallest op (bytes, as [`op_bytes`] counts them) that tries a zero-copy path: an

@@ -179,12 +179,12 @@ impl StagedJob {
         }
     }
 
-    /// `chunk` (chunk `k` of op `index`) on host memory.
+    /// `chunk` (chunk `k` of op `index`) on host memory, marked staged when it has views.
     fn on_host(&self, index: usize, k: usize, chunk: &Op<Buf>) -> Result<Op> {
         let op = &self.plan.ops[index];
         let copy = op.first_copy + k;
         let mut staged = op.views.iter();
-        chunk.map_bufs(|b| match *b {
+        let mut on_host = chunk.map_bufs(|b| match *b {
             Buf::Host(raw) => Ok(raw),
             Buf::Staged { len: 0, .. } => Ok(RawBuf::from_slice(&mut [])),
             Buf::Staged { tensor, offset, len } => {
@@ -204,7 +204,9 @@ impl StagedJob {
                 // chunks later, copies into it only after this chunk's copies back (set_free).
                 Ok(unsafe { RawBuf::new((pinned.address + block_offset) as *mut u8, len) })
             }
-        })
+        })?;
+        on_host.staged = !op.views.is_empty();
+        Ok(on_host)
     }
 }
 

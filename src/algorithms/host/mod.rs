@@ -43,6 +43,7 @@ pub fn run(path: Path, shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc
         AllReduceCmaOrZeroCopy => allreduce_cma::run(shm, par, ctx, op, desc),
         BroadcastSlots => broadcast_shm::run(shm, par, ctx, op, desc),
         BroadcastSlotsOrZeroCopy => broadcast_shm::run_asking_root_heap(shm, par, ctx, op, desc),
+        BroadcastCmaOrZeroCopy => broadcast_shm::run_asking_root_whereabouts(shm, par, ctx, op, desc),
         AllGatherSlots => allgather_shm::run(shm, par, ctx, op, desc),
         AllGatherZeroCopy => allgather_zero_copy::run(shm, par, ctx, op, desc),
         ReduceScatterSlots => reduce_scatter_shm::run(shm, par, ctx, op, desc),

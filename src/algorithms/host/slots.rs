@@ -58,7 +58,7 @@ pub fn reduce(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, r
             (s * esz, l * esz)
         };
         let in_my_heap = b == 0 && ask_heap && {
-            describe_views(shm, g, &[buf]);
+            describe_views(shm, g, &[buf], false);
             in_heap(shm, g, rank)
         };
         let mine = shm.slot(rank, g);

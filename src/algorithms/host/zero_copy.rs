@@ -31,17 +31,19 @@ use crate::transport::{OpCtx, RawBuf};
 pub fn presync(shm: &mut ShmGroup, ctx: &OpCtx, desc: Desc, views: &[RawBuf]) -> Result<u64> {
     let g = shm.begin_op(1);
     wait_slot_free(shm, g, ctx)?;
-    describe_views(shm, g, views);
+    describe_views(shm, g, views, true);
     exchange_produced(shm, g, Some(desc), ctx)?;
     Ok(g)
 }
 
 /// Records, with the description of the op starting at block `g`, where this rank's `views`
-/// of the op lie: in its heap, when all lie there evenly spaced (`Heap::placement`), and the
-/// first one's address in this process, for peers that read it by cross-memory attach.
-pub fn describe_views(shm: &ShmGroup, g: u64, views: &[RawBuf]) {
+/// of the op lie: in its heap, when all lie there evenly spaced (`Heap::placement`), and, if
+/// `by_cma`, the first one's address in this process, for peers that read it by cross-memory
+/// attach (else 0).
+pub fn describe_views(shm: &ShmGroup, g: u64, views: &[RawBuf], by_cma: bool) {
     let heap = shm.heaps().and_then(|h| h.own().placement(views)).map(|(offset, stride)| (offset as u64, stride as u64));
-    shm.place(g, Placement { heap, addr: views.first().map_or(0, |v| v.ptr() as u64) });
+    let addr = views.first().filter(|_| by_cma).map_or(0, |v| v.ptr() as u64);
+    shm.place(g, Placement { heap, addr });
 }
 
 /// After rank `r`'s `Produced` ≥ g: whether `r` said its views of the op lie in its heap, on

@@ -53,8 +53,14 @@ const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 
 /// Four ranks, 4 MiB slots, the default one-shot limit of 64 KiB.
+/// `cma`: ordinary tensors read by cross-memory attach too (`XCCL_RS_CMA=1`).
 fn host(heaps: bool, cma: bool) -> ShmCaps {
-    ShmCaps { ranks: 4, slot_bytes: 4 * MIB, oneshot_bytes: 64 * KIB, heaps, cma }
+    ShmCaps { ranks: 4, slot_bytes: 4 * MIB, oneshot_bytes: 64 * KIB, heaps, cma, cma_ordinary: cma }
+}
+
+/// Cross-memory attach for staged broadcasts only (the default).
+fn staged_cma(heaps: bool) -> ShmCaps {
+    ShmCaps { cma: true, cma_ordinary: false, ..host(heaps, false) }
 }
 
 /// Every threshold: (what, capabilities, op, the largest size below it, the path there, the
@@ -78,6 +84,10 @@ fn thresholds() -> Vec<(&'static str, ShmCaps, OpKind, usize, &'static str, &'st
         // Cross-memory attach from 1 MiB.
         ("cma", host(false, true), AllReduce, MIB - 1, "AllReduceSlots", "AllReduceCmaOrZeroCopy"),
         ("cma, heaps", both, AllReduce, MIB - 1, "AllReduceSlotsOrZeroCopy", "AllReduceCmaOrZeroCopy"),
+        ("cma", host(false, true), Broadcast, MIB - 1, "BroadcastSlots", "BroadcastCmaOrZeroCopy"),
+        ("cma, heaps", both, Broadcast, MIB - 1, "BroadcastSlots", "BroadcastCmaOrZeroCopy"),
+        ("staged cma", staged_cma(false), Broadcast, MIB - 1, "BroadcastSlots", "BroadcastCmaOrZeroCopy"),
+        ("staged cma, heaps", staged_cma(true), Broadcast, MIB - 1, "BroadcastSlots", "BroadcastCmaOrZeroCopy"),
         // Zero-copy tried, or asked about, from 1 MiB.
         ("zero-copy", heaps, Broadcast, MIB - 1, "BroadcastSlots", "BroadcastSlotsOrZeroCopy"),
         ("zero-copy", heaps, AllGather, MIB - 1, "AllGatherSlots", "AllGatherZeroCopy"),
@@ -105,7 +115,8 @@ fn on_one_host_paths_that_no_size_changes() {
     let cases = [
         (plain, AllReduce, "AllReduceSlots"),
         (heaps_only, AllReduce, "AllReduceSlotsOrZeroCopy"),
-        (cma_only, Broadcast, "BroadcastSlots"),
+        (staged_cma(false), AllReduce, "AllReduceSlots"),
+        (staged_cma(true), AllReduce, "AllReduceSlotsOrZeroCopy"),
         (cma_only, AllGather, "AllGatherSlots"),
         (cma_only, ReduceScatter, "ReduceScatterSlots"),
     ];

@@ -23,18 +23,25 @@ use crate::keys::Key;
 use crate::rendezvous::{Store, rendezvous_error};
 
 /// The peers of a host group that every rank reads by cross-memory attach, present where the
-/// group agreed on it at set-up: each rank's pid, and how many ops read them.
+/// group agreed on it at set-up: each rank's pid, whether ordinary tensors are read that way
+/// too (else only the pinned buffers of staged broadcasts), and how many ops read them.
 pub struct CmaPeers {
     pids: Vec<i32>,
+    ordinary: bool,
     ops: u64,
 }
 
 impl CmaPeers {
     /// The peers whose segments are `segments` (index = local rank), if every segment's pid is
     /// a kernel pid (cross-memory attach addresses processes by it).
-    pub fn of(segments: &[Segment]) -> Option<CmaPeers> {
+    pub fn of(segments: &[Segment], ordinary: bool) -> Option<CmaPeers> {
         let pids = segments.iter().map(|s| i32::try_from(s.header().pid.0.load(Ordering::Relaxed)).ok()).collect::<Option<_>>()?;
-        Some(CmaPeers { pids, ops: 0 })
+        Some(CmaPeers { pids, ordinary, ops: 0 })
+    }
+
+    /// Whether every rank reads ordinary tensors by cross-memory attach too (`XCCL_RS_CMA=1`).
+    pub fn ordinary(&self) -> bool {
+        self.ordinary
     }
 
     /// Local rank `r`'s pid.

@@ -93,7 +93,8 @@ pub struct Placement {
     /// In its heap: the first buffer's offset and the spacing of the buffers; None when they
     /// are not all there.
     pub heap: Option<(u64, u64)>,
-    /// The first buffer's address in the rank's own process, for cross-memory attach.
+    /// The first buffer's address in the rank's own process, for cross-memory attach; 0 where
+    /// the rank does not offer them to be read that way (a broadcast's root, host/broadcast_shm.rs).
     pub addr: u64,
 }
 

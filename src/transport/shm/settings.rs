@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::config::Config;
+use crate::config::{CmaUse, Config};
 
 #[derive(Clone, Copy, Debug)]
 pub struct ShmSettings {
@@ -18,8 +18,8 @@ pub struct ShmSettings {
     /// The size of this rank's heap; 0 for none (`XCCL_RS_SHM_HEAP_BYTES` where the group
     /// reads tensors in place).
     pub heap_bytes: usize,
-    /// Whether ranks try to read each other by cross-memory attach (`XCCL_RS_CMA`).
-    pub cma: bool,
+    /// What ranks read of each other by cross-memory attach (`XCCL_RS_CMA`).
+    pub cma: CmaUse,
     /// What each rank of a one-shot all-reduce may read (`XCCL_RS_SHM_ONESHOT_BYTES`): a
     /// capability the selection table compares (select.rs `ShmCaps`).
     pub oneshot_bytes: usize,

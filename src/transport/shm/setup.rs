@@ -13,6 +13,7 @@ use super::heap::{HEAP_PAGE, Heap, Heaps, PeerHeap};
 use super::layout::RankHeader;
 use super::segment::Segment;
 use super::settings::ShmSettings;
+use crate::config::CmaUse;
 use crate::error::{CommError, Result};
 use crate::keys::Key;
 use crate::rendezvous::{Store, rendezvous_error};
@@ -40,8 +41,9 @@ impl ShmGroup {
             None => None,
         };
         let all_heaps = peer_heaps.as_ref().is_some_and(|p| p.iter().enumerate().all(|(peer, h)| peer == rank || h.is_some()));
-        let reads_peers = settings.cma && cma::probe_peers(store, members, rank, namespace, &segments, timeout)?;
-        let (zero_copy, all_read) = agree(store, members, rank, namespace, all_heaps, reads_peers, timeout)?;
+        let reads_peers = settings.cma != CmaUse::Never && cma::probe_peers(store, members, rank, namespace, &segments, timeout)?;
+        let reads_ordinary = settings.cma == CmaUse::Everything;
+        let agreed = agree(store, members, rank, namespace, all_heaps, reads_peers, reads_ordinary, timeout)?;
         segments[rank].unlink();
         if let Some(heap) = &heap {
             heap.unlink();
@@ -51,8 +53,8 @@ impl ShmGroup {
                 return Err(CommError::io(format!("rank {}'s shared-memory segment is not initialized", members[peer])));
             }
         }
-        let heaps = heap.map(|own| Heaps::new(own, peer_heaps.filter(|_| zero_copy)));
-        let cma = all_read.then(|| CmaPeers::of(&segments)).flatten();
+        let heaps = heap.map(|own| Heaps::new(own, peer_heaps.filter(|_| agreed.zero_copy)));
+        let cma = agreed.all_read.then(|| CmaPeers::of(&segments, agreed.ordinary)).flatten();
         Ok(ShmGroup::new(rank, members, settings, segments, heaps, cma))
     }
 }
@@ -118,9 +120,20 @@ fn map_peer_heaps(store: &dyn Store, members: &[usize], rank: usize, namespace: 
     Ok(peer_heaps)
 }
 
+/// What every rank of the group can do, the same on every rank ([`agree`]).
+struct Agreed {
+    /// Every rank has a heap and mapped every peer's.
+    zero_copy: bool,
+    /// Every rank can read every peer by cross-memory attach.
+    all_read: bool,
+    /// And every rank reads ordinary tensors that way too (`XCCL_RS_CMA=1`).
+    ordinary: bool,
+}
+
 /// Publishes what this rank can do (`all_heaps`: it has a heap and mapped every peer's;
-/// `reads_peers`: it can read every peer by cross-memory attach) and reads every rank's:
-/// returns whether all can, for each, the same on every rank.
+/// `reads_peers`: it can read every peer by cross-memory attach; `reads_ordinary`: it would
+/// for ordinary tensors too) and reads every rank's: the group does what all can.
+#[allow(clippy::too_many_arguments)]
 fn agree(
     store: &dyn Store,
     members: &[usize],
@@ -128,23 +141,29 @@ fn agree(
     namespace: &str,
     all_heaps: bool,
     reads_peers: bool,
+    reads_ordinary: bool,
     timeout: Duration,
-) -> Result<(bool, bool)> {
+) -> Result<Agreed> {
     let me = members[rank];
     // "h": this rank can take part in zero-copy collectives; "c": it can read every peer by
-    // cross-memory attach.
+    // cross-memory attach; "o": of ordinary tensors too.
     let mut said = vec![if all_heaps { b'h' } else { b'1' }];
     if reads_peers {
         said.push(b'c');
+        if reads_ordinary {
+            said.push(b'o');
+        }
     }
     store.set(&Key::ShmMapped { namespace, rank }.text(), &said)?;
-    let (mut zero_copy, mut all_read) = (true, true);
+    let mut agreed = Agreed { zero_copy: true, all_read: true, ordinary: true };
     for (peer, &member) in members.iter().enumerate() {
         let mapped = store.get(&Key::ShmMapped { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
-        zero_copy &= mapped.first() == Some(&b'h');
-        all_read &= mapped.get(1) == Some(&b'c');
+        agreed.zero_copy &= mapped.first() == Some(&b'h');
+        agreed.all_read &= mapped.get(1) == Some(&b'c');
+        agreed.ordinary &= mapped.get(2) == Some(&b'o');
     }
-    Ok((zero_copy, all_read))
+    agreed.ordinary &= agreed.all_read;
+    Ok(agreed)
 }
 
 #[cfg(test)]
@@ -169,12 +188,12 @@ mod tests {
                         spin: Duration::ZERO,
                         timeout: Duration::from_secs(20),
                         heap_bytes,
-                        cma: false,
+                        cma: CmaUse::Never,
                         oneshot_bytes: 0,
                         pipeline_chunk_log: 20,
                     };
                     let group = ShmGroup::setup(store.as_ref(), &members, rank, "/test", settings).unwrap();
-                    assert!(group.cma().is_none(), "cross-memory attach without XCCL_RS_CMA");
+                    assert!(group.cma().is_none(), "cross-memory attach with XCCL_RS_CMA=0");
                     (group.heaps().is_some(), group.heaps().is_some_and(|h| h.zero_copy()))
                 })
             })
