@@ -93,10 +93,9 @@ fn through_slots(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc
 
 /// After the exchange of the op's first block `first`, in which the root said where its tensor
 /// lies and that it may be read there: every other rank copies it from the root's heap, or
-/// reads it by cross-memory attach,
-/// into its own tensor and publishes `Consumed` for the op's last block `last`; the root
-/// returns once all have. A receiver whose read fails returns its error without publishing,
-/// so the root's wait ends in a timeout naming it.
+/// reads it by cross-memory attach, into its own tensor and publishes `Consumed` for the op's
+/// last block `last`; the root returns once all have. A receiver whose read fails returns its
+/// error without publishing, so the root's wait ends in a timeout naming it.
 fn read_root(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
     let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
