@@ -319,6 +319,7 @@ mod tests {
         assert_eq!(c.spin, Duration::from_micros(50));
         assert_eq!(c.round_bytes, DEFAULT_ROUND_BYTES);
         assert_eq!(c.pipeline_chunk_bytes, DEFAULT_PIPELINE_CHUNK_BYTES);
+        assert_eq!(c.cma, CmaUse::StagedBroadcasts);
     }
 
     #[test]
@@ -329,8 +330,11 @@ mod tests {
             ("XCCL_RS_PIPELINE_CHUNK_BYTES", "100000"),
             ("XCCL_RS_SPIN_US", " 7 "),
             ("XCCL_RS_HOST_ID", "a"),
+            ("XCCL_RS_CMA", "1"),
         ])
         .unwrap();
+        assert_eq!(c.cma, CmaUse::Everything);
+        assert_eq!(from(&[("XCCL_RS_CMA", "0")]).unwrap().cma, CmaUse::Never);
         assert_eq!(c.transport, TransportChoice::Tcp);
         assert_eq!(c.shm_slot_bytes, 4992);
         assert_eq!(c.pipeline_chunk_bytes, 65536);
@@ -346,6 +350,7 @@ mod tests {
             ("XCCL_RS_SHM_CHUNK_BYTES", "4k", "at least 4096"),
             ("XCCL_RS_SPIN_US", "-1", "microseconds"),
             ("XCCL_RS_THREADS", "many", "a whole number"),
+            ("XCCL_RS_CMA", "yes", "0 or 1"),
         ];
         let mut failures = crate::failures::Failures::new();
         for (name, value, allowed) in cases {
