@@ -41,17 +41,6 @@ pub enum CmaUse {
     Everything,
 }
 
-impl CmaUse {
-    /// The setting's value as the communicator's log line shows it.
-    pub fn name(self) -> &'static str {
-        match self {
-            CmaUse::Never => "0",
-            CmaUse::StagedBroadcasts => "staged broadcasts",
-            CmaUse::Everything => "1",
-        }
-    }
-}
-
 pub const DEFAULT_SHM_SLOT_BYTES: usize = 4 << 20;
 pub const DEFAULT_ROUND_BYTES: usize = 1 << 20;
 pub const DEFAULT_THREAD_MIN_BYTES: usize = 256 << 10;

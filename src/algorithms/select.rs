@@ -368,10 +368,10 @@ pub fn takes_one_shot(shm: &ShmCaps, bytes: usize) -> bool {
 }
 
 /// The smallest all-reduce or broadcast (bytes) that reads by cross-memory attach: below it
-/// the synchronization and the system calls cost more than the slots' second copy saves.
-/// A broadcast of that size on a group with cross-memory attach asks its root where its
-/// tensor lies (`BroadcastCmaOrZeroCopy`); the root says whether it may be read there. A constant, not a
-/// setting: it decides whether the pre-sync happens, so every rank must use the same value.
+/// the synchronization and the system calls cost more than the slots' second copy saves (a
+/// broadcast of that size asks its root where its tensor lies, `BroadcastCmaOrZeroCopy`). A
+/// constant, not a setting: it decides whether the pre-sync happens, so every rank must use the
+/// same value.
 pub const CMA_MIN_BYTES: usize = 1 << 20;
 
 /// Whether an all-reduce of `bytes`, past the one-shot limit, reads by cross-memory attach.

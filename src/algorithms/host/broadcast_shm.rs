@@ -13,7 +13,8 @@
 //! from select.rs's size for it ([`run_asking_root_whereabouts`]), the root also says whether
 //! the others may read its tensor where it lies in its own memory: by default only when the
 //! tensor is the pinned buffer through which an accelerator tensor is staged (`Op::staged`),
-//! with `XCCL_RS_CMA=1` always. Then it fills no slot either, and the others read the whole
+//! with `XCCL_RS_CMA=1` always, if the kernel lets it read its own tensor so (memory that a
+//! driver maps may not be). Then it fills no slot either, and the others read the whole
 //! tensor from its memory: one kernel copy per receiver. A staged broadcast so leaves one host
 //! copy between the root's copy off its device and each receiver's copy onto its own.
 
@@ -63,7 +64,10 @@ fn through_slots(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc
     let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
     let block_bytes = shm.slot_bytes();
-    let offers_cma = rank == root && ask == Ask::HeapOrCma && shm.cma().is_some_and(|c| c.ordinary() || op.staged);
+    let offers_cma = rank == root
+        && ask == Ask::HeapOrCma
+        && shm.cma().is_some_and(|c| c.ordinary() || op.staged)
+        && cma::readable(buf);
     let from_root = each_block_until(shm, ctx, buf.len(), block_bytes, |shm, Block { index: b, g, last, start, len }| {
         let asked = b == 0 && ask != Ask::Nothing;
         let in_place = asked && {

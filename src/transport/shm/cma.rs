@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use super::layout::RankHeader;
 use super::segment::Segment;
+use crate::buf::RawBuf;
 use crate::error::{CommError, Result};
 use crate::keys::Key;
 use crate::rendezvous::{Store, rendezvous_error};
@@ -118,6 +119,23 @@ pub fn read(pid: i32, remote: u64, local: &mut [u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Whether this process's `buf` can be read by cross-memory attach, tried on its first and last
+/// byte: the kernel refuses memory it cannot pin page by page (a device driver's mapping, say),
+/// which a peer would then fail to read.
+pub fn readable(buf: RawBuf) -> bool {
+    if buf.is_empty() {
+        return true;
+    }
+    let me = std::process::id() as i32;
+    [0, buf.len() - 1].iter().all(|&at| {
+        let byte = buf.sub(at, 1);
+        // SAFETY: `byte` is one byte inside `buf`, valid for reads for the op (RawBuf::new's
+        // contract); it is only read here.
+        let want = unsafe { *byte.ptr() };
+        probe(me, byte.ptr() as u64, &[want])
+    })
+}
+
 /// Whether `pid`'s memory at `remote` holds `expect`, read through cross-memory attach.
 pub fn probe(pid: i32, remote: u64, expect: &[u8]) -> bool {
     let mut got = vec![0u8; expect.len()];
@@ -140,5 +158,14 @@ mod tests {
         assert!(read(me, 8, &mut out[..8]).is_err(), "an unmapped address is an error, not a read");
         assert!(read(me, u64::MAX - 2, &mut out[..8]).is_err());
         assert!(read(i32::MAX, data.as_ptr() as u64, &mut out[..8]).is_err(), "no such process");
+    }
+
+    #[test]
+    fn ordinary_memory_is_readable_by_this_process() {
+        let mut data = vec![7u8; 3 << 20];
+        data[(3 << 20) - 1] = 9;
+        assert!(readable(RawBuf::from_slice(&mut data)));
+        assert!(readable(RawBuf::from_slice(&mut data[5..6])));
+        assert!(readable(RawBuf::from_slice(&mut [])));
     }
 }
