@@ -40,6 +40,24 @@ WORKER = textwrap.dedent(
                 want = (sum(inputs(r, dtype).float() for r in range(world)) / scale).to(dtype)
                 assert torch.equal(mine, want), (dtype, op, (mine != want).sum().item())
         print("CMA EXACT", flush=True)
+    if mode == "cma_root_dies":
+        # XCCL_RS_CMA=1: 4 MiB broadcasts whose receivers read the root by cross-memory attach.
+        # Then the root dies once it has published where its tensor lies, before rank 1 reads
+        # it: rank 1's broadcast raises (uncaught: the script exits 1), naming rank 0.
+        x = torch.arange(1 << 20, dtype=torch.float32) if rank == 0 else torch.zeros(1 << 20)
+        dist.broadcast(x, src=0)
+        assert torch.equal(x, torch.arange(1 << 20, dtype=torch.float32))
+        print("CMA BROADCAST EXACT", flush=True)
+        if rank == 0:
+            import threading
+            threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        else:
+            time.sleep(1.5)
+        t0 = time.monotonic()
+        try:
+            dist.broadcast(x, src=0)
+        finally:
+            print(f"RAISED AFTER {time.monotonic() - t0:.1f} s", flush=True)
     print("SEGMENTS", sorted(f for f in os.listdir("/dev/shm") if f.startswith("xccl_rs-")), flush=True)
     if mode == "kill" and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -107,6 +125,17 @@ def test_all_reduce_by_cross_memory_attach_across_processes(tmp_path):
         outs = run_group(tmp_path, 2, "normal", {"XCCL_RS_LOG": "info", **env})
         for rc, out in outs:
             assert rc == 0 and says in out, (env, out)
+
+
+def test_a_broadcast_root_that_dies_before_it_is_read_ends_the_receivers_script(tmp_path):
+    outs = run_group(tmp_path, 2, "cma_root_dies", {"XCCL_RS_CMA": "1"})
+    rc0, out0 = outs[0]
+    assert rc0 == -9 and "CMA BROADCAST EXACT" in out0, out0
+    rc1, out1 = outs[1]
+    assert rc1 == 1 and "CMA BROADCAST EXACT" in out1 and "DONE" not in out1, out1
+    assert "rank 0" in out1 and "Traceback" in out1, out1
+    took = float(out1.split("RAISED AFTER ")[1].split(" s")[0])
+    assert took < 4 + 2, out1  # within the group's timeout
 
 
 def test_tcp_can_be_forced(tmp_path):

@@ -115,10 +115,10 @@ fn read_root(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, la
         if rank != root {
             read_by_cma(par, pid, shm.placement(first, root).addr, buf).map_err(|e| {
                 CommError::peer(format!(
-                    "{}: reading root {}'s tensor of {} bytes by cross-memory attach failed: {e} (did it exit?)",
+                    "{}: reading the root's tensor ({} bytes, rank {}) by cross-memory attach failed: {e} (did it exit?)",
                     ctx.describe(),
-                    shm.group_rank(root),
-                    buf.len()
+                    buf.len(),
+                    shm.group_rank(root)
                 ))
             })?;
         }
