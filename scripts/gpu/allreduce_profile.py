@@ -6,25 +6,18 @@ prints its mean time per iteration.
 """
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-from ranks import cuda_group
+from ranks import cuda_group, seconds_per_call
 
 dev, rank, world, group = cuda_group(29613)
 t = torch.ones(32 << 20, dtype=torch.bfloat16, device=dev)
 
 
 def iterations(n):
-    torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        dist.all_reduce(t, group=group)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n
+    return seconds_per_call(lambda: dist.all_reduce(t, group=group), n)
 
 
 print(f"rank {rank} warm-up: {iterations(5) * 1e3:.2f} ms per all_reduce", flush=True)

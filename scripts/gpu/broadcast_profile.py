@@ -10,12 +10,11 @@ writes its trace to $OUT/broadcast_trace_<rank>.json and prints, from its own tr
 
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-from ranks import cuda_group
+from ranks import cuda_group, seconds_per_call
 
 ITERATIONS = 3
 dev, rank, world, group = cuda_group(29614)
@@ -23,13 +22,7 @@ t = torch.ones(256 << 20, dtype=torch.float32, device=dev)
 
 
 def iterations(n):
-    torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        dist.broadcast(t, src=0, group=group)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n
+    return seconds_per_call(lambda: dist.broadcast(t, src=0, group=group), n)
 
 
 def summary(trace_path):

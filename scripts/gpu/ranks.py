@@ -1,8 +1,9 @@
 """What the measuring scripts in scripts/gpu share: this process's place in a group of ranks
 started by hand (RANK, WORLD and PORT from the environment) and an xccl_rs group, with every
-rank on cuda:0."""
+rank on cuda:0; the time of a collective called back to back."""
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,3 +24,15 @@ def cuda_group(default_port: int, via_new_group: bool = True):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         return dev, rank, world, dist.new_group(backend="xccl_rs")
     return dev, rank, world, xccl_rs.new_group(store, rank, world)
+
+
+def seconds_per_call(call, n: int) -> float:
+    """The mean time of ``n`` calls of ``call()`` in a row, from a barrier of every rank to the
+    device's last work."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
