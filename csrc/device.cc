@@ -1,6 +1,8 @@
 // Host staging of accelerator tensors: the device primitives (see device.h).
 #include "xccl_rs/device.h"
 
+#include <dlfcn.h>
+
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/CachingHostAllocator.h>
 #include <c10/util/Exception.h>
@@ -19,7 +21,58 @@ at::Tensor pinned_bytes(size_t bytes, c10::DeviceType device_type) {
                                    c10::DispatchKeySet(c10::DispatchKey::CPU), at::kByte, at::MemoryFormat::Contiguous);
 }
 
+// The CUDA runtime calls that register host memory, from the libcudart a CUDA build of torch
+// has loaded (xccl_rs is built without CUDA's headers or libraries); null where none is loaded.
+struct CudaRuntime {
+  int (*host_register)(void*, size_t, unsigned int) = nullptr;
+  int (*host_unregister)(void*) = nullptr;
+  int (*get_last_error)() = nullptr;
+};
+
+// cudaHostRegisterPortable: page-locked for every CUDA context of the process.
+constexpr unsigned int kCudaHostRegisterPortable = 1;
+
+const CudaRuntime& cuda_runtime() {
+  static const CudaRuntime runtime = [] {
+    for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"}) {
+      void* lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD); // only one already loaded: torch's
+      if (lib == nullptr) {
+        continue;
+      }
+      CudaRuntime r;
+      r.host_register = reinterpret_cast<decltype(r.host_register)>(dlsym(lib, "cudaHostRegister"));
+      r.host_unregister = reinterpret_cast<decltype(r.host_unregister)>(dlsym(lib, "cudaHostUnregister"));
+      r.get_last_error = reinterpret_cast<decltype(r.get_last_error)>(dlsym(lib, "cudaGetLastError"));
+      if (r.host_register != nullptr && r.host_unregister != nullptr && r.get_last_error != nullptr) {
+        return r;
+      }
+    }
+    return CudaRuntime{};
+  }();
+  return runtime;
+}
+
 } // namespace
+
+bool register_host(c10::Device device, size_t address, size_t bytes) {
+  const CudaRuntime& cuda = cuda_runtime();
+  if (device.type() != c10::DeviceType::CUDA || cuda.host_register == nullptr || bytes == 0) {
+    return false;
+  }
+  c10::DeviceGuard device_guard(device);
+  if (cuda.host_register(reinterpret_cast<void*>(address), bytes, kCudaHostRegisterPortable) != 0) {
+    cuda.get_last_error();
+    return false;
+  }
+  return true;
+}
+
+void unregister_host(size_t address) {
+  const CudaRuntime& cuda = cuda_runtime();
+  if (cuda.host_unregister != nullptr && cuda.host_unregister(reinterpret_cast<void*>(address)) != 0) {
+    cuda.get_last_error();
+  }
+}
 
 DeviceStaging::DeviceStaging(c10::Device device)
     : device_(device),
@@ -59,6 +112,12 @@ std::pair<size_t, size_t> DeviceStaging::alloc_pinned(size_t bytes) {
   ensure_streams();
   blocks_.push_back(pinned_bytes(bytes, device_.type()));
   return {blocks_.size() - 1, reinterpret_cast<size_t>(blocks_.back().data_ptr())};
+}
+
+size_t DeviceStaging::adopt(size_t address, size_t bytes) {
+  blocks_.push_back(at::from_blob(reinterpret_cast<void*>(address), {static_cast<int64_t>(bytes)},
+                                  at::TensorOptions().dtype(at::kByte).device(at::kCPU)));
+  return blocks_.size() - 1;
 }
 
 void DeviceStaging::copy(bool to_host, size_t tensor, size_t tensor_offset, size_t block, size_t block_offset, size_t bytes) {

@@ -26,6 +26,18 @@ PinnedBlock staging_alloc_pinned(StagingHandle& handle, size_t bytes) {
   return PinnedBlock{block, address};
 }
 
+size_t staging_adopt(StagingHandle& handle, size_t address, size_t bytes) {
+  return handle.staging->adopt(address, bytes);
+}
+
+bool staging_register_host(StagingHandle& handle, size_t address, size_t bytes) {
+  return register_host(handle.staging->device(), address, bytes);
+}
+
+void staging_unregister_host(size_t address) {
+  unregister_host(address);
+}
+
 void staging_copy(StagingHandle& handle, Toward toward, size_t tensor, size_t tensor_offset, size_t block,
                   size_t block_offset, size_t bytes) {
   handle.staging->copy(toward == Toward::Host, tensor, tensor_offset, block, block_offset, bytes);

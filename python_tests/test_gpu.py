@@ -304,6 +304,43 @@ def _pinned_peak_problems(device_type, tensor_bytes):
     return []
 
 
+def w_broadcast_from_every_root(rank, world_size, n, through_arena):
+    """Broadcasts of ``n`` float32 elements from every root, twice each: every rank ends with the
+    root's values. With a heap the root stages each one in its arena of registered shared memory,
+    and the receivers copy from there onto their device (src/staging/shared.rs): the broadcast
+    runs zero-copy; without one it does not."""
+    import torch
+    import torch.distributed as dist
+
+    import xccl_rs
+    from accel import use
+
+    dev = use("cuda")
+    probs = []
+    for root in range(world_size):
+        for round_ in range(2):  # the second reuses the arena and the receivers' registrations
+            want = torch.arange(n, dtype=torch.float32, device=dev) * (root + 1) + round_
+            t = want.clone() if rank == root else torch.full((n,), -1.0, device=dev)
+            before = xccl_rs.zero_copy_ops()
+            dist.broadcast(t, src=root)
+            what = f"broadcast from {root}, round {round_}"
+            if not torch.equal(t, want):
+                probs.append(f"{what}: {(t != want).sum().item()} of {n} elements wrong")
+            if (xccl_rs.zero_copy_ops() > before) != through_arena:
+                probs.append(f"{what}: ran zero-copy: {xccl_rs.zero_copy_ops() > before}, expected {through_arena}")
+    return probs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("through_arena", [True, False], ids=["arena", "no-heap"])
+def test_large_broadcast_from_every_root(world_size, through_arena):
+    # Ten 4 MiB chunks and a short one: the window's three sets are each reused three times.
+    env = {"XCCL_RS_PIPELINE_CHUNK_BYTES": str(4 << 20)}
+    if not through_arena:
+        env["XCCL_RS_SHM_HEAP_BYTES"] = "0"
+    _check(run_ranks(world_size, w_broadcast_from_every_root, 10 * (1 << 20) + 37, through_arena, timeout_s=240, env=env), world_size)
+
+
 def test_pinned_memory_is_a_window():
     import torch
 

@@ -14,7 +14,7 @@ use crate::error::{CommError, ErrorKind, Result};
 use crate::ffi::ffi::{self, BufferView, FailureListener, OpRequest, StagingHandle, StoreRef, WorkDone};
 use crate::op::Op;
 use crate::rendezvous::Store;
-use crate::staging::{DeviceCopies, Event, Pinned, StagedTensor, Toward};
+use crate::staging::{DeviceCopies, Event, HostRegistration, Pinned, StagedTensor, Toward};
 use crate::types::{DType, OpKind, ReduceOp};
 use crate::transport::shm::heap::HeapBlock;
 
@@ -54,6 +54,14 @@ impl DeviceCopies for BridgeDevice {
     fn alloc_pinned(&mut self, bytes: usize) -> Result<Pinned> {
         let b = ffi::staging_alloc_pinned(self.0.pin_mut(), bytes).map_err(device_error)?;
         Ok(Pinned { block: b.block, address: b.address, bytes })
+    }
+    fn register(&mut self, address: usize, bytes: usize) -> Result<Option<HostRegistration>> {
+        let registered = ffi::staging_register_host(self.0.pin_mut(), address, bytes).map_err(device_error)?;
+        Ok(registered.then(|| HostRegistration::new(address, bytes, ffi::staging_unregister_host)))
+    }
+    fn adopt(&mut self, address: usize, bytes: usize) -> Result<Pinned> {
+        let block = ffi::staging_adopt(self.0.pin_mut(), address, bytes).map_err(device_error)?;
+        Ok(Pinned { block, address, bytes })
     }
     fn copy(&mut self, to: Toward, tensor: usize, tensor_offset: usize, block: usize, block_offset: usize, bytes: usize) -> Result<()> {
         ffi::staging_copy(self.0.pin_mut(), toward(to), tensor, tensor_offset, block, block_offset, bytes).map_err(device_error)

@@ -33,7 +33,7 @@ use crate::fabric::Fabric;
 use crate::op::{Completion, Op};
 use crate::pipeline;
 use crate::rendezvous::{Store, agree_on_secret};
-use crate::staging::{DeviceCopies, StagedJob, StagedTensor};
+use crate::staging::{DeviceCopies, DirectOutput, StagedJob, StagedTensor};
 use crate::transport::OpCtx;
 use crate::transport::shm::heap::{Heap, HeapBlock};
 use crate::types::OpKind;
@@ -459,7 +459,7 @@ impl Worker {
             return Err(CommError::aborted(failed_earlier(e)));
         }
         if let Some(s) = staging.as_deref_mut() {
-            if let Err(e) = s.start() {
+            if let Err(e) = s.start(self.fabric.parts.host_heaps_mut()) {
                 let ctx = self.ctx(ops.first().map_or(OpKind::Barrier, |o| o.kind), self.seq);
                 let e = ctx.annotate(e);
                 self.fail(&ctx, e.clone());
@@ -564,7 +564,7 @@ impl Worker {
         let chunk_bytes = self.config.pipeline_chunk_bytes;
         let world_size = self.fabric.net.size();
         let mut first = None;
-        pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk| {
+        pipeline::run_chunks(op, index, chunk_bytes, ctx, staging, |chunk, staging| {
             let fabric = FabricCaps::of(&self.fabric.parts, world_size);
             let path = select::select_for(chunk, &fabric);
             first.get_or_insert(select::algorithm_of_path(path, op.kind, &fabric));
@@ -577,6 +577,7 @@ impl Worker {
                 round_bytes: self.config.round_bytes,
                 scratch: &mut self.scratch,
                 world_size,
+                direct_output: staging.map(|s| s as &mut dyn DirectOutput),
             };
             run_collective(&mut step, &mut self.fabric.parts, chunk, path)
         })?;

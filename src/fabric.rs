@@ -27,7 +27,7 @@ use crate::hosts::{HostMap, this_host};
 use crate::par::Par;
 use crate::peers::{PeerSet, eager_peers};
 use crate::rendezvous::Store;
-use crate::transport::shm::heap::Heap;
+use crate::transport::shm::heap::{Heap, Heaps};
 use crate::transport::shm::{ShmGroup, ShmSettings};
 use crate::transport::tcp::handshake::Secret;
 use crate::transport::choice::agree_on_transport;
@@ -54,6 +54,14 @@ pub enum Parts {
 }
 
 impl Parts {
+    /// The heaps of a single-host group.
+    pub fn host_heaps_mut(&mut self) -> Option<&mut Heaps> {
+        match self {
+            Parts::Host(shm) => shm.heaps_mut(),
+            _ => None,
+        }
+    }
+
     pub fn shape(&self) -> Shape {
         match self {
             Parts::Mesh => Shape::Mesh,

@@ -212,6 +212,13 @@ pub mod ffi {
         // runs the job. Each throws (an Err here) on a device error.
         /// `bytes` of pinned host memory, kept until the job ends.
         fn staging_alloc_pinned(staging: Pin<&mut StagingHandle>, bytes: usize) -> Result<PinnedBlock>;
+        /// A block on `bytes` of registered host memory at `address` (kept registered and
+        /// mapped until the job ends); its number.
+        fn staging_adopt(staging: Pin<&mut StagingHandle>, address: usize, bytes: usize) -> Result<usize>;
+        /// Registers host memory with the job's device runtime; false where it cannot.
+        fn staging_register_host(staging: Pin<&mut StagingHandle>, address: usize, bytes: usize) -> Result<bool>;
+        /// Ends a registration. Never throws.
+        fn staging_unregister_host(address: usize);
         /// Queues on `toward`'s stream a copy of `bytes` bytes between byte `tensor_offset` of
         /// staged tensor `tensor` and byte `block_offset` of pinned block `block`.
         fn staging_copy(

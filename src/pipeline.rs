@@ -47,14 +47,15 @@ pub fn chunk_op(op: &Op<Buf>, c: usize, k: usize) -> Op<Buf> {
 
 /// Runs every chunk of collective `op` (op `index` of its job): `run` for each chunk on host
 /// memory, between `staging`'s waits for its inputs and its copies back (their errors say
-/// which operation they broke: `ctx`). Without staging, every buffer must be host memory.
+/// which operation they broke: `ctx`), given the staging to deliver the chunk's output
+/// (staging/mod.rs `DirectOutput`). Without staging, every buffer must be host memory.
 pub fn run_chunks(
     op: &Op<Buf>,
     index: usize,
     chunk_bytes: usize,
     ctx: &OpCtx,
     mut staging: Option<&mut StagedJob>,
-    mut run: impl FnMut(&Op) -> Result<()>,
+    mut run: impl FnMut(&Op, Option<&mut StagedJob>) -> Result<()>,
 ) -> Result<()> {
     let (c, chunks) = plan(op, chunk_bytes);
     for k in 0..chunks {
@@ -64,7 +65,7 @@ pub fn run_chunks(
             Some(s) => s.inputs_ready(index, k, &chunk),
             None => chunk.host(),
         };
-        run(&on_host.map_err(|e| ctx.annotate(e))?)?;
+        run(&on_host.map_err(|e| ctx.annotate(e))?, staging.as_deref_mut())?;
         if let Some(s) = staging.as_deref_mut() {
             s.outputs_done(index, k).map_err(|e| ctx.annotate(e))?;
         }

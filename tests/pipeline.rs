@@ -16,7 +16,7 @@ use std::time::Duration;
 use xccl_rs::buf::Buf;
 use xccl_rs::comm::Staged;
 use xccl_rs::staging::plan::COPY_AHEAD;
-use xccl_rs::staging::{DeviceCopies, Event, Pinned, StagedTensor, Toward};
+use xccl_rs::staging::{DeviceCopies, Event, HostRegistration, Pinned, StagedTensor, Toward};
 use xccl_rs::{CommError, Config, DType, Op, OpKind, ReduceOp};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -70,8 +70,14 @@ fn queue_of(t: Toward) -> usize {
 
 struct FakeDevice {
     tensors: Vec<FakeTensor>,
-    /// Pinned blocks (their memory, which the core reads and writes through addresses).
-    blocks: Vec<Vec<u8>>,
+    /// Pinned blocks' memory, which the core reads and writes through addresses.
+    owned: Vec<Vec<u8>>,
+    /// Blocks (address, length): pinned ones (in `owned`) and registered memory adopted.
+    blocks: Vec<(usize, usize)>,
+    /// Whether it registers host memory (DeviceCopies::register).
+    registers: bool,
+    /// Blocks adopted in this job.
+    pub adopted: Arc<Mutex<usize>>,
     /// The caller's stream, the to-host stream and the copy-back stream.
     queues: [VecDeque<Action>; 3],
     fired: Vec<bool>,
@@ -98,7 +104,10 @@ impl FakeDevice {
         caller.push_back(Action::Mark(0));
         FakeDevice {
             tensors,
+            owned: Vec::new(),
             blocks: Vec::new(),
+            registers: false,
+            adopted: Arc::new(Mutex::new(0)),
             queues: [caller, VecDeque::new(), VecDeque::new()],
             fired: vec![false],
             stream_of_event: vec![CALLER],
@@ -139,7 +148,12 @@ impl FakeDevice {
             Action::Copy(toward, [tensor, tensor_offset, block, block_offset, len]) => {
                 let mut device = self.tensors[tensor].bytes.lock().unwrap();
                 let device = &mut device[tensor_offset..tensor_offset + len];
-                let host = &mut self.blocks[block][block_offset..block_offset + len];
+                let (address, block_len) = self.blocks[block];
+                assert!(block_offset + len <= block_len, "checked when queued");
+                // SAFETY: the block is pinned memory of `owned`, or memory the core adopted,
+                // which it keeps mapped until the job ends (DeviceCopies::adopt); the range lies
+                // inside it (asserted above); the core touches it only under the events.
+                let host = unsafe { std::slice::from_raw_parts_mut((address + block_offset) as *mut u8, len) };
                 match toward {
                     Toward::Host => host.copy_from_slice(device),
                     Toward::Device => device.copy_from_slice(host),
@@ -156,9 +170,32 @@ impl DeviceCopies for FakeDevice {
             return Err(CommError::io("out of pinned memory"));
         }
         *self.pinned_bytes.lock().unwrap() += bytes;
-        self.blocks.push(vec![POISON; bytes]);
-        let block = self.blocks.len() - 1;
-        Ok(Pinned { block, address: self.blocks[block].as_mut_ptr() as usize, bytes })
+        self.owned.push(vec![POISON; bytes]);
+        let address = self.owned.last_mut().unwrap().as_mut_ptr() as usize;
+        self.blocks.push((address, bytes));
+        Ok(Pinned { block: self.blocks.len() - 1, address, bytes })
+    }
+
+    fn register(&mut self, address: usize, bytes: usize) -> Result<Option<HostRegistration>, CommError> {
+        if !self.registers {
+            return Ok(None);
+        }
+        let mut registered = REGISTERED.lock().unwrap();
+        if registered.iter().any(|&(a, b)| address < a + b && a < address + bytes) {
+            return Err(CommError::io(format!("fake device: {bytes} bytes at {address:#x} overlap a registration")));
+        }
+        registered.push((address, bytes));
+        Ok(Some(HostRegistration::new(address, bytes, unregister)))
+    }
+
+    fn adopt(&mut self, address: usize, bytes: usize) -> Result<Pinned, CommError> {
+        let registered = REGISTERED.lock().unwrap().iter().any(|&(a, b)| a <= address && address + bytes <= a + b);
+        if !registered {
+            return Err(CommError::io(format!("fake device: adopting {bytes} bytes at {address:#x}, which are not registered")));
+        }
+        *self.adopted.lock().unwrap() += 1;
+        self.blocks.push((address, bytes));
+        Ok(Pinned { block: self.blocks.len() - 1, address, bytes })
     }
 
     fn copy(
@@ -172,7 +209,7 @@ impl DeviceCopies for FakeDevice {
     ) -> Result<(), CommError> {
         let t = self.tensors.get(tensor).ok_or_else(|| CommError::io("no such tensor"))?;
         let tensor_len = t.bytes.lock().unwrap().len();
-        let block_len = self.blocks.get(block).map_or(0, |b| b.len());
+        let block_len = self.blocks.get(block).map_or(0, |b| b.1);
         if tensor_offset + len > tensor_len || block_offset + len > block_len {
             return Err(CommError::io(format!("fake device: copy of {len} bytes out of bounds")));
         }
@@ -213,6 +250,15 @@ impl DeviceCopies for FakeDevice {
         *self.finished.lock().unwrap() = true;
         Ok(())
     }
+}
+
+/// Host memory registered with the fake device (address, bytes), by every test of this binary.
+static REGISTERED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+fn unregister(address: usize) {
+    let mut registered = REGISTERED.lock().unwrap();
+    let at = registered.iter().position(|&(a, _)| a == address).expect("unregistering memory that is not registered");
+    registered.swap_remove(at);
 }
 
 impl Drop for FakeDevice {
@@ -506,4 +552,52 @@ fn staged_broadcast_reads_the_roots_pinned_buffer_by_cma() {
         }
         failures.finish(&format!("staged broadcast with cma {setting:?}"));
     }
+}
+
+/// A broadcast of a staged tensor on a device that registers host memory (CUDA does): the root
+/// stages it in its arena, registered shared memory, and every receiver copies each chunk of
+/// 1 MiB or more from there straight onto its device (one adopted block per chunk; the last,
+/// short chunk goes through the slots). Six chunks through the window's three sets, on a device
+/// that runs copies only when waited for: a receiver that let the root go on before its copy
+/// had run would copy the root's later bytes. With a rank whose device cannot register, the
+/// others stage as before when it is the root, and it copies on the host when it receives. Two
+/// rounds per root reuse the arena and the registrations, and every registration ends with the
+/// group.
+#[test]
+fn staged_broadcast_receivers_copy_straight_from_the_roots_registered_arena() {
+    const MIB: usize = 1 << 20;
+    let len = 5 * MIB + 100;
+    let config = Config { pipeline_chunk_bytes: MIB, shm_slot_bytes: 64 << 10, ..cfg(Net::Shm) };
+    let mut failures = Failures::new();
+    for size in [2usize, 3] {
+        for cannot_register in [None, Some(size - 1)] {
+            let group = format!("size {size}, rank that cannot register {cannot_register:?}");
+            sweep_ranks(&mut failures, &group, size, config.clone(), LIMIT, move |rank, comm, _, f| {
+                let registers = |r: usize| Some(r) != cannot_register;
+                for root in 0..size {
+                    for round in 0..2u64 {
+                        let what = format!("root {root}, round {round}, rank {rank}");
+                        let salt = 2 * root as u64 + round;
+                        let t = tensor(len, true, rank == root, rank != root);
+                        let mut fake = FakeDevice::new(vec![t.clone()], vec![pattern(rank, salt, len)]);
+                        fake.registers = registers(rank);
+                        let adopted = fake.adopted.clone();
+                        let broadcast = Op { root: root as i64, ..job_op(OpKind::Broadcast, DType::UInt8, vec![], vec![staged(0, 0, len)]) };
+                        f.op(run_staged(&comm, vec![broadcast], fake), &what)?;
+                        f.result(same_bytes(&t.bytes.lock().unwrap(), &pattern(root, salt, len)), &what);
+                        let want = match (registers(rank), registers(root)) {
+                            (false, _) | (true, false) => 0,
+                            _ if rank == root => 1, // the window, in the arena
+                            _ => 5,                 // each chunk of 1 MiB, from the root's arena
+                        };
+                        f.eq(*adopted.lock().unwrap(), want, format!("{what}: blocks adopted"));
+                    }
+                }
+                Ok(())
+            });
+        }
+    }
+    let left = REGISTERED.lock().unwrap().clone();
+    failures.check(left.is_empty(), || format!("registrations left after the groups ended: {left:?}"));
+    failures.finish("staged broadcast through registered arenas");
 }

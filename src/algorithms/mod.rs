@@ -28,6 +28,7 @@ use crate::error::Result;
 use crate::op::{Op, OpIdentity};
 use crate::par::Par;
 use crate::reduce::Reduction;
+use crate::staging::DirectOutput;
 use crate::fabric::Parts;
 use crate::transport::{Direction, MessageId, OpCtx, RawBuf, Transfer, Transport};
 use crate::types::DType;
@@ -52,6 +53,9 @@ pub struct Step<'a> {
     /// The size of the whole group: AVG's divisor. It is the transport's size, except in the
     /// leaders' step of a hierarchical collective, which runs among fewer ranks.
     pub world_size: usize,
+    /// The staging of the op's accelerator tensors, where the op may take its output from a
+    /// peer's registered memory straight onto the device (staging/shared.rs).
+    pub direct_output: Option<&'a mut dyn DirectOutput>,
 }
 
 impl Step<'_> {
@@ -158,7 +162,7 @@ pub fn run_collective(step: &mut Step<'_>, parts: &mut Parts, op: &Op, path: Pat
         // Every other path is a shared-memory one, which the table picks only on a Host fabric.
         (path, Parts::Host(shm)) => {
             let desc = host::blocks::describe(shm, ctx.seq, &step.identity);
-            host::run(path, shm, step.par, ctx, op, desc)
+            host::run(path, shm, step.par, ctx, op, desc, step.direct_output.as_mut().map(|d| &mut **d as &mut dyn DirectOutput))
         }
         (path, _) => unreachable!("{path} does not run on this fabric"),
     }

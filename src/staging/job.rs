@@ -21,9 +21,12 @@
 use crate::buf::{Buf, RawBuf};
 use crate::error::{CommError, Result};
 use crate::op::Op;
+use crate::transport::shm::heap::{HEAP_PAGE, Heaps};
+use crate::types::OpKind;
 
 use super::plan::{COPY_AHEAD, OpPlan, Plan, View, WINDOW_SETS};
-use super::{DeviceCopies, Event, ISSUED, Pinned, StagedTensor, Toward};
+use super::shared::arena_bytes;
+use super::{DeviceCopies, DirectOutput, Event, ISSUED, Pinned, SharedStaging, StagedTensor, Toward};
 
 pub struct StagedJob {
     plan: Plan,
@@ -39,14 +42,27 @@ pub struct StagedJob {
     /// The first copy number whose copies to the host are not queued yet.
     next_copy_in: usize,
     begun: bool,
+    chunk_bytes: usize,
+    /// Every op is a broadcast and no tensor is written: a broadcast root's job, which may
+    /// stage in its arena (shared.rs).
+    root_of_broadcasts: bool,
+    /// The chunk whose inputs are ready (op index, chunk), for [`DirectOutput::deliver`].
+    current: Option<(usize, usize)>,
+    /// Per copy number: its output came onto the device straight from a peer's arena.
+    delivered: Vec<bool>,
 }
 
 impl StagedJob {
     /// The job of `ops` on `tensors` (plan.rs), copying through `device`.
     pub fn new(ops: &[Op<Buf>], tensors: Vec<StagedTensor>, chunk_bytes: usize, device: Box<dyn DeviceCopies>) -> Result<StagedJob> {
         let plan = Plan::new(ops, &tensors, chunk_bytes)?;
+        let root_of_broadcasts = ops.iter().all(|o| o.kind == OpKind::Broadcast) && tensors.iter().all(|t| !t.write);
         Ok(StagedJob {
             copied_in: vec![None; plan.copies.len()],
+            delivered: vec![false; plan.copies.len()],
+            chunk_bytes,
+            root_of_broadcasts,
+            current: None,
             set_free: vec![None; WINDOW_SETS],
             whole: vec![None; tensors.len()],
             plan,
@@ -62,8 +78,22 @@ impl StagedJob {
         &self.plan
     }
 
-    /// Allocates the job's pinned memory.
-    pub fn start(&mut self) -> Result<()> {
+    /// Allocates the job's pinned memory: in this rank's arena, registered shared memory of its
+    /// group's `heaps`, where the job is a broadcast root's that fits (shared.rs), else from the
+    /// device runtime.
+    pub fn start(&mut self, heaps: Option<&mut Heaps>) -> Result<()> {
+        if let Some(base) = self.arena(heaps)? {
+            let (window_at, whole_at, _) = self.arena_layout();
+            if let Some(w) = self.plan.window {
+                self.window = Some(self.device.adopt(base + window_at, w.bytes())?);
+            }
+            for (t, at) in whole_at.into_iter().enumerate() {
+                if let Some(at) = at {
+                    self.whole[t] = Some(self.device.adopt(base + at, self.tensors[t].bytes)?);
+                }
+            }
+            return Ok(());
+        }
         for (t, tensor) in self.tensors.iter().enumerate() {
             if !self.plan.windowed[t] && tensor.bytes > 0 {
                 self.whole[t] = Some(self.device.alloc_pinned(tensor.bytes)?);
@@ -75,9 +105,36 @@ impl StagedJob {
         Ok(())
     }
 
+    /// The address of this rank's arena, where the job stages in it: a broadcast root's job
+    /// whose buffers fit, on a group whose ranks read each other's heaps.
+    fn arena(&mut self, heaps: Option<&mut Heaps>) -> Result<Option<usize>> {
+        let bytes = arena_bytes(self.chunk_bytes);
+        let Some(heaps) = heaps.filter(|h| h.zero_copy() && self.root_of_broadcasts && self.arena_layout().2 <= bytes) else {
+            return Ok(None);
+        };
+        Ok(heaps.staging_arena(bytes, self.device.as_mut())?.map(|(address, _)| address))
+    }
+
+    /// Where the job's buffers go in an arena: the window's offset, each whole buffer's, and the
+    /// bytes they take, every buffer starting on a page.
+    fn arena_layout(&self) -> (usize, Vec<Option<usize>>, usize) {
+        let mut end = 0;
+        let mut place = |bytes: usize| {
+            let at = end;
+            end += bytes.div_ceil(HEAP_PAGE) * HEAP_PAGE;
+            at
+        };
+        let window_at = place(self.plan.window.map_or(0, |w| w.bytes()));
+        let whole_at = (self.tensors.iter().enumerate())
+            .map(|(t, tensor)| (!self.plan.windowed[t] && tensor.bytes > 0).then(|| place(tensor.bytes)))
+            .collect();
+        (window_at, whole_at, end)
+    }
+
     /// Waits until chunk `k` of op `index` is on the host; returns `chunk` (that chunk of the
     /// op, pipeline.rs) on host memory.
     pub fn inputs_ready(&mut self, index: usize, k: usize, chunk: &Op<Buf>) -> Result<Op> {
+        self.current = Some((index, k));
         let op = &self.plan.ops[index];
         if !op.views.is_empty() {
             let copy = op.first_copy + k;
@@ -99,7 +156,7 @@ impl StagedJob {
             return Ok(());
         }
         let copy = op.first_copy + k;
-        for v in op.views.iter().filter(|v| v.output) {
+        for v in op.views.iter().filter(|v| v.output && !self.delivered[copy]) {
             if self.tensors[v.tensor].write && self.tensors[v.tensor].contiguous {
                 let (block, block_offset) = self.host_of(op, v, k, copy);
                 let (start, len) = op.chunk_of(v, k);
@@ -207,6 +264,33 @@ impl StagedJob {
         })?;
         on_host.staged = !op.views.is_empty();
         Ok(on_host)
+    }
+}
+
+impl DirectOutput for StagedJob {
+    fn deliver(&mut self, source: RawBuf, mapped_end: usize, shared: &mut SharedStaging) -> Result<bool> {
+        let Some((index, k)) = self.current else {
+            return Ok(false);
+        };
+        let op = &self.plan.ops[index];
+        let copy = op.first_copy + k;
+        let [v] = op.views[..] else {
+            return Ok(false);
+        };
+        let tensor = self.tensors[v.tensor];
+        let (start, len) = op.chunk_of(&v, k);
+        if !v.output || !tensor.write || !tensor.contiguous || len != source.len() || len == 0 {
+            return Ok(false);
+        }
+        if !shared.register_peer_range(source, self.chunk_bytes, mapped_end, self.device.as_mut())? {
+            return Ok(false);
+        }
+        let block = self.device.adopt(source.ptr() as usize, len)?;
+        self.device.copy(Toward::Device, v.tensor, v.offset + start, block.block, 0, len)?;
+        let copied = self.device.record(Toward::Device)?;
+        self.device.synchronize(copied)?;
+        self.delivered[copy] = true;
+        Ok(true)
     }
 }
 

@@ -19,9 +19,12 @@
 
 pub mod job;
 pub mod plan;
+pub mod shared;
 
 pub use job::StagedJob;
+pub use shared::{HostRegistration, SharedStaging};
 
+use crate::buf::RawBuf;
 use crate::error::Result;
 
 /// An accelerator tensor of a job, as the bridge describes it.
@@ -65,6 +68,16 @@ pub trait DeviceCopies: Send {
     /// `bytes` of pinned host memory. It stays valid, and nobody else touches it, until the job
     /// ends; copies queued on it keep it until they have run.
     fn alloc_pinned(&mut self, bytes: usize) -> Result<Pinned>;
+    /// Registers `bytes` of host memory at `address`, shared memory mapped by this process, with
+    /// the device runtime, so that copies to and from it run as fast as pinned memory's. The
+    /// memory must stay mapped until the registration is dropped. None where the runtime has
+    /// no way to register host memory (shared.rs).
+    fn register(&mut self, address: usize, bytes: usize) -> Result<Option<HostRegistration>>;
+    /// A block for [`copy`](Self::copy) on `bytes` of memory at `address` that [`register`]
+    /// registered, which stays registered and mapped until the job ends.
+    ///
+    /// [`register`]: Self::register
+    fn adopt(&mut self, address: usize, bytes: usize) -> Result<Pinned>;
     /// Queues on `toward`'s stream a copy of `bytes` bytes between byte `tensor_offset` of staged
     /// tensor `tensor` and byte `block_offset` of pinned block `block`. A non-contiguous tensor
     /// can only be copied whole (offset 0, all its bytes).
@@ -78,4 +91,15 @@ pub trait DeviceCopies: Send {
     /// After the job's last copy back: records the event the caller's stream waits for in
     /// `Work.wait()`, and releases the pinned memory (its pending copies keep it as needed).
     fn finish(&mut self) -> Result<()>;
+}
+
+/// What a staged job offers the algorithm that runs its current chunk: taking the chunk's
+/// output from elsewhere than its pinned memory (a broadcast's receivers, shared.rs).
+pub trait DirectOutput: Send {
+    /// The current chunk's only output is the `source.len()` bytes at `source`, part of a peer's
+    /// arena mapped here at `[.., mapped_end)`, unchanged until this returns. Copies them straight
+    /// onto the device, registering them first where needed (`shared`), and returns once the
+    /// copy has run: true. False, having copied nothing, where the output is no accelerator
+    /// tensor's or the memory cannot be registered: then the caller copies on the host.
+    fn deliver(&mut self, source: RawBuf, mapped_end: usize, shared: &mut SharedStaging) -> Result<bool>;
 }

@@ -68,6 +68,10 @@ class DeviceStaging {
   // The thread that runs the job (each throws on a device error or a range out of bounds):
   // `bytes` of pinned host memory: (block number, address).
   std::pair<size_t, size_t> alloc_pinned(size_t bytes);
+  // A block on `bytes` of host memory at `address` that register_host() registered and that
+  // stays registered and mapped until the job ends (the core's shared staging arena, or a
+  // peer's, src/staging/shared.rs): its number.
+  size_t adopt(size_t address, size_t bytes);
   // Queues a copy of `bytes` bytes between byte `tensor_offset` of tensor `tensor` and byte
   // `block_offset` of pinned block `block`, on the to-host stream or the copy-back stream. A
   // non-contiguous tensor is copied whole only (offset 0, all its bytes).
@@ -107,5 +111,14 @@ class DeviceStaging {
   std::vector<c10::Event> events_;   // events_[0]: `issued`
   c10::Event outputs_ready_;         // after every copy back
 };
+
+// Page-locks `bytes` of host memory at `address`, shared memory mapped by this process, for
+// `device`'s runtime where it has a way to: CUDA's cudaHostRegister (portable: for every device
+// of the process), from the CUDA runtime that torch loaded. Returns false where the runtime has
+// none (XPU in torch today, a CPU-only torch) or refused (its error is cleared, so it does not
+// surface in a later call).
+bool register_host(c10::Device device, size_t address, size_t bytes);
+// Ends a registration that register_host() made. Never throws.
+void unregister_host(size_t address);
 
 } // namespace xccl_rs

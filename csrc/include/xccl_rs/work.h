@@ -67,6 +67,9 @@ enum class Toward : std::uint8_t;    // src/ffi.rs
 // The staging primitives (device.h), as the bridge declares them (src/ffi.rs). Called on the
 // thread that runs the job; each throws (cxx turns that into the Rust Err) on a device error.
 PinnedBlock staging_alloc_pinned(StagingHandle& handle, size_t bytes);
+size_t staging_adopt(StagingHandle& handle, size_t address, size_t bytes);
+bool staging_register_host(StagingHandle& handle, size_t address, size_t bytes);
+void staging_unregister_host(size_t address);
 void staging_copy(StagingHandle& handle, Toward toward, size_t tensor, size_t tensor_offset, size_t block,
                   size_t block_offset, size_t bytes);
 size_t staging_record(StagingHandle& handle, Toward toward);

@@ -25,6 +25,7 @@ use super::zero_copy::{count_zero_copy, describe_views, in_heap, peer_views};
 use crate::error::{CommError, Result};
 use crate::op::Op;
 use crate::par::Par;
+use crate::staging::DirectOutput;
 use crate::transport::{OpCtx, RawBuf};
 use crate::transport::shm::{Counter, Desc, ShmGroup, cma};
 
@@ -40,18 +41,18 @@ enum Ask {
 
 /// Through the slots.
 pub fn run(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    through_slots(shm, par, ctx, op, desc, Ask::Nothing)
+    through_slots(shm, par, ctx, op, desc, Ask::Nothing, None)
 }
 
 /// Through the slots, or from the root's heap when its tensor lies there (module comment).
-pub fn run_asking_root_heap(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    through_slots(shm, par, ctx, op, desc, Ask::Heap)
+pub fn run_asking_root_heap(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, direct: Option<&mut dyn DirectOutput>) -> Result<()> {
+    through_slots(shm, par, ctx, op, desc, Ask::Heap, direct)
 }
 
 /// Through the slots, or from the root's tensor where it lies (its heap, or its memory by
 /// cross-memory attach) when the root allows it (module comment).
-pub fn run_asking_root_whereabouts(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
-    through_slots(shm, par, ctx, op, desc, Ask::HeapOrCma)
+pub fn run_asking_root_whereabouts(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, direct: Option<&mut dyn DirectOutput>) -> Result<()> {
+    through_slots(shm, par, ctx, op, desc, Ask::HeapOrCma, direct)
 }
 
 /// After the root's answer for block `g` is published: whether the others read its tensor
@@ -60,7 +61,7 @@ fn root_readable(shm: &ShmGroup, g: u64, root: usize, ask: Ask) -> bool {
     in_heap(shm, g, root) || (ask == Ask::HeapOrCma && shm.placement(g, root).addr != 0)
 }
 
-fn through_slots(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, ask: Ask) -> Result<()> {
+fn through_slots(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, ask: Ask, direct: Option<&mut dyn DirectOutput>) -> Result<()> {
     let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
     let block_bytes = shm.slot_bytes();
@@ -90,7 +91,7 @@ fn through_slots(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc
         Ok(ControlFlow::Continue(()))
     })?;
     match from_root {
-        Some((first, last)) => read_root(shm, par, ctx, op, first, last),
+        Some((first, last)) => read_root(shm, par, ctx, op, first, last, direct),
         None => Ok(()),
     }
 }
@@ -100,13 +101,24 @@ fn through_slots(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc
 /// reads it by cross-memory attach, into its own tensor and publishes `Consumed` for the op's
 /// last block `last`; the root returns once all have. A receiver whose read fails returns its
 /// error without publishing, so the root's wait ends in a timeout naming it.
-fn read_root(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, last: u64) -> Result<()> {
+///
+/// Where the root's tensor lies in its staging arena (staging/shared.rs) and this rank's output
+/// is an accelerator tensor's chunk, `direct` copies it from the root's arena straight onto the
+/// device, and publishes only once that copy has run.
+fn read_root(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, last: u64, direct: Option<&mut dyn DirectOutput>) -> Result<()> {
     let (rank, root) = (shm.rank(), op.root as usize);
     let buf = op.outputs[0];
     if in_heap(shm, first, root) {
         count_zero_copy(shm, ctx.seq);
         if rank != root {
-            par.copy_out(peer_views(shm, first, root, 1, buf.len())?[0], buf, buf.len());
+            let source = peer_views(shm, first, root, 1, buf.len())?[0];
+            let delivered = match (direct, shm.placement(first, root).arena) {
+                (Some(direct), true) => deliver(shm, root, source, direct)?,
+                _ => false,
+            };
+            if !delivered {
+                par.copy_out(source, buf, buf.len());
+            }
         }
     } else {
         let cma = shm.cma_mut().ok_or_else(|| CommError::invalid("internal error (please report): a broadcast read by cross-memory attach on a group without it"))?;
@@ -126,6 +138,18 @@ fn read_root(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, la
     shm.publish(Counter::Reduced, last);
     shm.publish(Counter::Consumed, last);
     if rank == root { shm.wait_all(Counter::Consumed, last, ctx) } else { Ok(()) }
+}
+
+/// Copies `source`, in local rank `root`'s arena, straight onto this rank's device (`direct`);
+/// whether it did.
+fn deliver(shm: &mut ShmGroup, root: usize, source: RawBuf, direct: &mut dyn DirectOutput) -> Result<bool> {
+    let Some(heaps) = shm.heaps_mut() else {
+        return Ok(false);
+    };
+    let Some(mapped_end) = heaps.peer(root).map(|p| p.mapped_end()) else {
+        return Ok(false);
+    };
+    direct.deliver(source, mapped_end, heaps.staging_mut())
 }
 
 /// Reads `buf.len()` bytes of process `pid` from its address `addr` into `buf`, split across

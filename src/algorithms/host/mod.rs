@@ -29,12 +29,14 @@ use crate::algorithms::select::{Algorithm, Path};
 use crate::error::Result;
 use crate::op::Op;
 use crate::par::Par;
+use crate::staging::DirectOutput;
 use crate::transport::OpCtx;
 use crate::transport::shm::{Desc, ShmGroup};
 
 /// Runs `op` on `path`, one of the shared-memory paths (select.rs), with this rank's compute
-/// threads `par` for the copies and reductions of its steps.
-pub fn run(path: Path, shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
+/// threads `par` for the copies and reductions of its steps; a broadcast's receiver may take
+/// its output straight onto its device through `direct` (broadcast_shm.rs).
+pub fn run(path: Path, shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc, direct: Option<&mut dyn DirectOutput>) -> Result<()> {
     use Path::*;
     match path {
         AllReduceOneShot => allreduce_one_shot::run(shm, ctx, op, desc),
@@ -42,8 +44,8 @@ pub fn run(path: Path, shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc
         AllReduceSlotsOrZeroCopy => allreduce_shm::run_asking_heap(shm, par, ctx, op, desc),
         AllReduceCmaOrZeroCopy => allreduce_cma::run(shm, par, ctx, op, desc),
         BroadcastSlots => broadcast_shm::run(shm, par, ctx, op, desc),
-        BroadcastSlotsOrZeroCopy => broadcast_shm::run_asking_root_heap(shm, par, ctx, op, desc),
-        BroadcastCmaOrZeroCopy => broadcast_shm::run_asking_root_whereabouts(shm, par, ctx, op, desc),
+        BroadcastSlotsOrZeroCopy => broadcast_shm::run_asking_root_heap(shm, par, ctx, op, desc, direct),
+        BroadcastCmaOrZeroCopy => broadcast_shm::run_asking_root_whereabouts(shm, par, ctx, op, desc, direct),
         AllGatherSlots => allgather_shm::run(shm, par, ctx, op, desc),
         AllGatherZeroCopy => allgather_zero_copy::run(shm, par, ctx, op, desc),
         ReduceScatterSlots => reduce_scatter_shm::run(shm, par, ctx, op, desc),

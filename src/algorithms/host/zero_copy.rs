@@ -39,11 +39,12 @@ pub fn presync(shm: &mut ShmGroup, ctx: &OpCtx, desc: Desc, views: &[RawBuf]) ->
 /// Records, with the description of the op starting at block `g`, where this rank's `views`
 /// of the op lie: in its heap, when all lie there evenly spaced (`Heap::placement`), and, if
 /// `by_cma`, the first one's address in this process, for peers that read it by cross-memory
-/// attach (else 0).
+/// attach (else 0), and whether they lie in its staging arena (staging/shared.rs).
 pub fn describe_views(shm: &ShmGroup, g: u64, views: &[RawBuf], by_cma: bool) {
     let heap = shm.heaps().and_then(|h| h.own().placement(views)).map(|(offset, stride)| (offset as u64, stride as u64));
     let addr = views.first().filter(|_| by_cma).map_or(0, |v| v.ptr() as u64);
-    shm.place(g, Placement { heap, addr });
+    let arena = heap.is_some() && shm.heaps().is_some_and(|h| views.iter().all(|v| h.staging().holds(*v)));
+    shm.place(g, Placement { heap, addr, arena });
 }
 
 /// After rank `r`'s `Produced` ≥ g: whether `r` said its views of the op lie in its heap, on

@@ -142,7 +142,7 @@ pub fn on_host<'m>(shm: &'m mut Option<ShmGroup>, step: &Step<'_>) -> Option<(&'
 /// group that has only this host.
 pub fn broadcast_on_host(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, desc: Desc) -> Result<()> {
     let path = select::broadcast_on_host(&ShmCaps::of(shm), op.outputs[0].len());
-    host::run(path, shm, par, ctx, op, desc)
+    host::run(path, shm, par, ctx, op, desc, None)
 }
 
 /// How much later than its representative a rank gives up on a shared-memory step that follows
@@ -183,6 +183,7 @@ fn among_over_tcp<R>(step: &mut Step<'_>, members: &[usize], f: impl FnOnce(&mut
         round_bytes: step.round_bytes,
         scratch: &mut *step.scratch,
         world_size: step.world_size,
+        direct_output: None, // the TCP step's buffers are the host's, never a staged output's
     };
     f(&mut inner)
 }

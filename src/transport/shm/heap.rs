@@ -26,6 +26,7 @@ use parking_lot::Mutex;
 use super::files;
 use crate::buf::RawBuf;
 use crate::error::{CommError, Result};
+use crate::staging::{DeviceCopies, SharedStaging};
 
 /// What every heap's name starts with.
 const PREFIX: &str = "xccl_rs-heap-";
@@ -244,6 +245,11 @@ impl PeerHeap {
         Ok(PeerHeap { map, len })
     }
 
+    /// Where the mapping ends in this process's address space.
+    pub fn mapped_end(&self) -> usize {
+        self.map.as_ptr() as usize + self.len
+    }
+
     /// The peer's bytes `[offset, offset + len)`, if that range lies inside its heap.
     pub fn range(&self, offset: usize, len: usize) -> Option<RawBuf> {
         if offset.checked_add(len)? > self.len {
@@ -267,6 +273,9 @@ impl PeerHeap {
 /// tensors are allocated from, and, where the group agreed on zero-copy, every peer's mapped
 /// here; and how many ops read them in place.
 pub struct Heaps {
+    /// Device registrations of this rank's arena and of peers' (staging/shared.rs). Declared
+    /// first: dropped, so unregistered, before any heap here is unmapped.
+    staging: SharedStaging,
     own: Arc<Heap>,
     /// Every peer's heap (None at this rank's index), present where every rank has a heap and
     /// mapped every peer's: the same on every rank (agreed at set-up), so every rank takes the
@@ -278,7 +287,20 @@ pub struct Heaps {
 
 impl Heaps {
     pub fn new(own: Arc<Heap>, peers: Option<Vec<Option<PeerHeap>>>) -> Heaps {
-        Heaps { own, peers, zero_copy_ops: 0, last_zero_copy_seq: None }
+        Heaps { staging: SharedStaging::default(), own, peers, zero_copy_ops: 0, last_zero_copy_seq: None }
+    }
+
+    /// This rank's staging arena, allocated and registered the first time (SharedStaging::arena).
+    pub fn staging_arena(&mut self, bytes: usize, device: &mut dyn DeviceCopies) -> Result<Option<(usize, usize)>> {
+        self.staging.arena(&self.own, bytes, device)
+    }
+
+    pub fn staging(&self) -> &SharedStaging {
+        &self.staging
+    }
+
+    pub fn staging_mut(&mut self) -> &mut SharedStaging {
+        &mut self.staging
     }
 
     /// This rank's heap.

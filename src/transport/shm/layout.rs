@@ -26,7 +26,7 @@ pub const ABORT_FAILED: u32 = 1;
 pub const ABORT_CLOSED: u32 = 2;
 /// Bytes of an abort message kept in the header (longer ones are cut).
 pub const ABORT_MESSAGE_BYTES: usize = 1024;
-const MAGIC: u64 = u64::from_le_bytes(*b"XCRSHM03");
+const MAGIC: u64 = u64::from_le_bytes(*b"XCRSHM04");
 
 /// One value alone on its cache lines (128 bytes: adjacent-line prefetch pairs lines).
 #[repr(C, align(128))]
@@ -96,20 +96,27 @@ pub struct Placement {
     /// The first buffer's address in the rank's own process, for cross-memory attach; 0 where
     /// the rank does not offer them to be read that way (a broadcast's root, host/broadcast_shm.rs).
     pub addr: u64,
+    /// They lie in the rank's staging arena, which stays where it is for the group's life
+    /// (staging/shared.rs). Carried in `heap_stride`'s top bit.
+    pub arena: bool,
 }
+
+/// The bit of `heap_stride` that carries [`Placement::arena`] (a stride is less than a heap).
+const ARENA_BIT: u64 = 1 << 63;
 
 impl ProducedLine {
     pub fn store_placement(&self, slot: usize, p: Placement) {
-        let (at, stride) = p.heap.map_or((0, 0), |(offset, stride)| (offset + 1, stride));
+        let (at, stride) = p.heap.map_or((0, 0), |(offset, stride)| (offset + 1, stride & !ARENA_BIT));
         self.heap_at[slot].store(at, Ordering::Relaxed);
-        self.heap_stride[slot].store(stride, Ordering::Relaxed);
+        self.heap_stride[slot].store(if p.arena { stride | ARENA_BIT } else { stride }, Ordering::Relaxed);
         self.cma_addr[slot].store(p.addr, Ordering::Relaxed);
     }
 
     pub fn load_placement(&self, slot: usize) -> Placement {
         let at = self.heap_at[slot].load(Ordering::Relaxed);
-        let heap = (at != 0).then(|| (at - 1, self.heap_stride[slot].load(Ordering::Relaxed)));
-        Placement { heap, addr: self.cma_addr[slot].load(Ordering::Relaxed) }
+        let stride = self.heap_stride[slot].load(Ordering::Relaxed);
+        let heap = (at != 0).then(|| (at - 1, stride & !ARENA_BIT));
+        Placement { heap, addr: self.cma_addr[slot].load(Ordering::Relaxed), arena: heap.is_some() && stride & ARENA_BIT != 0 }
     }
 }
 
