@@ -136,6 +136,12 @@ settings! {
     /// all-reduces of 1 MiB or more; off for those by default, because every rank reading every
     /// peer at once pins pages, which can cost more than the slots' copy it saves. `0`: never.
     cma: CmaUse = "XCCL_RS_CMA", default CmaUse::StagedBroadcasts, parse cma_use;
+    /// `XCCL_RS_REGISTERED_STAGING` (default 1): a broadcast root stages its accelerator tensor
+    /// in an arena of its heap registered with the device runtime, from which the receivers
+    /// copy straight onto their devices (src/staging/shared.rs), where the runtime can register
+    /// host memory (CUDA). Registering costs each rank of a group some milliseconds once, which
+    /// a group that lives for a handful of broadcasts does not win back. `0`: never.
+    registered_staging: bool = "XCCL_RS_REGISTERED_STAGING", default true, parse flag;
     /// `XCCL_RS_HOST_ID` (default unset: hostname and /dev/shm's device and inode): when set,
     /// replaces this rank's host identity. Ranks with equal ids count as one host: for
     /// containers that share /dev/shm under different hostnames, and for tests (one process

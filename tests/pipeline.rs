@@ -560,9 +560,9 @@ fn staged_broadcast_reads_the_roots_pinned_buffer_by_cma() {
 /// short chunk goes through the slots). Six chunks through the window's three sets, on a device
 /// that runs copies only when waited for: a receiver that let the root go on before its copy
 /// had run would copy the root's later bytes. With a rank whose device cannot register, the
-/// others stage as before when it is the root, and it copies on the host when it receives. Two
-/// rounds per root reuse the arena and the registrations, and every registration ends with the
-/// group.
+/// others stage as before when it is the root, and it copies on the host when it receives; with
+/// `XCCL_RS_REGISTERED_STAGING=0` nobody registers. Two rounds per root reuse the arena and the
+/// registrations, and every registration ends with the group.
 #[test]
 fn staged_broadcast_receivers_copy_straight_from_the_roots_registered_arena() {
     const MIB: usize = 1 << 20;
@@ -570,9 +570,10 @@ fn staged_broadcast_receivers_copy_straight_from_the_roots_registered_arena() {
     let config = Config { pipeline_chunk_bytes: MIB, shm_slot_bytes: 64 << 10, ..cfg(Net::Shm) };
     let mut failures = Failures::new();
     for size in [2usize, 3] {
-        for cannot_register in [None, Some(size - 1)] {
-            let group = format!("size {size}, rank that cannot register {cannot_register:?}");
-            sweep_ranks(&mut failures, &group, size, config.clone(), LIMIT, move |rank, comm, _, f| {
+        for (cannot_register, enabled) in [(None, true), (Some(size - 1), true), (None, false)] {
+            let group = format!("size {size}, rank that cannot register {cannot_register:?}, registered staging {enabled}");
+            let config = Config { registered_staging: enabled, ..config.clone() };
+            sweep_ranks(&mut failures, &group, size, config, LIMIT, move |rank, comm, _, f| {
                 let registers = |r: usize| Some(r) != cannot_register;
                 for root in 0..size {
                     for round in 0..2u64 {
@@ -586,6 +587,7 @@ fn staged_broadcast_receivers_copy_straight_from_the_roots_registered_arena() {
                         f.op(run_staged(&comm, vec![broadcast], fake), &what)?;
                         f.result(same_bytes(&t.bytes.lock().unwrap(), &pattern(root, salt, len)), &what);
                         let want = match (registers(rank), registers(root)) {
+                            _ if !enabled => 0,
                             (false, _) | (true, false) => 0,
                             _ if rank == root => 1, // the window, in the arena
                             _ => 5,                 // each chunk of 1 MiB, from the root's arena

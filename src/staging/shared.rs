@@ -17,6 +17,7 @@
 //! nothing changes: pinned blocks from the runtime's allocator, and a host copy per receiver.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::plan::WINDOW_SETS;
 use super::DeviceCopies;
@@ -65,10 +66,10 @@ pub fn arena_bytes(chunk_bytes: usize) -> usize {
 
 /// This rank's arena and its registrations of peers' arenas, kept by its group's heaps
 /// (transport/shm/heap.rs `Heaps`), which drop it before they unmap any heap.
-#[derive(Default)]
 pub struct SharedStaging {
     arena: Option<Arena>,
-    /// The runtime or the heap refused the arena once: not asked again.
+    /// Not to be asked for an arena: `XCCL_RS_REGISTERED_STAGING=0`, or the runtime or the heap
+    /// refused one once.
     refused: bool,
     /// Ranges of peers' arenas as they are mapped here, registered.
     peers: Vec<HostRegistration>,
@@ -81,6 +82,11 @@ struct Arena {
 }
 
 impl SharedStaging {
+    /// `enabled`: whether a root may stage in an arena (`XCCL_RS_REGISTERED_STAGING`).
+    pub fn new(enabled: bool) -> SharedStaging {
+        SharedStaging { arena: None, refused: !enabled, peers: Vec::new() }
+    }
+
     /// This rank's arena of `bytes` (address, bytes): allocated in `heap` and registered through
     /// `device` the first time. None where the runtime cannot register host memory, or the heap
     /// cannot hold it (then later jobs stage through pinned blocks, as without a heap).
@@ -88,7 +94,9 @@ impl SharedStaging {
         if self.arena.is_none() && !self.refused {
             self.refused = true;
             if let Ok(block) = heap.alloc(bytes) {
+                let started = Instant::now();
                 if let Some(registration) = device.register(block.address(), block.len())? {
+                    tracing::debug!(bytes, ms = started.elapsed().as_secs_f64() * 1e3, "registered the staging arena");
                     self.arena = Some(Arena { _registration: registration, block });
                     self.refused = false;
                 }
@@ -122,8 +130,10 @@ impl SharedStaging {
         if end < to || self.peers.iter().any(|r| r.overlaps(start, end)) {
             return Ok(false);
         }
+        let started = Instant::now();
         match device.register(start, end - start)? {
             Some(registration) => {
+                tracing::debug!(bytes = end - start, ms = started.elapsed().as_secs_f64() * 1e3, "registered part of a peer's staging arena");
                 self.peers.push(registration);
                 Ok(true)
             }

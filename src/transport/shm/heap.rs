@@ -286,8 +286,9 @@ pub struct Heaps {
 }
 
 impl Heaps {
-    pub fn new(own: Arc<Heap>, peers: Option<Vec<Option<PeerHeap>>>) -> Heaps {
-        Heaps { staging: SharedStaging::default(), own, peers, zero_copy_ops: 0, last_zero_copy_seq: None }
+    /// `registered_staging`: whether a broadcast root may stage in a registered arena.
+    pub fn new(own: Arc<Heap>, peers: Option<Vec<Option<PeerHeap>>>, registered_staging: bool) -> Heaps {
+        Heaps { staging: SharedStaging::new(registered_staging), own, peers, zero_copy_ops: 0, last_zero_copy_seq: None }
     }
 
     /// This rank's staging arena, allocated and registered the first time (SharedStaging::arena).

@@ -20,6 +20,8 @@ pub struct ShmSettings {
     pub heap_bytes: usize,
     /// What ranks read of each other by cross-memory attach (`XCCL_RS_CMA`).
     pub cma: CmaUse,
+    /// Whether a broadcast root may stage in a registered arena (`XCCL_RS_REGISTERED_STAGING`).
+    pub registered_staging: bool,
     /// What each rank of a one-shot all-reduce may read (`XCCL_RS_SHM_ONESHOT_BYTES`): a
     /// capability the selection table compares (select.rs `ShmCaps`).
     pub oneshot_bytes: usize,
@@ -37,6 +39,7 @@ impl ShmSettings {
             timeout: config.timeout,
             heap_bytes,
             cma: config.cma,
+            registered_staging: config.registered_staging,
             oneshot_bytes: config.shm_oneshot_bytes,
             pipeline_chunk_log: config.pipeline_chunk_bytes.trailing_zeros() as u8,
         }

@@ -53,7 +53,7 @@ impl ShmGroup {
                 return Err(CommError::io(format!("rank {}'s shared-memory segment is not initialized", members[peer])));
             }
         }
-        let heaps = heap.map(|own| Heaps::new(own, peer_heaps.filter(|_| agreed.zero_copy)));
+        let heaps = heap.map(|own| Heaps::new(own, peer_heaps.filter(|_| agreed.zero_copy), settings.registered_staging));
         let cma = agreed.all_read.then(|| CmaPeers::of(&segments, agreed.ordinary)).flatten();
         Ok(ShmGroup::new(rank, members, settings, segments, heaps, cma))
     }
