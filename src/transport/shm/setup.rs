@@ -189,6 +189,7 @@ mod tests {
                         timeout: Duration::from_secs(20),
                         heap_bytes,
                         cma: CmaUse::Never,
+                        registered_staging: true,
                         oneshot_bytes: 0,
                         pipeline_chunk_log: 20,
                     };
