@@ -17,6 +17,11 @@
 //! driver maps may not be). Then it fills no slot either, and the others read the whole
 //! tensor from its memory: one kernel copy per receiver. A staged broadcast so leaves one host
 //! copy between the root's copy off its device and each receiver's copy onto its own.
+//!
+//! Where the device runtime registers host memory, a staged broadcast's root stages in its
+//! arena, registered shared memory of its heap, and says so (`Placement::arena`); a receiver
+//! whose output is an accelerator tensor's then copies from the root's arena straight onto its
+//! device (staging/shared.rs): no host copy at all.
 
 use std::ops::ControlFlow;
 

@@ -77,7 +77,7 @@ pub struct ProducedLine {
     /// it is not in the heap. Written with `desc`, not compared: ranks may differ here.
     pub heap_at: [AtomicU64; 2],
     /// The distance in bytes between this rank's consecutive buffers of the op (the input
-    /// views of a reduce-scatter), with `heap_at`.
+    /// views of a reduce-scatter), with `heap_at`; its top bit is [`Placement::arena`].
     pub heap_stride: [AtomicU64; 2],
     /// Where this rank's first buffer of the op lies in its own address space, for peers
     /// that read it by cross-memory attach (cma.rs). Written with `desc`.
