@@ -254,11 +254,14 @@ impl StagedJob {
                 let (block, block_offset) = self.host_of(op, v, k, copy);
                 let pinned = if v.slot.is_some() { self.window } else { self.whole[tensor] };
                 let pinned = pinned.filter(|p| p.block == block && block_offset + len <= p.bytes).ok_or_else(|| mismatch(index, k))?;
-                // SAFETY: `[block_offset, block_offset + len)` lies inside the pinned block
-                // (checked just above), which this job allocated (start) and which stays valid
-                // until the job ends (DeviceCopies::alloc_pinned). Only this job's ops use it, and
-                // a window slot holds one view of one chunk at a time: its next user, WINDOW_SETS
-                // chunks later, copies into it only after this chunk's copies back (set_free).
+                // SAFETY: `[block_offset, block_offset + len)` lies inside the block (checked
+                // just above), which this job allocated or adopted from its arena (start) and
+                // which stays valid until the job ends (DeviceCopies::alloc_pinned; the arena
+                // lives as long as the group). Only this job's ops use it (peers read an arena
+                // block only during the op, which ends after they say they have: broadcast_shm.rs),
+                // and a window slot holds one view of one chunk at a time: its next user,
+                // WINDOW_SETS chunks later, copies into it only after this chunk's copies back
+                // (set_free), or, in a root's arena, after the op that read it ended.
                 Ok(unsafe { RawBuf::new((pinned.address + block_offset) as *mut u8, len) })
             }
         })?;
