@@ -20,6 +20,10 @@
 namespace xccl_rs {
 namespace {
 
+// How long Python's exit waits for completions still running (work.h wait_for_completions):
+// one takes far less; the bound keeps a wedged one from holding the exit.
+constexpr std::chrono::milliseconds kCompletionsWaitAtExit{5000};
+
 c10::intrusive_ptr<c10d::Backend> create_shared_backend(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
@@ -136,12 +140,15 @@ PYBIND11_MODULE(xccl_rs_cxx, m) {
       [] {
         try {
           pybind11::gil_scoped_release no_gil_while_waiting; // the hooks may need the GIL
-          return xccl_rs::wait_for_failure_hooks();
+          const bool hooks_done = xccl_rs::wait_for_failure_hooks();
+          // So may the last completions, which drop their tensors (work.h).
+          return xccl_rs::wait_for_completions(xccl_rs::kCompletionsWaitAtExit) && hooks_done;
         } catch (const rust::Error& e) {
           xccl_rs::raise_core_error(e); // an invalid XCCL_RS_FAILURE_HOOKS_WAIT_MS
         }
       },
-      "Waits (at most XCCL_RS_FAILURE_HOOKS_WAIT_MS) until no group's abort hooks are running; "
+      "Waits (at most XCCL_RS_FAILURE_HOOKS_WAIT_MS) until no group's abort hooks are running, "
+      "then until no work's completion is (which may drop tensors that Python objects own); "
       "True when none are. Registered with atexit on import.");
   m.attr("torch_version_built") = xccl_rs::torch_version_built();
 }

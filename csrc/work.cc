@@ -2,6 +2,8 @@
 #include "xccl_rs/work.h"
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
@@ -75,10 +77,46 @@ void complete_future(WorkState& state, const std::exception_ptr& failure) {
   }
 }
 
+// work_done calls still running (wait_for_completions).
+std::atomic<int> completions_running{0};
+
+// Counts a work_done call while it runs, up to the last of its references being dropped.
+struct CountedCompletion {
+  CountedCompletion() {
+    completions_running.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~CountedCompletion() {
+    completions_running.fetch_sub(1, std::memory_order_release);
+  }
+};
+
+void complete_work(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank,
+                   int64_t started_unix_us);
+
 } // namespace
 
 void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank,
                int64_t started_unix_us) {
+  CountedCompletion counted;
+  // Every reference this thread holds to the work's tensors is dropped inside.
+  complete_work(std::move(done), kind, error, source_rank, started_unix_us);
+}
+
+bool wait_for_completions(std::chrono::milliseconds bound) {
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  while (completions_running.load(std::memory_order_acquire) > 0) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+namespace {
+
+void complete_work(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank,
+                   int64_t started_unix_us) {
   auto state = done->state;
   std::exception_ptr failure;
   if (kind != ErrorKind::Success) {
@@ -131,8 +169,9 @@ void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, 
     if (auto hooks = state->completion_hooks.lock()) {
       hooks->run(state->completion_key, took.count());
     }
-  }
-}
+  }}
+
+} // namespace
 
 XcclRsWork::XcclRsWork(int rank, c10d::OpType type, std::shared_ptr<WorkState> state)
     : c10d::Work(rank, type), state_(std::move(state)) {}

@@ -1,6 +1,7 @@
 // XcclRsWork: the c10d::Work of one xccl_rs job, and WorkDone, its completion side, which the
 // Rust progress thread calls through the bridge when the job finishes.
 #pragma once
+#include <chrono>
 
 #include <condition_variable>
 #include <exception>
@@ -81,6 +82,13 @@ void staging_finish(StagingHandle& handle);
 // work and its future (with the exception of `kind`, errors.h, unless it is Success). Never throws.
 void work_done(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str error, int64_t source_rank,
                int64_t started_unix_us);
+
+// Waits, at most `bound`, until no work_done call is running; true when none is. Python's exit
+// calls it (module.cc, through atexit) before the interpreter finalizes: a completion may drop
+// the last reference to a tensor that a Python object owns, which takes the GIL, and a thread
+// that asks for the GIL while the interpreter finalizes is ended in the middle of C++ frames
+// (a "terminate called" abort at exit, after the script's last op returned).
+bool wait_for_completions(std::chrono::milliseconds bound);
 
 class XcclRsWork : public c10d::Work {
  public:
