@@ -169,7 +169,8 @@ void complete_work(std::unique_ptr<WorkDone> done, ErrorKind kind, rust::Str err
     if (auto hooks = state->completion_hooks.lock()) {
       hooks->run(state->completion_key, took.count());
     }
-  }}
+  }
+}
 
 } // namespace
 
