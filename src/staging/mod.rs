@@ -7,8 +7,9 @@
 //! The core owns the whole protocol: which tensors get a buffer of their own and which go
 //! through a *window* of chunk-sized slots ([`plan`]), and the order of every copy, event and
 //! wait ([`job`]); a broadcast's staging in registered shared memory, copied onto the
-//! receivers' devices from there ([`shared`]). The device side (the bridge, csrc/device.cc) only offers primitives,
-//! [`DeviceCopies`]: pinned host memory, a copy of a byte range on one of two streams, events.
+//! receivers' devices from there ([`shared`]). The device side (the bridge, csrc/device.cc)
+//! only offers primitives, [`DeviceCopies`]: pinned host memory, registering and adopting
+//! shared memory, a copy of a byte range on one of two streams, events.
 //!
 //! Terms used throughout:
 //! - *staged tensor*: an accelerator tensor of the job ([`StagedTensor`], numbered in the job);
