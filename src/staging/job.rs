@@ -112,7 +112,7 @@ impl StagedJob {
         let Some(heaps) = heaps.filter(|h| h.zero_copy() && self.root_of_broadcasts && self.arena_layout().2 <= bytes) else {
             return Ok(None);
         };
-        Ok(heaps.staging_arena(bytes, self.device.as_mut())?.map(|(address, _)| address))
+        heaps.staging_arena(bytes, self.device.as_mut())
     }
 
     /// Where the job's buffers go in an arena: the window's offset, each whole buffer's, and the

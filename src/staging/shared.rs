@@ -87,10 +87,10 @@ impl SharedStaging {
         SharedStaging { arena: None, refused: !enabled, peers: Vec::new() }
     }
 
-    /// This rank's arena of `bytes` (address, bytes): allocated in `heap` and registered through
+    /// The address of this rank's arena of `bytes`: allocated in `heap` and registered through
     /// `device` the first time. None where the runtime cannot register host memory, or the heap
     /// cannot hold it (then later jobs stage through pinned blocks, as without a heap).
-    pub fn arena(&mut self, heap: &Arc<Heap>, bytes: usize, device: &mut dyn DeviceCopies) -> Result<Option<(usize, usize)>> {
+    pub fn arena(&mut self, heap: &Arc<Heap>, bytes: usize, device: &mut dyn DeviceCopies) -> Result<Option<usize>> {
         if self.arena.is_none() && !self.refused {
             self.refused = true;
             if let Ok(block) = heap.alloc(bytes) {
@@ -102,7 +102,7 @@ impl SharedStaging {
                 }
             }
         }
-        Ok(self.arena.as_ref().map(|a| (a.block.address(), a.block.len())))
+        Ok(self.arena.as_ref().map(|a| a.block.address()))
     }
 
     /// Whether `buf` lies in this rank's arena.
@@ -139,10 +139,5 @@ impl SharedStaging {
             }
             None => Ok(false),
         }
-    }
-
-    /// Registrations of peers' memory held (tests).
-    pub fn peer_registrations(&self) -> usize {
-        self.peers.len()
     }
 }

@@ -292,7 +292,7 @@ impl Heaps {
     }
 
     /// This rank's staging arena, allocated and registered the first time (SharedStaging::arena).
-    pub fn staging_arena(&mut self, bytes: usize, device: &mut dyn DeviceCopies) -> Result<Option<(usize, usize)>> {
+    pub fn staging_arena(&mut self, bytes: usize, device: &mut dyn DeviceCopies) -> Result<Option<usize>> {
         self.staging.arena(&self.own, bytes, device)
     }
 
