@@ -54,9 +54,13 @@ const CudaRuntime& cuda_runtime() {
 
 } // namespace
 
+bool can_register_host(c10::Device device) {
+  return device.type() == c10::DeviceType::CUDA && cuda_runtime().host_register != nullptr;
+}
+
 bool register_host(c10::Device device, size_t address, size_t bytes) {
   const CudaRuntime& cuda = cuda_runtime();
-  if (device.type() != c10::DeviceType::CUDA || cuda.host_register == nullptr || bytes == 0) {
+  if (!can_register_host(device) || bytes == 0) {
     return false;
   }
   c10::DeviceGuard device_guard(device);

@@ -36,6 +36,10 @@ bool staging_register_host(StagingHandle& handle, size_t address, size_t bytes) 
   return register_host(handle.staging->device(), address, bytes);
 }
 
+bool staging_can_register_host(const StagingHandle& handle) {
+  return can_register_host(handle.staging->device());
+}
+
 void staging_unregister_host(size_t address) {
   unregister_host(address);
 }

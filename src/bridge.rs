@@ -57,7 +57,10 @@ impl DeviceCopies for BridgeDevice {
     }
     fn register(&mut self, address: usize, bytes: usize) -> Result<Option<HostRegistration>> {
         let registered = ffi::staging_register_host(self.0.pin_mut(), address, bytes).map_err(device_error)?;
-        Ok(registered.then(|| HostRegistration::new(address, bytes, ffi::staging_unregister_host)))
+        Ok(registered.then(|| HostRegistration::new(address, ffi::staging_unregister_host)))
+    }
+    fn registrar(&self) -> Option<fn(usize)> {
+        ffi::staging_can_register_host(&self.0).then_some(ffi::staging_unregister_host as fn(usize))
     }
     fn adopt(&mut self, address: usize, bytes: usize) -> Result<Pinned> {
         let block = ffi::staging_adopt(self.0.pin_mut(), address, bytes).map_err(device_error)?;

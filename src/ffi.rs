@@ -217,6 +217,8 @@ pub mod ffi {
         fn staging_adopt(staging: Pin<&mut StagingHandle>, address: usize, bytes: usize) -> Result<usize>;
         /// Registers host memory with the job's device runtime; false where it cannot.
         fn staging_register_host(staging: Pin<&mut StagingHandle>, address: usize, bytes: usize) -> Result<bool>;
+        /// Whether the job's device runtime has a way to register host memory.
+        fn staging_can_register_host(staging: &StagingHandle) -> bool;
         /// Ends a registration. Never throws.
         fn staging_unregister_host(address: usize);
         /// Queues on `toward`'s stream a copy of `bytes` bytes between byte `tensor_offset` of

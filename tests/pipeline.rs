@@ -16,7 +16,7 @@ use std::time::Duration;
 use xccl_rs::buf::Buf;
 use xccl_rs::comm::Staged;
 use xccl_rs::staging::plan::COPY_AHEAD;
-use xccl_rs::staging::{DeviceCopies, Event, HostRegistration, Pinned, StagedTensor, Toward};
+use xccl_rs::staging::{DeviceCopies, Event, HostRegistration, Pinned, StagedTensor, Toward, release_idle_arenas};
 use xccl_rs::{CommError, Config, DType, Op, OpKind, ReduceOp};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -185,7 +185,12 @@ impl DeviceCopies for FakeDevice {
             return Err(CommError::io(format!("fake device: {bytes} bytes at {address:#x} overlap a registration")));
         }
         registered.push((address, bytes));
-        Ok(Some(HostRegistration::new(address, bytes, unregister)))
+        REGISTRATIONS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Some(HostRegistration::new(address, unregister)))
+    }
+
+    fn registrar(&self) -> Option<fn(usize)> {
+        self.registers.then_some(unregister as fn(usize))
     }
 
     fn adopt(&mut self, address: usize, bytes: usize) -> Result<Pinned, CommError> {
@@ -254,6 +259,12 @@ impl DeviceCopies for FakeDevice {
 
 /// Host memory registered with the fake device (address, bytes), by every test of this binary.
 static REGISTERED: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+/// Registrations made so far, by every test of this binary.
+static REGISTRATIONS_MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn registrations_made() -> usize {
+    REGISTRATIONS_MADE.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 fn unregister(address: usize) {
     let mut registered = REGISTERED.lock().unwrap();
@@ -562,44 +573,60 @@ fn staged_broadcast_reads_the_roots_pinned_buffer_by_cma() {
 /// had run would copy the root's later bytes. With a rank whose device cannot register, the
 /// others stage as before when it is the root, and it copies on the host when it receives; with
 /// `XCCL_RS_REGISTERED_STAGING=0` nobody registers. Two rounds per root reuse the arena and the
-/// registrations, and every registration ends with the group.
+/// registrations. Then the arenas outlive their groups: a second group, as a sync that rebuilds
+/// its group every round makes, registers nothing, and once released no registration is left.
 #[test]
 fn staged_broadcast_receivers_copy_straight_from_the_roots_registered_arena() {
     const MIB: usize = 1 << 20;
     let len = 5 * MIB + 100;
     let config = Config { pipeline_chunk_bytes: MIB, shm_slot_bytes: 64 << 10, ..cfg(Net::Shm) };
     let mut failures = Failures::new();
+    // One group's broadcasts from every root in `roots`, twice each: checks the bytes and the
+    // blocks adopted.
+    let sweep = |failures: &mut Failures, size: usize, roots: Vec<usize>, cannot_register: Option<usize>, enabled: bool| {
+        let group = format!("size {size}, roots {roots:?}, rank that cannot register {cannot_register:?}, registered staging {enabled}");
+        let config = Config { registered_staging: enabled, ..config.clone() };
+        sweep_ranks(failures, &group, size, config, LIMIT, move |rank, comm, _, f| {
+            let registers = |r: usize| Some(r) != cannot_register;
+            for &root in &roots {
+                for round in 0..2u64 {
+                    let what = format!("root {root}, round {round}, rank {rank}");
+                    let salt = 2 * root as u64 + round;
+                    let t = tensor(len, true, rank == root, rank != root);
+                    let mut fake = FakeDevice::new(vec![t.clone()], vec![pattern(rank, salt, len)]);
+                    fake.registers = registers(rank);
+                    let adopted = fake.adopted.clone();
+                    let broadcast = Op { root: root as i64, ..job_op(OpKind::Broadcast, DType::UInt8, vec![], vec![staged(0, 0, len)]) };
+                    f.op(run_staged(&comm, vec![broadcast], fake), &what)?;
+                    f.result(same_bytes(&t.bytes.lock().unwrap(), &pattern(root, salt, len)), &what);
+                    let want = match (registers(rank), registers(root)) {
+                        _ if !enabled => 0,
+                        (false, _) | (true, false) => 0,
+                        _ if rank == root => 1, // the window, in the arena
+                        _ => 5,                 // each chunk of 1 MiB, from the root's arena
+                    };
+                    f.eq(*adopted.lock().unwrap(), want, format!("{what}: blocks adopted"));
+                }
+            }
+            Ok(())
+        });
+    };
     for size in [2usize, 3] {
         for (cannot_register, enabled) in [(None, true), (Some(size - 1), true), (None, false)] {
-            let group = format!("size {size}, rank that cannot register {cannot_register:?}, registered staging {enabled}");
-            let config = Config { registered_staging: enabled, ..config.clone() };
-            sweep_ranks(&mut failures, &group, size, config, LIMIT, move |rank, comm, _, f| {
-                let registers = |r: usize| Some(r) != cannot_register;
-                for root in 0..size {
-                    for round in 0..2u64 {
-                        let what = format!("root {root}, round {round}, rank {rank}");
-                        let salt = 2 * root as u64 + round;
-                        let t = tensor(len, true, rank == root, rank != root);
-                        let mut fake = FakeDevice::new(vec![t.clone()], vec![pattern(rank, salt, len)]);
-                        fake.registers = registers(rank);
-                        let adopted = fake.adopted.clone();
-                        let broadcast = Op { root: root as i64, ..job_op(OpKind::Broadcast, DType::UInt8, vec![], vec![staged(0, 0, len)]) };
-                        f.op(run_staged(&comm, vec![broadcast], fake), &what)?;
-                        f.result(same_bytes(&t.bytes.lock().unwrap(), &pattern(root, salt, len)), &what);
-                        let want = match (registers(rank), registers(root)) {
-                            _ if !enabled => 0,
-                            (false, _) | (true, false) => 0,
-                            _ if rank == root => 1, // the window, in the arena
-                            _ => 5,                 // each chunk of 1 MiB, from the root's arena
-                        };
-                        f.eq(*adopted.lock().unwrap(), want, format!("{what}: blocks adopted"));
-                    }
-                }
-                Ok(())
-            });
+            sweep(&mut failures, size, (0..size).collect(), cannot_register, enabled);
+            release_idle_arenas();
         }
     }
+    for group in 0..2 {
+        let before = registrations_made();
+        sweep(&mut failures, 2, vec![0], None, true);
+        let made = registrations_made() - before;
+        // The root's arena and the receiver's mapping of it, by the first group only.
+        let want = if group == 0 { 2 } else { 0 };
+        failures.check(made == want, || format!("group {group} of root 0 registered {made} times, expected {want}"));
+    }
+    release_idle_arenas();
     let left = REGISTERED.lock().unwrap().clone();
-    failures.check(left.is_empty(), || format!("registrations left after the groups ended: {left:?}"));
+    failures.check(left.is_empty(), || format!("registrations left after the arenas were released: {left:?}"));
     failures.finish("staged broadcast through registered arenas");
 }

@@ -26,7 +26,7 @@ use crate::types::OpKind;
 
 use super::plan::{COPY_AHEAD, OpPlan, Plan, View, WINDOW_SETS};
 use super::shared::arena_bytes;
-use super::{DeviceCopies, DirectOutput, Event, ISSUED, Pinned, SharedStaging, StagedTensor, Toward};
+use super::{DeviceCopies, DirectOutput, Event, ISSUED, MappedArena, Pinned, StagedTensor, Toward};
 
 pub struct StagedJob {
     plan: Plan,
@@ -78,8 +78,8 @@ impl StagedJob {
         &self.plan
     }
 
-    /// Allocates the job's pinned memory: in this rank's arena, registered shared memory of its
-    /// group's `heaps`, where the job is a broadcast root's that fits (shared.rs), else from the
+    /// Allocates the job's pinned memory: in the arena that its group's `heaps` hold, registered
+    /// shared memory, where the job is a broadcast root's that fits (shared.rs), else from the
     /// device runtime.
     pub fn start(&mut self, heaps: Option<&mut Heaps>) -> Result<()> {
         if let Some(base) = self.arena(heaps)? {
@@ -257,7 +257,7 @@ impl StagedJob {
                 // SAFETY: `[block_offset, block_offset + len)` lies inside the block (checked
                 // just above), which this job allocated or adopted from its arena (start) and
                 // which stays valid until the job ends (DeviceCopies::alloc_pinned; the arena
-                // lives as long as the group). Only this job's ops use it (peers read an arena
+                // is held by the group until it ends). Only this job's ops use it (peers read an arena
                 // block only during the op, which ends after they say they have: broadcast_shm.rs),
                 // and a window slot holds one view of one chunk at a time: its next user,
                 // WINDOW_SETS chunks later, copies into it only after this chunk's copies back
@@ -271,7 +271,7 @@ impl StagedJob {
 }
 
 impl DirectOutput for StagedJob {
-    fn deliver(&mut self, source: RawBuf, mapped_end: usize, shared: &mut SharedStaging) -> Result<bool> {
+    fn deliver(&mut self, source: RawBuf, arena: &MappedArena) -> Result<bool> {
         let Some((index, k)) = self.current else {
             return Ok(false);
         };
@@ -285,7 +285,7 @@ impl DirectOutput for StagedJob {
         if !v.output || !tensor.write || !tensor.contiguous || len != source.len() || len == 0 {
             return Ok(false);
         }
-        if !shared.register_peer_range(source, self.chunk_bytes, mapped_end, self.device.as_mut())? {
+        if !arena.registered(self.device.as_mut())? {
             return Ok(false);
         }
         let block = self.device.adopt(source.ptr() as usize, len)?;

@@ -24,7 +24,7 @@ pub mod plan;
 pub mod shared;
 
 pub use job::StagedJob;
-pub use shared::{HostRegistration, SharedStaging};
+pub use shared::{HostRegistration, MappedArena, SharedStaging, release_idle_arenas};
 
 use crate::buf::RawBuf;
 use crate::error::Result;
@@ -75,6 +75,11 @@ pub trait DeviceCopies: Send {
     /// memory must stay mapped until the registration is dropped. None where the runtime has
     /// no way to register host memory (shared.rs).
     fn register(&mut self, address: usize, bytes: usize) -> Result<Option<HostRegistration>>;
+    /// Where the runtime has a way to register host memory, the function that ends its
+    /// registrations: memory that it registered for one job serves every job whose device
+    /// names the same (staging/shared.rs keeps registered arenas across groups). None where it
+    /// has no way.
+    fn registrar(&self) -> Option<fn(usize)>;
     /// A block for [`copy`](Self::copy) on `bytes` of memory at `address` that [`register`]
     /// registered, which stays registered and mapped until the job ends.
     ///
@@ -99,9 +104,9 @@ pub trait DeviceCopies: Send {
 /// output from elsewhere than its pinned memory (a broadcast's receivers, shared.rs).
 pub trait DirectOutput: Send {
     /// The current chunk's only output is the `source.len()` bytes at `source`, part of a peer's
-    /// arena mapped here at `[.., mapped_end)`, unchanged until this returns. Copies them straight
-    /// onto the device, registering them first where needed (`shared`), and returns once the
-    /// copy has run: true. False, having copied nothing, where the output is no accelerator
-    /// tensor's or the memory cannot be registered: then the caller copies on the host.
-    fn deliver(&mut self, source: RawBuf, mapped_end: usize, shared: &mut SharedStaging) -> Result<bool>;
+    /// arena (`arena`, mapped here), unchanged until this returns. Copies them straight onto the
+    /// device, registering the arena first where needed, and returns once the copy has run:
+    /// true. False, having copied nothing, where the output is no accelerator tensor's or the
+    /// arena cannot be registered: then the caller copies on the host.
+    fn deliver(&mut self, source: RawBuf, arena: &MappedArena) -> Result<bool>;
 }

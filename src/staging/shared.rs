@@ -1,54 +1,56 @@
-//! Registered shared staging: a broadcast's root stages its accelerator tensor in its
-//! shared-memory heap, registered with the device runtime, and each receiver copies it onto its
-//! own device straight from there (the root's heap, mapped in the receiver's process and
-//! registered there too). No host copy is left between the root's copy off its device and the
-//! receivers' copies onto theirs: the broadcast runs at its link's speed.
+//! Registered shared staging: a broadcast's root stages its accelerator tensor in its *arena*,
+//! shared memory registered with the device runtime, and each receiver copies it onto its own
+//! device straight from there (the root's arena, mapped in the receiver's process and registered
+//! there too). No host copy is left between the root's copy off its device and the receivers'
+//! copies onto theirs: the broadcast runs at its link's speed.
 //!
-//! The root's *arena* is one block of its heap, [`WINDOW_SETS`] pipeline chunks, allocated and
-//! registered the first time a job can use it and kept where it is for the group's life.
-//! Registering costs about as much as touching every page, so it is done once. And because the
-//! arena never moves, a receiver may keep its registrations of the root's arena for the
-//! group's life too, which a receiver could not do for other heap memory: that may be freed
-//! and its offsets handed out again, and a registration kept across that would pin the old
-//! pages and copy stale bytes. So a root says with each op whether its buffer lies in its arena
-//! (`Placement::arena`), and receivers copy from the device runtime's side only then.
+//! An arena is a file of [`WINDOW_SETS`] pipeline chunks (transport/shm/arena.rs) that peers
+//! open through /proc. Registering memory costs about as much as touching every page, and a
+//! sync that builds a new group every round (verl's rebuild_group) would pay that each round.
+//! So arenas belong to the process, not to a group:
+//! - a group takes an arena the first time one of its jobs can use it, holds it for its life
+//!   (nothing else writes it meanwhile), and gives it back when it ends; the next group takes
+//!   it again, registered;
+//! - a receiver keeps the peers' arenas it mapped, registered, for the next groups too, which is
+//!   sound because an arena never moves and its memory is never handed out for anything else.
 //!
-//! Where the runtime cannot register host memory (XPU in torch today), or the heap has no room,
-//! nothing changes: pinned blocks from the runtime's allocator, and a host copy per receiver.
+//! A root says with each op whether its buffer lies in its arena (`Placement::arena`), and where
+//! the arena's file is (`RankHeader::arena`). Where the runtime cannot register host memory
+//! (XPU in torch today), or a peer's /proc is out of reach (setup.rs), nothing changes: pinned
+//! blocks from the runtime's allocator, and a host copy per receiver.
 
 use std::sync::Arc;
 use std::time::Instant;
+
+use parking_lot::Mutex;
 
 use super::plan::WINDOW_SETS;
 use super::DeviceCopies;
 use crate::buf::RawBuf;
 use crate::error::Result;
-use crate::transport::shm::heap::{HEAP_PAGE, Heap, HeapBlock};
+use crate::transport::shm::arena::{ArenaFile, PeerArena};
+use crate::transport::shm::layout::ArenaId;
+
+/// Arenas that no group holds now, still registered, for this process's next groups.
+static IDLE_ARENAS: Mutex<Vec<Arena>> = Mutex::new(Vec::new());
+/// How many idle arenas stay registered (a process roots one broadcast at a time per group).
+const IDLE_ARENAS_KEPT: usize = 1;
+/// Peers' arenas mapped in this process, registered where the runtime can.
+static PEER_ARENAS: Mutex<Vec<Arc<MappedArena>>> = Mutex::new(Vec::new());
+/// How many peers' arenas stay mapped once no group reads them.
+const PEER_ARENAS_KEPT: usize = 4;
 
 /// Host memory registered with a device runtime; unregistered when dropped, which must happen
 /// before the memory is unmapped.
 pub struct HostRegistration {
     address: usize,
-    bytes: usize,
     unregister: fn(usize),
 }
 
 impl HostRegistration {
-    /// `bytes` at `address`, registered; `unregister(address)` ends the registration.
-    pub fn new(address: usize, bytes: usize, unregister: fn(usize)) -> HostRegistration {
-        HostRegistration { address, bytes, unregister }
-    }
-
-    fn end(&self) -> usize {
-        self.address + self.bytes
-    }
-
-    fn covers(&self, from: usize, to: usize) -> bool {
-        self.address <= from && to <= self.end()
-    }
-
-    fn overlaps(&self, from: usize, to: usize) -> bool {
-        from < self.end() && self.address < to
+    /// Memory at `address`, registered; `unregister(address)` ends the registration.
+    pub fn new(address: usize, unregister: fn(usize)) -> HostRegistration {
+        HostRegistration { address, unregister }
     }
 }
 
@@ -64,80 +66,185 @@ pub fn arena_bytes(chunk_bytes: usize) -> usize {
     WINDOW_SETS.saturating_mul(chunk_bytes)
 }
 
-/// This rank's arena and its registrations of peers' arenas, kept by its group's heaps
-/// (transport/shm/heap.rs `Heaps`), which drop it before they unmap any heap.
-pub struct SharedStaging {
-    arena: Option<Arena>,
-    /// Not to be asked for an arena: `XCCL_RS_REGISTERED_STAGING=0`, or the runtime or the heap
-    /// refused one once.
-    refused: bool,
-    /// Ranges of peers' arenas as they are mapped here, registered.
-    peers: Vec<HostRegistration>,
+/// This process's arena, registered.
+struct Arena {
+    // Declared first: dropped, so unregistered, before the file is unmapped.
+    _registration: HostRegistration,
+    /// The runtime it is registered with (`DeviceCopies::registrar`).
+    registrar: fn(usize),
+    file: ArenaFile,
 }
 
-struct Arena {
-    // Declared first: dropped, so unregistered, before the block is freed.
-    _registration: HostRegistration,
-    block: HeapBlock,
+/// A peer's arena mapped here, and its registration in this process once asked for.
+pub struct MappedArena {
+    // Declared first: dropped, so unregistered, before the arena is unmapped.
+    registration: Mutex<Registration>,
+    pid: u64,
+    arena: PeerArena,
+}
+
+enum Registration {
+    NotAsked,
+    /// With the runtime of that registrar (`DeviceCopies::registrar`).
+    Registered(fn(usize), #[allow(dead_code)] HostRegistration),
+    /// The runtime failed to register it.
+    Refused,
+}
+
+impl MappedArena {
+    /// `len` bytes of the arena's data from `offset`, if they lie inside it.
+    pub fn range(&self, offset: u64, len: usize) -> Option<RawBuf> {
+        self.arena.range(offset, len)
+    }
+
+    /// Whether the arena is registered in this process with `device`'s runtime: registered
+    /// through it the first time. False where the runtime cannot register host memory.
+    pub fn registered(&self, device: &mut dyn DeviceCopies) -> Result<bool> {
+        let Some(registrar) = device.registrar() else {
+            return Ok(false);
+        };
+        let mut registration = self.registration.lock();
+        if let Registration::NotAsked = *registration {
+            let (address, bytes) = self.arena.data();
+            let started = Instant::now();
+            *registration = match device.register(address, bytes)? {
+                Some(r) => {
+                    tracing::debug!(bytes, ms = started.elapsed().as_secs_f64() * 1e3, "registered a peer's staging arena");
+                    Registration::Registered(registrar, r)
+                }
+                None => Registration::Refused,
+            };
+        }
+        Ok(matches!(*registration, Registration::Registered(with, _) if std::ptr::fn_addr_eq(with, registrar)))
+    }
+
+    fn is(&self, pid: u64, id: ArenaId) -> bool {
+        self.pid == pid && self.arena.id() == id
+    }
+}
+
+/// A group's part in registered shared staging, kept by its heaps (transport/shm/heap.rs
+/// `Heaps`): the arena it holds as a root, and the peers' arenas it read from.
+pub struct SharedStaging {
+    arena: Option<Arena>,
+    /// Not to be asked for an arena: `XCCL_RS_REGISTERED_STAGING=0`, a peer's /proc out of
+    /// reach, or the runtime refused one once.
+    refused: bool,
+    peers: Vec<Arc<MappedArena>>,
 }
 
 impl SharedStaging {
-    /// `enabled`: whether a root may stage in an arena (`XCCL_RS_REGISTERED_STAGING`).
+    /// `enabled`: whether a root may stage in an arena (`XCCL_RS_REGISTERED_STAGING`, and every
+    /// rank can open every peer's files: setup.rs).
     pub fn new(enabled: bool) -> SharedStaging {
         SharedStaging { arena: None, refused: !enabled, peers: Vec::new() }
     }
 
-    /// The address of this rank's arena of `bytes`: allocated in `heap` and registered through
-    /// `device` the first time. None where the runtime cannot register host memory, or the heap
-    /// cannot hold it (then later jobs stage through pinned blocks, as without a heap).
-    pub fn arena(&mut self, heap: &Arc<Heap>, bytes: usize, device: &mut dyn DeviceCopies) -> Result<Option<usize>> {
+    /// The address of the arena this group holds, of `bytes`: the first time, an idle arena of
+    /// the process registered with `device`'s runtime, or a new one registered through it. None
+    /// where the runtime cannot register host memory (then later jobs stage through pinned
+    /// blocks).
+    pub fn arena(&mut self, bytes: usize, device: &mut dyn DeviceCopies) -> Result<Option<usize>> {
         if self.arena.is_none() && !self.refused {
             self.refused = true;
-            if let Ok(block) = heap.alloc(bytes) {
-                let started = Instant::now();
-                if let Some(registration) = device.register(block.address(), block.len())? {
-                    tracing::debug!(bytes, ms = started.elapsed().as_secs_f64() * 1e3, "registered the staging arena");
-                    self.arena = Some(Arena { _registration: registration, block });
-                    self.refused = false;
+            let Some(registrar) = device.registrar() else {
+                return Ok(None);
+            };
+            let idle = {
+                let mut idle = IDLE_ARENAS.lock();
+                let at = idle.iter().position(|a| a.file.bytes() == bytes && std::ptr::fn_addr_eq(a.registrar, registrar));
+                at.map(|at| idle.swap_remove(at))
+            };
+            self.arena = match idle {
+                Some(arena) => Some(arena),
+                None => new_arena(bytes, registrar, device)?,
+            };
+            self.refused = self.arena.is_none();
+        }
+        Ok(self.arena.as_ref().map(|a| a.file.data()))
+    }
+
+    /// What peers open this group's arena by, once it holds one.
+    pub fn id(&self) -> Option<ArenaId> {
+        self.arena.as_ref().map(|a| a.file.id())
+    }
+
+    /// Where `views` lie in this group's arena: the offset of the one view and its length (a
+    /// broadcast root's buffer), or None if they are not one view inside it.
+    pub fn placement(&self, views: &[RawBuf]) -> Option<(u64, u64)> {
+        let (arena, [view]) = (self.arena.as_ref()?, views) else {
+            return None;
+        };
+        let offset = (view.ptr() as usize).checked_sub(arena.file.data())?;
+        (offset.checked_add(view.len())? <= arena.file.bytes()).then_some((offset as u64, view.len() as u64))
+    }
+
+    /// The arena that process `pid` published as `id`, mapped here: the one this group or an
+    /// earlier one mapped, or mapped now.
+    pub fn peer(&mut self, pid: u64, id: ArenaId) -> Result<Arc<MappedArena>> {
+        if let Some(mapped) = self.peers.iter().find(|m| m.is(pid, id)) {
+            return Ok(mapped.clone());
+        }
+        let mapped = {
+            let mut cache = PEER_ARENAS.lock();
+            match cache.iter().find(|m| m.is(pid, id)) {
+                Some(mapped) => mapped.clone(),
+                None => {
+                    let mapped = Arc::new(MappedArena { registration: Mutex::new(Registration::NotAsked), pid, arena: PeerArena::open(pid, id)? });
+                    forget_unused(&mut cache);
+                    cache.push(mapped.clone());
+                    mapped
                 }
             }
-        }
-        Ok(self.arena.as_ref().map(|a| a.block.address()))
+        };
+        self.peers.push(mapped.clone());
+        Ok(mapped)
     }
+}
 
-    /// Whether `buf` lies in this rank's arena.
-    pub fn holds(&self, buf: RawBuf) -> bool {
-        self.arena.as_ref().is_some_and(|a| {
-            let (at, end) = (buf.ptr() as usize, buf.ptr() as usize + buf.len());
-            a.block.address() <= at && end <= a.block.address() + a.block.len()
-        })
-    }
-
-    /// Makes sure `source`, part of a peer's arena mapped here at `[.., mapped_end)`, is
-    /// registered in this process: if no registration covers it, registers the `granule` bytes
-    /// from the page it starts in (the arena's slots are chunks apart, so the chunks that one
-    /// slot holds share one registration), clamped to the mapping. Whether it is registered:
-    /// false where the runtime cannot register, or an earlier registration overlaps it only in
-    /// part (the peer staged at other offsets than before; the caller copies on the host).
-    pub fn register_peer_range(&mut self, source: RawBuf, granule: usize, mapped_end: usize, device: &mut dyn DeviceCopies) -> Result<bool> {
-        let from = source.ptr() as usize;
-        let to = from + source.len();
-        if self.peers.iter().any(|r| r.covers(from, to)) {
-            return Ok(true);
-        }
-        let start = from / HEAP_PAGE * HEAP_PAGE;
-        let end = start.saturating_add(granule.max(to - start)).min(mapped_end);
-        if end < to || self.peers.iter().any(|r| r.overlaps(start, end)) {
-            return Ok(false);
-        }
-        let started = Instant::now();
-        match device.register(start, end - start)? {
-            Some(registration) => {
-                tracing::debug!(bytes = end - start, ms = started.elapsed().as_secs_f64() * 1e3, "registered part of a peer's staging arena");
-                self.peers.push(registration);
-                Ok(true)
+impl Drop for SharedStaging {
+    fn drop(&mut self) {
+        if let Some(arena) = self.arena.take() {
+            let mut idle = IDLE_ARENAS.lock();
+            if idle.len() < IDLE_ARENAS_KEPT {
+                idle.push(arena);
             }
-            None => Ok(false),
         }
     }
+}
+
+fn new_arena(bytes: usize, registrar: fn(usize), device: &mut dyn DeviceCopies) -> Result<Option<Arena>> {
+    let file = match ArenaFile::create(bytes) {
+        Ok(file) => file,
+        Err(e) => {
+            tracing::warn!("no staging arena, so staged broadcasts copy on the host: {}", e.message);
+            return Ok(None);
+        }
+    };
+    let started = Instant::now();
+    let registration = device.register(file.data(), bytes)?;
+    if registration.is_some() {
+        tracing::debug!(bytes, ms = started.elapsed().as_secs_f64() * 1e3, "registered the staging arena");
+    }
+    Ok(registration.map(|r| Arena { _registration: r, registrar, file }))
+}
+
+/// Unmaps the peers' arenas that no group reads and whose process is gone, then, past
+/// [`PEER_ARENAS_KEPT`], the oldest unread ones.
+fn forget_unused(cache: &mut Vec<Arc<MappedArena>>) {
+    let unread = |m: &Arc<MappedArena>| Arc::strong_count(m) == 1;
+    // SAFETY: kill with signal 0 only checks whether the process exists.
+    let gone = |m: &Arc<MappedArena>| i32::try_from(m.pid).is_ok_and(|p| unsafe { libc::kill(p, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH));
+    cache.retain(|m| !(unread(m) && gone(m)));
+    while cache.len() >= PEER_ARENAS_KEPT {
+        let Some(oldest) = cache.iter().position(unread) else { break };
+        cache.remove(oldest);
+    }
+}
+
+/// Unregisters and frees the arenas that no group holds, and unmaps the peers' arenas that no
+/// group reads. The next group registers anew.
+pub fn release_idle_arenas() {
+    IDLE_ARENAS.lock().clear();
+    PEER_ARENAS.lock().retain(|m| Arc::strong_count(m) > 1);
 }

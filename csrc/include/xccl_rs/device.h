@@ -118,6 +118,8 @@ class DeviceStaging {
 // none (XPU in torch today, a CPU-only torch) or refused (its error is cleared, so it does not
 // surface in a later call).
 bool register_host(c10::Device device, size_t address, size_t bytes);
+// Whether register_host() has a way to register memory for `device` (it may still refuse).
+bool can_register_host(c10::Device device);
 // Ends a registration that register_host() made. Never throws.
 void unregister_host(size_t address);
 

@@ -70,6 +70,7 @@ enum class Toward : std::uint8_t;    // src/ffi.rs
 PinnedBlock staging_alloc_pinned(StagingHandle& handle, size_t bytes);
 size_t staging_adopt(StagingHandle& handle, size_t address, size_t bytes);
 bool staging_register_host(StagingHandle& handle, size_t address, size_t bytes);
+bool staging_can_register_host(const StagingHandle& handle);
 void staging_unregister_host(size_t address);
 void staging_copy(StagingHandle& handle, Toward toward, size_t tensor, size_t tensor_offset, size_t block,
                   size_t block_offset, size_t bytes);

@@ -19,9 +19,9 @@
 //! copy between the root's copy off its device and each receiver's copy onto its own.
 //!
 //! Where the device runtime registers host memory, a staged broadcast's root stages in its
-//! arena, registered shared memory of its heap, and says so (`Placement::arena`); a receiver
-//! whose output is an accelerator tensor's then copies from the root's arena straight onto its
-//! device (staging/shared.rs): no host copy at all.
+//! arena, registered shared memory that its process keeps across groups, and says so
+//! (`Placement::arena`); a receiver whose output is an accelerator tensor's then copies from the
+//! root's arena straight onto its device (staging/shared.rs): no host copy at all.
 
 use std::ops::ControlFlow;
 
@@ -115,15 +115,11 @@ fn read_root(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, la
     let buf = op.outputs[0];
     if in_heap(shm, first, root) {
         count_zero_copy(shm, ctx.seq);
-        if rank != root {
+        if rank != root && shm.placement(first, root).arena {
+            read_root_arena(shm, par, ctx, op, first, direct)?;
+        } else if rank != root {
             let source = peer_views(shm, first, root, 1, buf.len())?[0];
-            let delivered = match (direct, shm.placement(first, root).arena) {
-                (Some(direct), true) => deliver(shm, root, source, direct)?,
-                _ => false,
-            };
-            if !delivered {
-                par.copy_out(source, buf, buf.len());
-            }
+            par.copy_out(source, buf, buf.len());
         }
     } else {
         let cma = shm.cma_mut().ok_or_else(|| CommError::invalid("internal error (please report): a broadcast read by cross-memory attach on a group without it"))?;
@@ -145,16 +141,29 @@ fn read_root(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, la
     if rank == root { shm.wait_all(Counter::Consumed, last, ctx) } else { Ok(()) }
 }
 
-/// Copies `source`, in local rank `root`'s arena, straight onto this rank's device (`direct`);
-/// whether it did.
-fn deliver(shm: &mut ShmGroup, root: usize, source: RawBuf, direct: &mut dyn DirectOutput) -> Result<bool> {
-    let Some(heaps) = shm.heaps_mut() else {
-        return Ok(false);
+/// A receiver's part of a broadcast whose root staged its tensor in its arena (staging/shared.rs):
+/// copies it from there straight onto this rank's device (`direct`) where the arena is
+/// registered here, else on the host. The root's range is used only once it lies inside the
+/// arena that the root's header names, mapped here.
+fn read_root_arena(shm: &mut ShmGroup, par: &Par, ctx: &OpCtx, op: &Op, first: u64, direct: Option<&mut dyn DirectOutput>) -> Result<()> {
+    let root = op.root as usize;
+    let buf = op.outputs[0];
+    let root_rank = shm.group_rank(root);
+    let (offset, _) = shm.placement(first, root).heap.unwrap_or_default();
+    let (pid, id) = shm.arena_of(root);
+    let heaps = shm.heaps_mut().ok_or_else(|| CommError::invalid("internal error (please report): a staging arena read on a group without heaps"))?;
+    let arena = heaps.staging_mut().peer(pid, id).map_err(|e| CommError::peer(format!("{}: rank {root_rank}'s tensor: {}", ctx.describe(), e.message)))?;
+    let source = arena.range(offset, buf.len()).ok_or_else(|| {
+        CommError::io(format!("rank {root_rank} published {} bytes at offset {offset} of its staging arena, which lie outside it", buf.len()))
+    })?;
+    let delivered = match direct {
+        Some(direct) => direct.deliver(source, &arena)?,
+        None => false,
     };
-    let Some(mapped_end) = heaps.peer(root).map(|p| p.mapped_end()) else {
-        return Ok(false);
-    };
-    direct.deliver(source, mapped_end, heaps.staging_mut())
+    if !delivered {
+        par.copy_out(source, buf, buf.len());
+    }
+    Ok(())
 }
 
 /// Reads `buf.len()` bytes of process `pid` from its address `addr` into `buf`, split across

@@ -37,18 +37,26 @@ pub fn presync(shm: &mut ShmGroup, ctx: &OpCtx, desc: Desc, views: &[RawBuf]) ->
 }
 
 /// Records, with the description of the op starting at block `g`, where this rank's `views`
-/// of the op lie: in its heap, when all lie there evenly spaced (`Heap::placement`), and, if
-/// `by_cma`, the first one's address in this process, for peers that read it by cross-memory
-/// attach (else 0), and whether they lie in its staging arena (staging/shared.rs).
+/// of the op lie: in its staging arena (staging/shared.rs; then it also records which file that
+/// is), or in its heap when all lie there evenly spaced (`Heap::placement`); and, if `by_cma`,
+/// the first one's address in this process, for peers that read it by cross-memory attach
+/// (else 0).
 pub fn describe_views(shm: &ShmGroup, g: u64, views: &[RawBuf], by_cma: bool) {
-    let heap = shm.heaps().and_then(|h| h.own().placement(views)).map(|(offset, stride)| (offset as u64, stride as u64));
     let addr = views.first().filter(|_| by_cma).map_or(0, |v| v.ptr() as u64);
-    let arena = heap.is_some() && shm.heaps().is_some_and(|h| views.iter().all(|v| h.staging().holds(*v)));
-    shm.place(g, Placement { heap, addr, arena });
+    let staging = shm.heaps().map(|h| h.staging());
+    let in_arena = staging.and_then(|s| Some((s.placement(views)?, s.id()?)));
+    if let Some((_, id)) = in_arena {
+        shm.publish_arena(id);
+    }
+    let heap = match in_arena {
+        Some((placement, _)) => Some(placement),
+        None => shm.heaps().and_then(|h| h.own().placement(views)).map(|(offset, stride)| (offset as u64, stride as u64)),
+    };
+    shm.place(g, Placement { heap, addr, arena: in_arena.is_some() });
 }
 
-/// After rank `r`'s `Produced` ≥ g: whether `r` said its views of the op lie in its heap, on
-/// a group whose ranks read each other's heaps.
+/// After rank `r`'s `Produced` ≥ g: whether `r` said its views of the op lie in its heap (or
+/// its staging arena), on a group whose ranks read each other's heaps.
 pub fn in_heap(shm: &ShmGroup, g: u64, r: usize) -> bool {
     shm.heaps().is_some_and(|h| h.zero_copy()) && shm.placement(g, r).heap.is_some()
 }
@@ -65,7 +73,8 @@ pub fn all_in_heap(shm: &ShmGroup, g: u64) -> bool {
 pub fn peer_views(shm: &ShmGroup, g: u64, r: usize, count: usize, len: usize) -> Result<Vec<RawBuf>> {
     debug_assert!(r != shm.rank(), "a rank's own views are its op's buffers");
     let heaps = shm.heaps().filter(|h| h.zero_copy());
-    let (Some(heaps), Some((offset, stride))) = (heaps, shm.placement(g, r).heap) else {
+    let placement = shm.placement(g, r);
+    let (Some(heaps), Some((offset, stride)), false) = (heaps, placement.heap, placement.arena) else {
         return Err(CommError::io(format!("local rank {r}'s buffers are not in its heap")));
     };
     heaps.peer(r).and_then(|heap| heap.views(offset, stride, count, len)).ok_or_else(|| {

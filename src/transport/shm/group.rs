@@ -24,7 +24,7 @@ use super::cma::CmaPeers;
 use super::desc::Desc;
 use super::futex;
 use super::heap::Heaps;
-use super::layout::{ABORT_CLOSED, ABORT_FAILED, Placement, RankHeader};
+use super::layout::{ABORT_CLOSED, ABORT_FAILED, ArenaId, Placement, RankHeader};
 use super::segment::Segment;
 use super::settings::ShmSettings;
 use crate::error::{CommError, ErrorKind, Result};
@@ -229,6 +229,17 @@ impl ShmGroup {
     /// buffers of it lie.
     pub fn place(&self, g: u64, placement: Placement) {
         self.header(self.rank).line.0.store_placement((g % 2) as usize, placement);
+    }
+
+    /// Records which file holds this rank's staging arena, before it publishes an op placed in it.
+    pub fn publish_arena(&self, id: ArenaId) {
+        self.header(self.rank).arena.0.store(id);
+    }
+
+    /// After rank `r`'s `Produced` for an op it placed in its arena: its process and arena.
+    pub fn arena_of(&self, r: usize) -> (u64, ArenaId) {
+        let header = self.header(r);
+        (header.pid.0.load(Ordering::Relaxed), header.arena.0.load())
     }
 
     /// After rank `r`'s `Produced` ≥ g: where `r` said its buffers of the op lie.

@@ -245,11 +245,6 @@ impl PeerHeap {
         Ok(PeerHeap { map, len })
     }
 
-    /// Where the mapping ends in this process's address space.
-    pub fn mapped_end(&self) -> usize {
-        self.map.as_ptr() as usize + self.len
-    }
-
     /// The peer's bytes `[offset, offset + len)`, if that range lies inside its heap.
     pub fn range(&self, offset: usize, len: usize) -> Option<RawBuf> {
         if offset.checked_add(len)? > self.len {
@@ -273,8 +268,7 @@ impl PeerHeap {
 /// tensors are allocated from, and, where the group agreed on zero-copy, every peer's mapped
 /// here; and how many ops read them in place.
 pub struct Heaps {
-    /// Device registrations of this rank's arena and of peers' (staging/shared.rs). Declared
-    /// first: dropped, so unregistered, before any heap here is unmapped.
+    /// This rank's staging arena and the peers' it read from (staging/shared.rs).
     staging: SharedStaging,
     own: Arc<Heap>,
     /// Every peer's heap (None at this rank's index), present where every rank has a heap and
@@ -286,14 +280,15 @@ pub struct Heaps {
 }
 
 impl Heaps {
-    /// `registered_staging`: whether a broadcast root may stage in a registered arena.
+    /// `registered_staging`: whether a broadcast root may stage in a registered arena (and every
+    /// rank can open every peer's: setup.rs).
     pub fn new(own: Arc<Heap>, peers: Option<Vec<Option<PeerHeap>>>, registered_staging: bool) -> Heaps {
         Heaps { staging: SharedStaging::new(registered_staging), own, peers, zero_copy_ops: 0, last_zero_copy_seq: None }
     }
 
-    /// This rank's staging arena, allocated and registered the first time (SharedStaging::arena).
+    /// The address of this rank's staging arena, taken the first time (SharedStaging::arena).
     pub fn staging_arena(&mut self, bytes: usize, device: &mut dyn DeviceCopies) -> Result<Option<usize>> {
-        self.staging.arena(&self.own, bytes, device)
+        self.staging.arena(bytes, device)
     }
 
     pub fn staging(&self) -> &SharedStaging {

@@ -15,6 +15,11 @@
 //! - `aborted`: set (Release) by the owner when it fails (`ABORT_FAILED`, after writing
 //!   `abort_message`) or when it closes its communicator (`ABORT_CLOSED`); peers check it while
 //!   waiting on that rank.
+//! - `segment_fd`: written once by the owner before it publishes its magic word.
+//! - `arena` (an [`ArenaIdentity`]): written by the owner before it publishes `produced` for the
+//!   first block of an op whose buffer lies in its staging arena, and the same for the group's
+//!   life after that; read by peers after they see that `produced`, and trusted only once the
+//!   file it names shows them the same token (transport/shm/arena.rs).
 //! - `epoch`, `sleepers`: used in rank 0's header only, by every rank: the group's futex word
 //!   and the number of ranks asleep on it (SeqCst, Dekker-style: see group.rs).
 
@@ -26,7 +31,7 @@ pub const ABORT_FAILED: u32 = 1;
 pub const ABORT_CLOSED: u32 = 2;
 /// Bytes of an abort message kept in the header (longer ones are cut).
 pub const ABORT_MESSAGE_BYTES: usize = 1024;
-const MAGIC: u64 = u64::from_le_bytes(*b"XCRSHM04");
+const MAGIC: u64 = u64::from_le_bytes(*b"XCRSHM05");
 
 /// One value alone on its cache lines (128 bytes: adjacent-line prefetch pairs lines).
 #[repr(C, align(128))]
@@ -96,8 +101,8 @@ pub struct Placement {
     /// The first buffer's address in the rank's own process, for cross-memory attach; 0 where
     /// the rank does not offer them to be read that way (a broadcast's root, host/broadcast_shm.rs).
     pub addr: u64,
-    /// They lie in the rank's staging arena, which stays where it is for the group's life
-    /// (staging/shared.rs). Carried in `heap_stride`'s top bit.
+    /// They lie in the rank's staging arena (staging/shared.rs), and `heap` gives their place in
+    /// it, not in the heap. Carried in `heap_stride`'s top bit.
     pub arena: bool,
 }
 
@@ -120,10 +125,50 @@ impl ProducedLine {
     }
 }
 
+/// Which file holds a rank's staging arena, for peers to open it (transport/shm/arena.rs): the
+/// descriptor that its process keeps open on it, the arena's random token (also written in
+/// the file itself) and its data bytes. All zero while the rank has no arena.
+#[repr(C)]
+#[derive(Default)]
+pub struct ArenaIdentity {
+    pub fd: AtomicU64,
+    pub token: [AtomicU64; 2],
+    pub bytes: AtomicU64,
+}
+
+/// [`ArenaIdentity`]'s values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ArenaId {
+    pub fd: u64,
+    pub token: [u64; 2],
+    pub bytes: u64,
+}
+
+impl ArenaIdentity {
+    pub fn store(&self, id: ArenaId) {
+        self.fd.store(id.fd, Ordering::Relaxed);
+        self.token[0].store(id.token[0], Ordering::Relaxed);
+        self.token[1].store(id.token[1], Ordering::Relaxed);
+        self.bytes.store(id.bytes, Ordering::Relaxed);
+    }
+
+    pub fn load(&self) -> ArenaId {
+        ArenaId {
+            fd: self.fd.load(Ordering::Relaxed),
+            token: [self.token[0].load(Ordering::Relaxed), self.token[1].load(Ordering::Relaxed)],
+            bytes: self.bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
 #[repr(C)]
 pub struct RankHeader {
     pub magic: Padded<AtomicU64>,
     pub pid: Padded<AtomicU64>,
+    /// The descriptor that the owner keeps open on its segment's file: a peer that can open it
+    /// through /proc can open the owner's arena the same way (setup.rs).
+    pub segment_fd: Padded<AtomicU64>,
+    pub arena: Padded<ArenaIdentity>,
     pub line: Padded<ProducedLine>,
     pub reduced: Padded<AtomicU64>,
     pub consumed: Padded<AtomicU64>,
@@ -141,8 +186,9 @@ pub struct RankHeader {
 const _: () = assert!(std::mem::size_of::<RankHeader>() <= HEADER_BYTES);
 
 impl RankHeader {
-    pub fn init(&self, pid: u64) {
+    pub fn init(&self, pid: u64, segment_fd: u64) {
         self.pid.0.store(pid, Ordering::Relaxed);
+        self.segment_fd.0.store(segment_fd, Ordering::Relaxed);
         self.magic.0.store(MAGIC, Ordering::Release);
     }
 

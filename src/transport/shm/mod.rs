@@ -3,9 +3,10 @@
 //! collectives (algorithms/host/) move data through the slots in blocks, reading peers' slots
 //! directly, and synchronize through the counters (group.rs), spinning briefly and then
 //! sleeping on a futex (futex.rs). What a group can do besides the slots is set up with it
-//! (setup.rs) and reported by it: reading tensors in the ranks' heaps (heap.rs) and reading
-//! peers' memory by cross-memory attach (cma.rs).
+//! (setup.rs) and reported by it: reading tensors in the ranks' heaps (heap.rs), reading
+//! peers' memory by cross-memory attach (cma.rs), and opening their staging arenas (arena.rs).
 
+pub mod arena;
 pub mod cma;
 pub mod desc;
 pub mod files;

@@ -10,6 +10,7 @@
 //! 4096+c  slot 1        `slot_bytes` bytes of data
 //! ```
 
+use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 
@@ -24,6 +25,9 @@ const PREFIX: &str = "xccl_rs-";
 
 pub struct Segment {
     map: MmapRaw,
+    /// Kept open for the segment's life: peers may open this rank's files through it
+    /// (`RankHeader::segment_fd`, setup.rs).
+    file: File,
     slot_bytes: usize,
     /// Set while the file still exists and this rank created it.
     owned_path: Option<PathBuf>,
@@ -74,11 +78,11 @@ impl Segment {
                 return Err(CommError::io(message));
             }
         };
-        let seg = Segment { map, slot_bytes, owned_path: Some(path) };
+        let seg = Segment { map, file, slot_bytes, owned_path: Some(path) };
         // Touch every page now, so the first collective pays no page faults.
         // SAFETY: the mapping is `size` bytes long and writable; no one else has it yet.
         unsafe { std::ptr::write_bytes(seg.map.as_mut_ptr(), 0, size) };
-        seg.header().init(std::process::id() as u64);
+        seg.header().init(std::process::id() as u64, seg.file.as_raw_fd() as u64);
         Ok((seg, name))
     }
 
@@ -98,7 +102,7 @@ impl Segment {
             .populate()
             .map_raw(&file)
             .map_err(|e| CommError::io(format!("cannot map {}: {e}", path.display())))?;
-        Ok(Segment { map, slot_bytes, owned_path: None })
+        Ok(Segment { map, file, slot_bytes, owned_path: None })
     }
 
     /// Removes the file (every rank has mapped it); the memory lives on until the last unmap.
@@ -106,6 +110,11 @@ impl Segment {
         if let Some(path) = self.owned_path.take() {
             let _ = std::fs::remove_file(path);
         }
+    }
+
+    /// The segment's file, as this process opened it.
+    pub fn file(&self) -> &File {
+        &self.file
     }
 
     pub fn header(&self) -> &RankHeader {

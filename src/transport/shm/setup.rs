@@ -5,9 +5,11 @@
 //! files: from then on nothing of the group is visible in /dev/shm.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::group::ShmGroup;
+use super::arena::{open_peer_fd, same_file};
 use super::cma::{self, CmaPeers};
 use super::heap::{HEAP_PAGE, Heap, Heaps, PeerHeap};
 use super::layout::RankHeader;
@@ -43,7 +45,9 @@ impl ShmGroup {
         let all_heaps = peer_heaps.as_ref().is_some_and(|p| p.iter().enumerate().all(|(peer, h)| peer == rank || h.is_some()));
         let reads_peers = settings.cma != CmaUse::Never && cma::probe_peers(store, members, rank, namespace, &segments, timeout)?;
         let reads_ordinary = settings.cma == CmaUse::Everything;
-        let agreed = agree(store, members, rank, namespace, all_heaps, reads_peers, reads_ordinary, timeout)?;
+        let opens_peers = settings.registered_staging && opens_peers_files(&segments, rank);
+        let said = Said { all_heaps, reads_peers, reads_ordinary, opens_peers };
+        let agreed = agree(store, members, rank, namespace, said, timeout)?;
         segments[rank].unlink();
         if let Some(heap) = &heap {
             heap.unlink();
@@ -53,7 +57,7 @@ impl ShmGroup {
                 return Err(CommError::io(format!("rank {}'s shared-memory segment is not initialized", members[peer])));
             }
         }
-        let heaps = heap.map(|own| Heaps::new(own, peer_heaps.filter(|_| agreed.zero_copy), settings.registered_staging));
+        let heaps = heap.map(|own| Heaps::new(own, peer_heaps.filter(|_| agreed.zero_copy), agreed.open_peers));
         let cma = agreed.all_read.then(|| CmaPeers::of(&segments, agreed.ordinary)).flatten();
         Ok(ShmGroup::new(rank, members, settings, segments, heaps, cma))
     }
@@ -120,6 +124,32 @@ fn map_peer_heaps(store: &dyn Store, members: &[usize], rank: usize, namespace: 
     Ok(peer_heaps)
 }
 
+/// Whether this rank can open every peer's files through /proc, as it would a peer's staging
+/// arena (transport/shm/arena.rs): each peer's segment, opened so, is the file mapped here.
+fn opens_peers_files(segments: &[Segment], rank: usize) -> bool {
+    segments.iter().enumerate().filter(|&(peer, _)| peer != rank).all(|(_, segment)| {
+        let header = segment.header();
+        let (pid, fd) = (header.pid.0.load(Ordering::Relaxed), header.segment_fd.0.load(Ordering::Relaxed));
+        let opened = open_peer_fd(pid, fd).is_ok_and(|file| same_file(&file, segment.file()));
+        if !opened {
+            tracing::debug!("cannot open the files of process {pid} through /proc: staged broadcasts copy on the host");
+        }
+        opened
+    })
+}
+
+/// What this rank can do, for [`agree`].
+struct Said {
+    /// It has a heap and mapped every peer's.
+    all_heaps: bool,
+    /// It can read every peer by cross-memory attach.
+    reads_peers: bool,
+    /// It would for ordinary tensors too (`XCCL_RS_CMA=1`).
+    reads_ordinary: bool,
+    /// It may use staging arenas and can open every peer's (`opens_peers_files`).
+    opens_peers: bool,
+}
+
 /// What every rank of the group can do, the same on every rank ([`agree`]).
 struct Agreed {
     /// Every rank has a heap and mapped every peer's.
@@ -128,39 +158,35 @@ struct Agreed {
     all_read: bool,
     /// And every rank reads ordinary tensors that way too (`XCCL_RS_CMA=1`).
     ordinary: bool,
+    /// Every rank may use staging arenas and can open every peer's.
+    open_peers: bool,
 }
 
-/// Publishes what this rank can do (`all_heaps`: it has a heap and mapped every peer's;
-/// `reads_peers`: it can read every peer by cross-memory attach; `reads_ordinary`: it would
-/// for ordinary tensors too) and reads every rank's: the group does what all can.
-#[allow(clippy::too_many_arguments)]
-fn agree(
-    store: &dyn Store,
-    members: &[usize],
-    rank: usize,
-    namespace: &str,
-    all_heaps: bool,
-    reads_peers: bool,
-    reads_ordinary: bool,
-    timeout: Duration,
-) -> Result<Agreed> {
+/// Publishes what this rank can do ([`Said`]) and reads every rank's: the group does what
+/// all can.
+fn agree(store: &dyn Store, members: &[usize], rank: usize, namespace: &str, said: Said, timeout: Duration) -> Result<Agreed> {
     let me = members[rank];
-    // "h": this rank can take part in zero-copy collectives; "c": it can read every peer by
-    // cross-memory attach; "o": of ordinary tensors too.
-    let mut said = vec![if all_heaps { b'h' } else { b'1' }];
-    if reads_peers {
-        said.push(b'c');
-        if reads_ordinary {
-            said.push(b'o');
+    // "h": this rank can take part in zero-copy collectives; then "c": it can read every peer
+    // by cross-memory attach; "o": of ordinary tensors too; "f": it can open peers' files.
+    let mut flags = vec![if said.all_heaps { b'h' } else { b'1' }];
+    if said.reads_peers {
+        flags.push(b'c');
+        if said.reads_ordinary {
+            flags.push(b'o');
         }
     }
-    store.set(&Key::ShmMapped { namespace, rank }.text(), &said)?;
-    let mut agreed = Agreed { zero_copy: true, all_read: true, ordinary: true };
+    if said.opens_peers {
+        flags.push(b'f');
+    }
+    store.set(&Key::ShmMapped { namespace, rank }.text(), &flags)?;
+    let mut agreed = Agreed { zero_copy: true, all_read: true, ordinary: true, open_peers: true };
     for (peer, &member) in members.iter().enumerate() {
         let mapped = store.get(&Key::ShmMapped { namespace, rank: peer }.text(), timeout).map_err(|e| rendezvous_error(me, member, e))?;
-        agreed.zero_copy &= mapped.first() == Some(&b'h');
-        agreed.all_read &= mapped.get(1) == Some(&b'c');
-        agreed.ordinary &= mapped.get(2) == Some(&b'o');
+        let (first, rest) = mapped.split_first().map_or((None, &[][..]), |(f, r)| (Some(*f), r));
+        agreed.zero_copy &= first == Some(b'h');
+        agreed.all_read &= rest.contains(&b'c');
+        agreed.ordinary &= rest.contains(&b'o');
+        agreed.open_peers &= rest.contains(&b'f');
     }
     agreed.ordinary &= agreed.all_read;
     Ok(agreed)
