@@ -341,6 +341,45 @@ def test_large_broadcast_from_every_root(world_size, through_arena):
     _check(run_ranks(world_size, w_broadcast_from_every_root, 10 * (1 << 20) + 37, through_arena, timeout_s=240, env=env), world_size)
 
 
+def w_broadcast_in_a_new_group_every_round(rank, world_size, n, rounds):
+    """A sync that builds a new group every round (verl's rebuild): each round's group
+    broadcasts ``n`` float32 elements from rank 0 and is destroyed. Arenas outlive their groups
+    (src/staging/shared.rs), so over every round the root registers its arena once and each
+    receiver the root's arena once; the debug log (XCCL_RS_LOG=debug, this rank's stderr sent
+    to a file) names each registration."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from accel import use
+
+    dev = use("cuda")
+    log = tempfile.NamedTemporaryFile(prefix=f"xccl_rs_log_{rank}_", delete=False)
+    os.dup2(log.fileno(), 2)
+    probs = []
+    for round_ in range(rounds):
+        group = dist.new_group(list(range(world_size)), backend="xccl_rs")
+        want = torch.arange(n, dtype=torch.float32, device=dev) + round_
+        t = want.clone() if rank == 0 else torch.full((n,), -1.0, device=dev)
+        dist.broadcast(t, src=0, group=group)
+        if not torch.equal(t, want):
+            probs.append(f"round {round_}: {(t != want).sum().item()} of {n} elements wrong")
+        dist.destroy_process_group(group)
+    text = open(log.name).read()
+    own, peers = text.count("registered the staging arena"), text.count("registered a peer's staging arena")
+    want = (1, 0) if rank == 0 else (0, 1)
+    if (own, peers) != want:
+        probs.append(f"{rounds} groups registered {own} arenas of this rank and {peers} of peers, expected {want}")
+    return probs
+
+
+def test_arenas_are_registered_once_across_groups():
+    env = {"XCCL_RS_PIPELINE_CHUNK_BYTES": str(4 << 20), "XCCL_RS_LOG": "debug"}
+    _check(run_ranks(3, w_broadcast_in_a_new_group_every_round, 10 * (1 << 20) + 37, 3, timeout_s=240, env=env), 3)
+
+
 def test_pinned_memory_is_a_window():
     import torch
 
