@@ -256,12 +256,13 @@ impl StagedJob {
                 let pinned = pinned.filter(|p| p.block == block && block_offset + len <= p.bytes).ok_or_else(|| mismatch(index, k))?;
                 // SAFETY: `[block_offset, block_offset + len)` lies inside the block (checked
                 // just above), which this job allocated or adopted from its arena (start) and
-                // which stays valid until the job ends (DeviceCopies::alloc_pinned; the arena
-                // is held by the group until it ends). Only this job's ops use it (peers read an arena
-                // block only during the op, which ends after they say they have: broadcast_shm.rs),
-                // and a window slot holds one view of one chunk at a time: its next user,
-                // WINDOW_SETS chunks later, copies into it only after this chunk's copies back
-                // (set_free), or, in a root's arena, after the op that read it ended.
+                // which stays valid until the job ends (DeviceCopies::alloc_pinned; the group
+                // holds the arena until it ends). Only this job's ops use it (peers read an
+                // arena block only during the op, which ends after they say they have:
+                // broadcast_shm.rs), and a window slot holds one view of one chunk at a time:
+                // its next user, WINDOW_SETS chunks later, copies into it only after this
+                // chunk's copies back (set_free), or, in a root's arena, after the op that read
+                // it ended.
                 Ok(unsafe { RawBuf::new((pinned.address + block_offset) as *mut u8, len) })
             }
         })?;

@@ -1,6 +1,7 @@
 //! Setting up a shared-memory group: every rank creates its segment (and its heap, where the
 //! group has heaps), publishes their names through the store, maps every peer's, probes
-//! cross-memory attach, and agrees with every rank on what the group can do beyond the slots,
+//! cross-memory attach and opening peers' files through /proc (for staging arenas), and agrees
+//! with every rank on what the group can do beyond the slots,
 //! so that every rank takes the same path through a collective. Then each rank unlinks its
 //! files: from then on nothing of the group is visible in /dev/shm.
 
@@ -8,8 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::group::ShmGroup;
 use super::arena::{open_peer_fd, same_file};
+use super::group::ShmGroup;
 use super::cma::{self, CmaPeers};
 use super::heap::{HEAP_PAGE, Heap, Heaps, PeerHeap};
 use super::layout::RankHeader;
