@@ -40,14 +40,20 @@ WORKER = textwrap.dedent(
                 want = (sum(inputs(r, dtype).float() for r in range(world)) / scale).to(dtype)
                 assert torch.equal(mine, want), (dtype, op, (mine != want).sum().item())
         print("CMA EXACT", flush=True)
-    if mode == "cma_root_dies":
-        # XCCL_RS_CMA=1: 4 MiB broadcasts whose receivers read the root by cross-memory attach.
-        # Then the root dies once it has published where its tensor lies, before rank 1 reads
-        # it: rank 1's broadcast raises (uncaught: the script exits 1), naming rank 0.
-        x = torch.arange(1 << 20, dtype=torch.float32) if rank == 0 else torch.zeros(1 << 20)
+    if mode in ("cma_root_dies", "arena_root_dies"):
+        # A broadcast's root dies once it has published where its tensor lies, before rank 1
+        # reads it: rank 1's broadcast raises (uncaught: the script exits 1), naming rank 0.
+        # cma: with XCCL_RS_CMA=1, 4 MiB read from the root's memory by cross-memory attach.
+        # arena: 40 MiB of CUDA in 4 MiB chunks, staged in the root's registered arena, which
+        # the first broadcast maps in rank 1; the root dies with slots of it still to be read.
+        if mode == "arena_root_dies":
+            torch.cuda.set_device(0)
+        device, n = ("cuda", 10 << 20) if mode == "arena_root_dies" else ("cpu", 1 << 20)
+        want = torch.arange(n, dtype=torch.float32, device=device)
+        x = want.clone() if rank == 0 else torch.zeros(n, device=device)
         dist.broadcast(x, src=0)
-        assert torch.equal(x, torch.arange(1 << 20, dtype=torch.float32))
-        print("CMA BROADCAST EXACT", flush=True)
+        assert torch.equal(x, want)
+        print("BROADCAST EXACT", flush=True)
         if rank == 0:
             import threading
             threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
@@ -127,12 +133,27 @@ def test_all_reduce_by_cross_memory_attach_across_processes(tmp_path):
             assert rc == 0 and says in out, (env, out)
 
 
-def test_a_broadcast_root_that_dies_before_it_is_read_ends_the_receivers_script(tmp_path):
-    outs = run_group(tmp_path, 2, "cma_root_dies", {"XCCL_RS_CMA": "1"})
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(
+    "mode, env",
+    [
+        ("cma_root_dies", {"XCCL_RS_CMA": "1"}),
+        pytest.param("arena_root_dies", {"XCCL_RS_PIPELINE_CHUNK_BYTES": str(4 << 20)}, marks=[
+            pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason="the staging arena needs CUDA")]),
+    ],
+    ids=["cma", "arena"],
+)
+def test_a_broadcast_root_that_dies_before_it_is_read_ends_the_receivers_script(tmp_path, mode, env):
+    outs = run_group(tmp_path, 2, mode, env)
     rc0, out0 = outs[0]
-    assert rc0 == -9 and "CMA BROADCAST EXACT" in out0, out0
+    assert rc0 == -9 and "BROADCAST EXACT" in out0, out0
     rc1, out1 = outs[1]
-    assert rc1 == 1 and "CMA BROADCAST EXACT" in out1 and "DONE" not in out1, out1
+    assert rc1 == 1 and "BROADCAST EXACT" in out1 and "DONE" not in out1, out1
     assert "rank 0" in out1 and "Traceback" in out1, out1
     took = float(out1.split("RAISED AFTER ")[1].split(" s")[0])
     assert took < 4 + 2, out1  # within the group's timeout
