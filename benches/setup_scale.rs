@@ -5,8 +5,10 @@
 //! rank after set-up, and the mean time of an 8 B and a 1 MiB float32 all-reduce (rank 0's
 //! view, after a warm-up).
 //!
-//! `cargo bench --bench setup_scale -- [--per-host 8] [--tcp] 16 32 64 128`
-//! (`--tcp`: `XCCL_RS_TRANSPORT=tcp`, one TCP link per pair). Figures in docs/perf.md.
+//! `cargo bench --bench setup_scale -- [--per-host 8] [--tcp | --ofi] 16 32 64 128`
+//! (`--tcp`: `XCCL_RS_TRANSPORT=tcp`, one TCP link per pair; `--ofi`: each size with the default
+//! transport and then with `XCCL_RS_TRANSPORT=ofi`, side by side, libfabric's provider as
+//! `FI_PROVIDER` says). Figures in docs/perf.md and docs/multihost.md.
 //! Only public API is used, so the same file measures any commit.
 
 use std::sync::{Arc, Barrier};
@@ -69,7 +71,7 @@ struct Row {
     large: Duration,
 }
 
-fn measure(size: usize, per_host: usize, tcp: bool) -> Row {
+fn measure(size: usize, per_host: usize, transport: TransportChoice) -> Row {
     let store = MemoryStore::new();
     let (fds0, sockets0) = descriptors();
     let start = Arc::new(Barrier::new(size));
@@ -80,7 +82,6 @@ fn measure(size: usize, per_host: usize, tcp: bool) -> Row {
         .map(|rank| {
             let (store, start, connected, counted) = (store.clone(), start.clone(), connected.clone(), counted.clone());
             std::thread::spawn(move || {
-                let transport = if tcp { TransportChoice::Tcp } else { TransportChoice::Auto };
                 let cfg = Config {
                     host_id: Some(format!("setup-scale-{}", rank / per_host)),
                     socket_host: Some("127.0.0.1".into()),
@@ -115,13 +116,14 @@ fn measure(size: usize, per_host: usize, tcp: bool) -> Row {
 
 fn main() {
     let mut per_host = 8;
-    let mut tcp = false;
+    let mut transports = vec![TransportChoice::Auto];
     let mut sizes = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--per-host" => per_host = args.next().and_then(|v| v.parse().ok()).expect("--per-host N"),
-            "--tcp" => tcp = true,
+            "--tcp" => transports = vec![TransportChoice::Tcp],
+            "--ofi" => transports = vec![TransportChoice::Auto, TransportChoice::Ofi],
             "--bench" => {}
             n => sizes.push(n.parse::<usize>().expect("a world size")),
         }
@@ -130,19 +132,25 @@ fn main() {
         sizes = vec![16, 32, 64, 128];
     }
     raise_fd_limit();
-    println!("{} ranks per fake host{}", per_host, if tcp { ", XCCL_RS_TRANSPORT=tcp" } else { "" });
-    println!("{:>6} {:>6} {:>10} {:>9} {:>12} {:>14} {:>15}", "ranks", "hosts", "set-up ms", "fds/rank", "sockets/rank", "allreduce 8 B", "allreduce 1 MiB");
+    println!("{} ranks per fake host", per_host);
+    println!(
+        "{:>6} {:>6} {:>9} {:>10} {:>9} {:>12} {:>14} {:>15}",
+        "ranks", "hosts", "transport", "set-up ms", "fds/rank", "sockets/rank", "allreduce 8 B", "allreduce 1 MiB"
+    );
     for size in sizes {
-        let r = measure(size, per_host, tcp);
-        println!(
-            "{:>6} {:>6} {:>10.1} {:>9.1} {:>12.1} {:>11.1} us {:>12.2} ms",
-            size,
-            size.div_ceil(per_host),
-            r.setup.as_secs_f64() * 1e3,
-            r.fds,
-            r.sockets,
-            r.small.as_secs_f64() * 1e6,
-            r.large.as_secs_f64() * 1e3
-        );
+        for &transport in &transports {
+            let r = measure(size, per_host, transport);
+            println!(
+                "{:>6} {:>6} {:>9} {:>10.1} {:>9.1} {:>12.1} {:>11.1} us {:>12.2} ms",
+                size,
+                size.div_ceil(per_host),
+                transport.name(),
+                r.setup.as_secs_f64() * 1e3,
+                r.fds,
+                r.sockets,
+                r.small.as_secs_f64() * 1e6,
+                r.large.as_secs_f64() * 1e3
+            );
+        }
     }
 }

@@ -92,13 +92,28 @@ def _run(tmp_path, hosts, env, rank_env=None, worker=WORKER):
     return harness.collect_outputs(procs, timeout_s=420)
 
 
-@pytest.mark.parametrize("hosts", [["a", "b"], ["a", "b", "c"], ["a", "a", "b", "b"]], ids=["2x1", "3x1", "2x2"])
-def test_collectives_over_ofi_match_torch(tmp_path, hosts):
+@pytest.mark.parametrize(
+    "hosts,settings,logged",
+    [
+        (["a", "b"], {}, "tags=64 tag bits"),
+        (["a", "b", "c"], {}, "wait_fd=true"),
+        (["a", "a", "b", "b"], {}, "tags=64 tag bits"),
+        # cxi's tag width, and the 20 bits MPICH gives CXI.
+        (["a", "b", "c"], {"XCCL_RS_OFI_TAG_BITS": "48"}, "tags=48 tag bits"),
+        (["a", "a", "b", "b"], {"XCCL_RS_OFI_TAG_BITS": "20"}, "tags=20 tag bits"),
+        # No wait descriptor, as on efa: the ranks busy-poll.
+        (["a", "b", "c"], {"XCCL_RS_OFI_WAIT_FD": "0"}, "wait_fd=false"),
+    ],
+    ids=["2x1", "3x1", "2x2", "3x1-48-bit-tags", "2x2-20-bit-tags", "3x1-no-wait-fd"],
+)
+def test_collectives_over_ofi_match_torch(tmp_path, hosts, settings, logged):
     if why := _libfabric_missing():
         pytest.skip(why)
-    for rank, (rc, out) in enumerate(_run(tmp_path, hosts, {"FI_PROVIDER": "tcp;ofi_rxm", "XCCL_RS_LOG": "info"})):
+    env = {"FI_PROVIDER": "tcp;ofi_rxm", "XCCL_RS_LOG": "info", **settings}
+    for rank, (rc, out) in enumerate(_run(tmp_path, hosts, env)):
         assert rc == 0 and "DONE" in out, f"rank {rank}:\n{out}"
         assert "xccl_rs OFI endpoint ready" in out and "tcp;ofi_rxm" in out, f"rank {rank} did not use OFI:\n{out}"
+        assert logged in out, f"rank {rank} did not run with {settings}:\n{out}"
 
 
 def test_a_provider_that_does_not_exist_fails_every_rank(tmp_path):
@@ -235,3 +250,67 @@ def test_a_message_sent_just_before_its_sender_exits_is_received(tmp_path):
     (rc0, out0), (rc1, out1) = harness.collect_outputs(procs, timeout_s=120)
     assert rc0 == 0, f"rank 0:\n{out0}"
     assert rc1 == 0 and "DONE" in out1, f"rank 1:\n{out1}"
+
+
+LOOKAHEAD = textwrap.dedent(
+    """
+    import sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import xccl_rs
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("xccl_rs", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20))
+
+    def msg(src, tag, n):
+        return torch.arange(n, dtype=torch.float32) + 1000 * src + tag
+
+    try:
+        # The issue's pattern: rank 0 receives tag 8 from any source (rank 1 sends it), which
+        # leaves a look-ahead posted to rank 2; rank 2 then sends two tensors in one batch.
+        if rank == 1:
+            dist.send(msg(1, 8, 16), dst=0, tag=8)
+        elif rank == 0:
+            got = torch.empty(16)
+            assert dist.recv(got, src=None, tag=8) == 1 and torch.equal(got, msg(1, 8, 16))
+        dist.barrier()
+        if rank == 2:
+            ops = [dist.P2POp(dist.isend, msg(2, t, 5000 * (t - 29)), 0, tag=t) for t in (30, 31)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        elif rank == 0:
+            bufs = {t: torch.empty(5000 * (t - 29)) for t in (30, 31)}
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, bufs[t], 2, tag=t) for t in (30, 31)]):
+                w.wait()
+            for t, b in bufs.items():
+                assert torch.equal(b, msg(2, t, b.numel())), f"tag {t}"
+        # A collective with the look-ahead to rank 1 or 2 still posted, then the group's end.
+        if rank == 0:
+            got = torch.empty(4)
+            src = dist.recv(got, src=None, tag=9)
+            assert src == 1 and torch.equal(got, msg(1, 9, 4))
+        elif rank == 1:
+            dist.send(msg(1, 9, 4), dst=0, tag=9)
+        t = torch.full((1000,), float(rank))
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((1000,), float(sum(range(world)))))
+        dist.destroy_process_group()
+    except Exception as e:
+        print("ERROR", type(e).__name__, e, flush=True)
+        sys.exit(3)
+    print("DONE", flush=True)
+    """
+)
+
+
+def test_two_receives_from_a_peer_left_with_a_look_ahead(tmp_path):
+    """A receive from any source leaves a header receive (a look-ahead) posted to each peer
+    that did not match. A later batch of two receives from such a peer hung every rank until the
+    timeout; each must now take its own header, and a collective and the group's end after it
+    must still work."""
+    if why := _libfabric_missing():
+        pytest.skip(why)
+    started = time.monotonic()
+    for rank, (rc, out) in enumerate(_run(tmp_path, ["a", "b", "c"], {"FI_PROVIDER": "tcp;ofi_rxm"}, worker=LOOKAHEAD)):
+        assert rc == 0 and "DONE" in out, f"rank {rank}:\n{out}"
+    assert time.monotonic() - started < 60, "the ranks waited for a timeout"

@@ -124,6 +124,24 @@ settings! {
     /// (its data path is unauthenticated: opt-in only, docs/security.md). Must be the same on
     /// every rank.
     transport: TransportChoice = "XCCL_RS_TRANSPORT", default TransportChoice::Auto, parse transport;
+    /// `XCCL_RS_OFI_WAIT_FD` (default 1): a rank waiting on the OFI transport sleeps on its
+    /// completion queue's file descriptor, where the provider has one. `0`: never, as on a
+    /// provider without one (efa): it polls the queue, yielding its core between looks
+    /// (transport/ofi/exchange.rs). For tests and measurements of that path.
+    ofi_wait_fd: bool = "XCCL_RS_OFI_WAIT_FD", default true, parse flag;
+    /// `XCCL_RS_OFI_DOMAIN` (default unset: chosen per local rank, transport/ofi/nic.rs): the
+    /// libfabric domains (NICs: `mlx5_0`, `cxi0`, `rdmap16s27-rdm`, or an interface for tcp)
+    /// the OFI transport opens, comma-separated; local rank `i` takes entry `i % n`. A name
+    /// the provider lacks fails set-up, listing the domains it has.
+    ofi_domain: Vec<String> = "XCCL_RS_OFI_DOMAIN", default Vec::new(), parse |v| Ok(v.split(',').map(|d| d.trim().to_string()).filter(|d| !d.is_empty()).collect());
+    /// `XCCL_RS_OFI_TAG_BITS` (default unset: the provider's width, from its `mem_tag_format`;
+    /// 48 on `cxi`, 64 on most others): how many low tag bits the OFI transport uses, 16 to 64
+    /// and at most the provider's (transport/ofi/tags.rs). For tests of the narrow layouts on
+    /// any provider. Must be the same on every rank.
+    ofi_tag_bits: Option<u32> = "XCCL_RS_OFI_TAG_BITS", default None, parse |v| match v.parse::<u32>() {
+        Ok(b @ 16..=64) => Ok(Some(b)),
+        _ => Err("a whole number of bits from 16 to 64".to_string()),
+    };
     /// `XCCL_RS_TLS` (default 0): `1` runs TLS 1.3 on every TCP link of the group, with a
     /// certificate per rank published through the Store (transport/tcp/tls.rs). Must be the
     /// same on every rank. Shared memory is not affected.

@@ -25,7 +25,7 @@ use crate::config::{Config, TransportChoice};
 use crate::error::Result;
 use crate::hosts::{HostMap, this_host};
 use crate::par::Par;
-use crate::peers::{PeerSet, eager_peers};
+use crate::peers::eager_peers;
 use crate::rendezvous::Store;
 use crate::transport::shm::heap::{Heap, Heaps};
 use crate::transport::shm::{ShmGroup, ShmSettings};
@@ -135,15 +135,15 @@ impl Fabric {
         } else {
             None
         };
-        // OFI watches its peers (aborts, deaths) over the TCP links and never dials one on first
-        // use, so it links to every peer at set-up; TCP alone links where its algorithms need.
-        let eager = match config.transport {
-            TransportChoice::Ofi => PeerSet::all_but(rank, size),
-            TransportChoice::Auto | TransportChoice::Tcp => eager_peers(rank, size, host_map.as_ref()),
-        };
+        // TCP links where its algorithms need; OFI keeps the same links for control (aborts,
+        // dead peers), and links any other peer it waits for on first use.
+        let eager = eager_peers(rank, size, host_map.as_ref());
         let tcp = listening.connect(&spec, &eager)?;
         let net: Box<dyn Transport> = match config.transport {
-            TransportChoice::Ofi => Box::new(ofi::connect(store, tcp, config)?),
+            TransportChoice::Ofi => {
+                let local = host_map.as_ref().map_or(ofi::Local { rank: 0, size: 1 }, |m| ofi::Local { rank: m.local_index(rank), size: m.ranks(m.host_of(rank)).len() });
+                Box::new(ofi::connect(store, tcp, config, local)?)
+            }
             TransportChoice::Auto | TransportChoice::Tcp => Box::new(tcp),
         };
         let (parts, hosts) = match host_map {

@@ -18,6 +18,8 @@ pub enum Key<'a> {
     TransportVerdict,
     /// A rank's libfabric endpoint address, or why it has none (transport/ofi/setup.rs).
     OfiAddress(usize),
+    /// Every rank's `OfiAddress` value, gathered by rank 0 into one (transport/ofi/gather.rs).
+    OfiAddresses,
     /// A rank's TLS certificate, DER (transport/tcp/tls.rs).
     TlsCert(usize),
     /// A rank's host identity (hosts.rs).
@@ -43,6 +45,7 @@ impl Key<'_> {
             Key::Transport(rank) => format!("xccl_rs/transport/{rank}"),
             Key::TransportVerdict => "xccl_rs/transport_verdict".to_string(),
             Key::OfiAddress(rank) => format!("xccl_rs/ofi_addr/{rank}"),
+            Key::OfiAddresses => "xccl_rs/ofi_addrs".to_string(),
             Key::Host(rank) => format!("xccl_rs/host/{rank}"),
             Key::ShmSegment { namespace, rank } => format!("xccl_rs/shm{namespace}/{rank}"),
             Key::ShmMapped { namespace, rank } => format!("xccl_rs/shm_mapped{namespace}/{rank}"),
@@ -66,6 +69,7 @@ mod tests {
             Key::Transport(1),
             Key::TransportVerdict,
             Key::OfiAddress(1),
+            Key::OfiAddresses,
             Key::Host(1),
             Key::ShmSegment { namespace: ns, rank: 1 },
             Key::ShmMapped { namespace: ns, rank: 1 },

@@ -19,8 +19,18 @@ const LIMIT: Duration = Duration::from_secs(120);
 /// The variable that tells a child process which case to run.
 const CASE: &str = "OFI_TEST_CASE";
 
+/// A rank's configuration; the OFI settings that a case runs under (the tag width, waiting
+/// without a file descriptor) come from the child's environment, as `Config::from_env` reads them.
 fn ofi_config(timeout: Duration, host: &str) -> Config {
-    Config { transport: TransportChoice::Ofi, host_id: Some(host.into()), pipeline_chunk_bytes: 256 << 10, ..config(timeout, 4096) }
+    let env = Config::from_env(timeout).expect("the child's XCCL_RS_OFI_* settings");
+    Config {
+        transport: TransportChoice::Ofi,
+        host_id: Some(host.into()),
+        pipeline_chunk_bytes: 256 << 10,
+        ofi_tag_bits: env.ofi_tag_bits,
+        ofi_wait_fd: env.ofi_wait_fd,
+        ..config(timeout, 4096)
+    }
 }
 
 /// Whether libfabric can be used here; `None` (after saying why) when the test should skip.
@@ -39,6 +49,11 @@ fn libfabric_here() -> Option<()> {
 /// Runs case `name` in a child process of this test binary with `FI_PROVIDER=provider`;
 /// panics with the child's output if it fails.
 fn in_child(name: &str, provider: &str) {
+    in_child_with(name, provider, &[]);
+}
+
+/// [`in_child`] with more variables in the child's environment.
+fn in_child_with(name: &str, provider: &str, vars: &[(&str, &str)]) {
     if libfabric_here().is_none() {
         return;
     }
@@ -47,11 +62,17 @@ fn in_child(name: &str, provider: &str) {
         .args(["child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
         .env(CASE, name)
         .env("FI_PROVIDER", provider)
+        .envs(vars.iter().copied())
         .output()
         .expect("run the child");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("case passed"), "case {name} failed:\n{text}");
+    assert!(out.status.success() && text.contains("case passed"), "case {name} with {vars:?} failed:\n{text}");
 }
+
+/// The cases that move data, which the narrow tag layouts and the wait without a file
+/// descriptor run again.
+const DATA_CASES: [&str; 6] =
+    ["collectives_mesh", "collectives_mixed", "point_to_point", "lookahead_patterns", "send_then_leave", "more_messages_than_receives"];
 
 /// The entry point of the child processes (not a test of its own).
 #[test]
@@ -63,12 +84,16 @@ fn child() {
         "collectives_two_ranks" => collectives(&["h0", "h1"]),
         "collectives_mixed" => collectives(&["a", "a", "b", "b"]),
         "point_to_point" => point_to_point(),
+        "lookahead_patterns" => lookahead_patterns(),
         "send_then_leave" => send_then_leave(),
         "more_messages_than_receives" => more_messages_than_receives(),
         "wrong_provider" => wrong_provider(),
         "different_settings" => different_settings(),
+        "different_tag_widths" => different_tag_widths(),
         "size_mismatch" => size_mismatch(),
         "dead_peer" => dead_peer(),
+        "dead_peer_off_the_rails" => dead_peer_off_the_rails(),
+        "fault_cycles" => fault_cycles(),
         other => panic!("no case {other}"),
     }
     println!("case passed");
@@ -205,6 +230,81 @@ fn point_to_point() {
     });
 }
 
+/// What a look-ahead (the header receive that a receive-from-any-source leaves posted to each
+/// peer that did not match) can meet next: a batch of two receives from that peer, several
+/// receives-from-any in a row, a collective, and the group's end.
+fn lookahead_patterns() {
+    let cfgs = (0..3).map(|r| ofi_config(Duration::from_secs(20), ["p", "q", "r"][r])).collect();
+    spawn_ranks_with(MemoryStore::new(), cfgs, LIMIT, move |rank, comm, barrier| {
+        // Rank 0 takes tag 8 from rank 1, leaving a look-ahead posted to rank 2; rank 2 then
+        // sends two messages in one batch, which rank 0 receives in one batch.
+        match rank {
+            0 => {
+                let mut a = vec![0u8; 64];
+                assert_eq!(run(&comm, vec![recv_any(8, buf(&mut a))]).expect("recv any").source_rank, 1);
+                let (mut x, mut y) = (vec![0u8; 3000], vec![0u8; 70_000]);
+                run_ok(&comm, vec![recv_from(2, 30, DType::UInt8, buf(&mut x)), recv_from(2, 31, DType::UInt8, buf(&mut y))], "two receives from the look-ahead's peer");
+                assert!(x == pattern(2, 30, 3000) && y == pattern(2, 31, 70_000), "the batch's messages");
+            }
+            1 => run_ok(&comm, vec![send_to(0, 8, DType::UInt8, buf(&mut pattern(1, 8, 64)))], "send tag 8"),
+            _ => {
+                std::thread::sleep(Duration::from_millis(200)); // after rank 0's look-ahead
+                let (mut x, mut y) = (pattern(2, 30, 3000), pattern(2, 31, 70_000));
+                run_ok(&comm, vec![send_to(0, 30, DType::UInt8, buf(&mut x)), send_to(0, 31, DType::UInt8, buf(&mut y))], "two sends in one batch");
+            }
+        }
+        barrier.wait();
+        // Several receives-from-any in a row, each by tag, then a pair from rank 2 alone: the
+        // look-aheads each leaves behind serve the next.
+        if rank == 0 {
+            for (tag, from) in [(40i64, 1usize), (41, 2), (42, 1), (43, 2)] {
+                let mut a = vec![0u8; 100];
+                let c = run(&comm, vec![recv_any(tag, buf(&mut a))]).expect("recv any in a row");
+                assert_eq!(c.source_rank, from as i64, "tag {tag}");
+                assert!(a == pattern(from, tag as u64, 100), "tag {tag}");
+            }
+            let (mut x, mut y) = (vec![0u8; 10], vec![0u8; 20]);
+            run_ok(&comm, vec![recv_from(2, 44, DType::UInt8, buf(&mut x)), recv_from(2, 45, DType::UInt8, buf(&mut y))], "a pair after the row");
+            assert!(x == pattern(2, 44, 10) && y == pattern(2, 45, 20));
+        } else {
+            let tags: &[i64] = if rank == 1 { &[40, 42] } else { &[41, 43] };
+            for &tag in tags {
+                run_ok(&comm, vec![send_to(0, tag, DType::UInt8, buf(&mut pattern(rank, tag as u64, 100)))], "send in a row");
+            }
+            if rank == 2 {
+                run_ok(&comm, vec![send_to(0, 44, DType::UInt8, buf(&mut pattern(2, 44, 10))), send_to(0, 45, DType::UInt8, buf(&mut pattern(2, 45, 20)))], "the pair");
+            }
+        }
+        barrier.wait();
+        // A look-ahead left posted to rank 2 when a collective starts (all-to-all: rank 0
+        // receives from rank 2 in the same phase as from rank 1).
+        if rank == 0 {
+            let mut a = vec![0u8; 64];
+            assert_eq!(run(&comm, vec![recv_any(50, buf(&mut a))]).expect("recv any before the collective").source_rank, 1);
+        } else if rank == 1 {
+            run_ok(&comm, vec![send_to(0, 50, DType::UInt8, buf(&mut pattern(1, 50, 64)))], "send before the collective");
+        }
+        let n = 5000;
+        let mut ins: Vec<Vec<u8>> = (0..3).map(|d| pattern(rank * 16 + d, 51, n)).collect();
+        let mut outs: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; n]).collect();
+        let o = op_with(OpKind::AllToAll, DType::UInt8, ins.iter_mut().map(|v| buf(v)).collect(), outs.iter_mut().map(|v| buf(v)).collect());
+        run_ok(&comm, vec![o], "alltoall with a look-ahead posted");
+        for (s, got) in outs.iter().enumerate() {
+            assert!(*got == pattern(s * 16 + rank, 51, n), "alltoall: from rank {s} on rank {rank}");
+        }
+        barrier.wait();
+        // The group ends with a look-ahead still posted to rank 2 (closing frees it).
+        if rank == 0 {
+            let mut a = vec![0u8; 64];
+            assert_eq!(run(&comm, vec![recv_any(60, buf(&mut a))]).expect("recv any at the end").source_rank, 1);
+        } else if rank == 1 {
+            run_ok(&comm, vec![send_to(0, 60, DType::UInt8, buf(&mut pattern(1, 60, 64)))], "the last send");
+        }
+        barrier.wait();
+        drop(comm);
+    });
+}
+
 /// A rank that sends and destroys its group at once still delivers: closing waits for the sends
 /// the transport holds, while the receiver takes a second to ask for them.
 fn send_then_leave() {
@@ -312,6 +412,96 @@ fn dead_peer() {
     });
 }
 
+/// Control links are made where the fabric's algorithms need them (the rails: rank 0 with 2,
+/// 1 with 3), and with any other peer a rank waits for on first use: rank 0 waits for rank 3,
+/// which never sends and then goes away; rank 0 fails naming it, before the timeout, through
+/// the link its wait made. Rank 1 goes away without ever being waited for by rank 0.
+fn dead_peer_off_the_rails() {
+    let cfgs = (0..4).map(|r| ofi_config(Duration::from_secs(20), ["a", "a", "b", "b"][r])).collect();
+    spawn_ranks_with(MemoryStore::new(), cfgs, LIMIT, move |rank, comm, barrier| {
+        let mut v = f32_bytes(&vec![1.0; 1 << 10]);
+        run_ok(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut v)])], "warm-up");
+        barrier.wait();
+        match rank {
+            0 => {
+                let started = Instant::now();
+                let mut got = vec![0u8; 100];
+                let e = run(&comm, vec![recv_from(3, 1, DType::UInt8, buf(&mut got))]).expect_err("rank 3 never sends");
+                assert!(e.message.contains("rank 3"), "rank 0: {}", e.message);
+                assert!(started.elapsed() < Duration::from_secs(10), "rank 0 waited for the timeout: {}", e.message);
+            }
+            3 => {
+                std::thread::sleep(Duration::from_millis(1500)); // rank 0 is asleep in its wait
+                drop(comm);
+            }
+            _ => {}
+        }
+    });
+}
+
+/// This process's open descriptors, threads and resident memory (bytes), after the allocator
+/// has given back what it keeps of freed memory.
+fn process_usage() -> (usize, usize, usize) {
+    // SAFETY: malloc_trim only returns free heap memory to the system.
+    unsafe { libc::malloc_trim(0) };
+    let count = |dir: &str| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: usize = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+    (count("/proc/self/fd"), count("/proc/self/task"), pages * 4096)
+}
+
+/// Groups that fail, over and over: 3 ranks build a group, rank 2 leaves while ranks 0 and 1
+/// all-reduce with it (its endpoint and links close mid-phase), and the others destroy theirs.
+/// `OFI_TEST_CYCLES` cycles (default 30); the descriptors, threads and memory of the process
+/// (every rank's) must not grow after the first few.
+fn fault_cycles() {
+    let cycles: usize = std::env::var("OFI_TEST_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(30);
+    let mut usage = Vec::new();
+    let threads_before = process_usage().1;
+    for cycle in 0..cycles {
+        let cfgs = (0..3).map(|r| ofi_config(Duration::from_secs(10), ["x", "y", "z"][r])).collect();
+        spawn_ranks_with(MemoryStore::new(), cfgs, LIMIT, move |rank, comm, barrier| {
+            let mut v = f32_bytes(&vec![1.0; 1 << 16]);
+            run_ok(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut v)])], "warm-up");
+            barrier.wait();
+            if rank == 2 {
+                std::thread::sleep(Duration::from_millis(50)); // the others are in their all-reduce
+                drop(comm);
+                return;
+            }
+            let e = run(&comm, vec![op_with(OpKind::AllReduce, DType::Float32, vec![], vec![buf(&mut v)])]).expect_err("rank 2 left");
+            assert!(e.message.contains("rank 2"), "cycle {cycle}, rank {rank}: {}", e.message);
+        });
+        // The threads of the ranks' groups end as the groups do, but not all at once: give
+        // them a second to go before counting.
+        let until = Instant::now() + Duration::from_secs(1);
+        while process_usage().1 > threads_before && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        usage.push(process_usage());
+        if cycle % 10 == 9 {
+            let (fds, threads, rss) = usage[cycle];
+            println!("cycle {:>4}: {fds} descriptors, {threads} threads, {:.1} MiB resident", cycle + 1, rss as f64 / (1 << 20) as f64);
+        }
+    }
+    // Allocators and libfabric's caches settle in the first cycles: the last third against the
+    // second. Descriptors and threads by their most; memory by its median, since the allocator
+    // sometimes keeps a freed endpoint's buffers (about 33 MiB each) past the trim, for a cycle
+    // or two: a leak raises the median, such a spike does not.
+    let third = cycles / 3;
+    let most = |w: &[(usize, usize, usize)]| w.iter().fold((0, 0), |m, u| (m.0.max(u.0), m.1.max(u.1)));
+    let median_rss = |w: &[(usize, usize, usize)]| {
+        let mut v: Vec<usize> = w.iter().map(|u| u.2).collect();
+        v.sort_unstable();
+        v[v.len() / 2]
+    };
+    let (before, after) = (&usage[third..2 * third], &usage[2 * third..]);
+    assert!(most(after).0 <= most(before).0, "descriptors grew from {} to {}", most(before).0, most(after).0);
+    assert!(most(after).1 <= most(before).1, "threads grew from {} to {}", most(before).1, most(after).1);
+    let (rss_before, rss_after) = (median_rss(before), median_rss(after));
+    assert!(rss_after <= rss_before + (8 << 20), "resident memory grew from {rss_before} to {rss_after} bytes (medians)");
+}
+
 const TCP_RXM: &str = "tcp;ofi_rxm";
 
 #[test]
@@ -335,6 +525,11 @@ fn point_to_point_and_receive_from_any_source() {
 }
 
 #[test]
+fn lookaheads_left_by_receives_from_any_source() {
+    in_child("lookahead_patterns", TCP_RXM);
+}
+
+#[test]
 fn a_rank_that_sends_and_leaves_still_delivers() {
     in_child("send_then_leave", TCP_RXM);
 }
@@ -342,6 +537,42 @@ fn a_rank_that_sends_and_leaves_still_delivers() {
 #[test]
 fn a_phase_with_more_messages_than_posted_receives() {
     in_child("more_messages_than_receives", "tcp;ofi_rxm");
+}
+
+/// Every data case with 48-bit tags (cxi's width) and 20-bit ones (what MPICH gives CXI): the
+/// shim refuses any post whose tag has a bit outside the width (shim.c `XOFI_EBADTAG`).
+#[test]
+fn every_data_case_with_narrow_tags() {
+    for bits in ["48", "20"] {
+        for case in DATA_CASES {
+            in_child_with(case, TCP_RXM, &[("XCCL_RS_OFI_TAG_BITS", bits)]);
+        }
+    }
+}
+
+/// Every data case without the completion queue's file descriptor, as on efa: the ranks
+/// busy-poll.
+#[test]
+fn every_data_case_without_a_wait_descriptor() {
+    for case in DATA_CASES {
+        in_child_with(case, TCP_RXM, &[("XCCL_RS_OFI_WAIT_FD", "0")]);
+    }
+}
+
+/// Ranks whose tag widths differ fail at set-up, every one naming both layouts.
+fn different_tag_widths() {
+    let started = Instant::now();
+    let cfgs = (0..3).map(|r| Config { ofi_tag_bits: Some(if r == 2 { 20 } else { 48 }), ..ofi_config(Duration::from_secs(20), ["x", "y", "z"][r]) }).collect();
+    for (rank, r) in create_all(cfgs).iter().enumerate() {
+        let e = r.as_ref().expect_err("set-up must fail");
+        assert!(e.message.contains("lay libfabric tags out differently") && e.message.contains("XCCL_RS_OFI_TAG_BITS"), "rank {rank}: {}", e.message);
+    }
+    assert!(started.elapsed() < Duration::from_secs(10), "the failure waited for the timeout");
+}
+
+#[test]
+fn ranks_with_different_tag_widths_fail_at_set_up() {
+    in_child("different_tag_widths", TCP_RXM);
 }
 
 #[test]
@@ -362,4 +593,14 @@ fn a_size_mismatch_fails_every_rank() {
 #[test]
 fn a_dead_peer_fails_every_rank_naming_it() {
     in_child("dead_peer", TCP_RXM);
+}
+
+#[test]
+fn groups_that_fail_mid_phase_leave_nothing_behind() {
+    in_child("fault_cycles", TCP_RXM);
+}
+
+#[test]
+fn a_dead_peer_off_the_rails_fails_its_waiter_through_a_link_made_on_first_use() {
+    in_child("dead_peer_off_the_rails", TCP_RXM);
 }

@@ -46,20 +46,6 @@ pub struct MessageId {
     pub key: i64,
 }
 
-impl MessageId {
-    /// Bits of [`tag`](Self::tag) that hold the sequence number; the op code sits above them.
-    pub const TAG_SEQ_BITS: u32 = 56;
-
-    /// The message's 64-bit tag, the one name of an op's messages on every transport that
-    /// matches messages by tag (OFI): the op code in bits 56..63 and the low 56 bits of the
-    /// sequence number below. Bit 63 is always clear: a transport may set it for its own
-    /// messages (OFI's headers). The tag only routes a message to its receive; what it carries
-    /// is still checked in full ([`check_message`]).
-    pub fn tag(&self) -> u64 {
-        ((self.op as u64 & 0x7f) << Self::TAG_SEQ_BITS) | (self.seq & ((1 << Self::TAG_SEQ_BITS) - 1))
-    }
-}
-
 /// Compares what a peer's message says (`got`, with `got_len` payload bytes) with what this
 /// rank expects (`expect`, `expect_len` bytes); the error says what differs, in the words of
 /// every transport ("allreduce #17 on rank 0: rank 2 sent 4096 bytes, rank 0 expected 8192").

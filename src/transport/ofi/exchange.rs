@@ -4,7 +4,10 @@
 //! Waiting: the queue is polled for `XCCL_RS_SPIN_US`, then the progress thread sleeps in
 //! `poll(2)` on the queue's file descriptor (after fi_trywait says it may), the TCP control
 //! connections (a peer's abort frame or its death end the wait: tcp `watch_control`) and the
-//! group's abort switch. A provider without a descriptor is polled in 1 ms steps. A peer whose
+//! group's abort switch. A provider without a descriptor (efa; `XCCL_RS_OFI_WAIT_FD=0`) is
+//! busy-polled, as aws-ofi-nccl and MPICH do: the thread yields its core between looks, so
+//! that ranks outnumbering cores still run, and looks at the control connections every
+//! millisecond; after [`BUSY_POLL`] with nothing completed it polls in 1 ms sleeps. A peer whose
 //! control connection closes (it exited) is reported once the queue, read a little longer,
 //! has not finished the phase: its last messages may still be there.
 //!
@@ -17,7 +20,7 @@ use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use super::OfiTransport;
-use super::header::{HEADER_LEN, HEADER_TAG, Header};
+use super::header::{HEADER_LEN, Header};
 use super::shim::{Completion, Endpoint, FI_ETRUNC, Posted};
 use crate::error::{CommError, Result};
 use crate::transport::{Direction, MessageId, OpCtx, Transfer, Transport, check_message};
@@ -26,6 +29,10 @@ use crate::transport::{Direction, MessageId, OpCtx, Transfer, Transport, check_m
 const RECLAIM: Duration = Duration::from_secs(1);
 /// The longest single sleep, so that the deadline and the abort switch are looked at often.
 const MAX_SLEEP_MS: i32 = 100;
+/// How long a wait without a file descriptor busy-polls after its last completion before it
+/// polls in 1 ms sleeps: longer than a large message takes to arrive, so that a transfer in
+/// progress never waits on a sleep, while a rank idle in a barrier stops burning its core.
+const BUSY_POLL: Duration = Duration::from_millis(100);
 /// How long a wait goes on reading the queue after an involved peer closed its control
 /// connection: a peer that sent its last message and exited closes the control connection
 /// while that message may still wait in the fabric's queue, unread.
@@ -156,6 +163,8 @@ impl Posts {
 /// When a wait started, when it last looked at the control connections, and a peer's close
 /// it has seen but not yet reported.
 pub(super) struct Waiting {
+    /// When the wait started: the last completion (a wait restarts after each).
+    since: Instant,
     spin_until: Instant,
     last_look: Instant,
     /// The error for an involved peer's closed control connection, and when to report it if
@@ -166,7 +175,7 @@ pub(super) struct Waiting {
 impl Waiting {
     pub fn new(spin: Duration) -> Waiting {
         let now = Instant::now();
-        Waiting { spin_until: now + spin, last_look: now, peer_closed: None }
+        Waiting { since: now, spin_until: now + spin, last_look: now, peer_closed: None }
     }
 }
 
@@ -198,12 +207,18 @@ impl OfiTransport {
             return Ok(());
         }
         let abort_fd = ctx.abort.as_ref().and_then(|a| a.fd()).unwrap_or(-1);
-        if now < w.spin_until {
+        let spinning = now < w.spin_until;
+        let busy_poll = self.ep.as_ref().is_some_and(|ep| ep.wait_fd().is_none()) && now.duration_since(w.since) < BUSY_POLL;
+        if spinning || busy_poll {
             if now.duration_since(w.last_look) >= Duration::from_millis(1) {
                 w.last_look = now;
                 self.watch_control(involved, &[], 0, w, ctx)?;
             }
-            std::hint::spin_loop();
+            if spinning {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
             return Ok(());
         }
         let left_ms = ctx.deadline.saturating_duration_since(now).as_millis().clamp(1, MAX_SLEEP_MS as u128) as i32;
@@ -418,15 +433,17 @@ impl Transport for OfiTransport {
         }
         let mut got: Vec<Option<Header>> = vec![None; transfers.len()];
         let mut from_lookahead = vec![false; transfers.len()];
+        let mut lookahead_taken = vec![false; self.size];
         let mut outbox = vec![[0u8; HEADER_LEN]; transfers.len()];
         let mut inbox = vec![[0u8; HEADER_LEN]; transfers.len()];
         let mut list = Vec::with_capacity(transfers.len() * 2);
+        let header_tag = self.tags.header();
         for (t, tr) in transfers.iter().enumerate() {
             let post = |role, send, ptr: *mut u8, len, tag| Post { role, peer: tr.peer, send, ptr, len, tag, state: State::Waiting };
             match tr.dir {
                 Direction::Send => {
                     outbox[t] = Header { id: tr.id, payload_len: tr.buf.len() as u64 }.encode();
-                    list.push(post(Role::Send, true, outbox[t].as_mut_ptr(), HEADER_LEN, HEADER_TAG));
+                    list.push(post(Role::Send, true, outbox[t].as_mut_ptr(), HEADER_LEN, header_tag));
                 }
                 Direction::Recv => match self.stash[tr.peer].pop_front() {
                     // Receive-from-any-source read this header already.
@@ -434,15 +451,21 @@ impl Transport for OfiTransport {
                         check_message(&tr.id, tr.buf.len() as u64, &h.id, h.payload_len, tr.peer, ctx)?;
                         got[t] = Some(h);
                     }
-                    None if self.awaits_lookahead(tr.peer) => from_lookahead[t] = true,
-                    None => list.push(post(Role::RecvHeader(t), false, inbox[t].as_mut_ptr(), HEADER_LEN, HEADER_TAG)),
+                    // The look-ahead holds the peer's next header, for this phase's first
+                    // receive from it; a later receive posts its own, which matches the header
+                    // after (receives of one tag match in the order they were posted).
+                    None if self.awaits_lookahead(tr.peer) && !lookahead_taken[tr.peer] => {
+                        lookahead_taken[tr.peer] = true;
+                        from_lookahead[t] = true;
+                    }
+                    None => list.push(post(Role::RecvHeader(t), false, inbox[t].as_mut_ptr(), HEADER_LEN, header_tag)),
                 },
             }
             let role = if tr.dir == Direction::Send { Role::Send } else { Role::RecvPayload(t) };
             for (at, len) in self.cutting.pieces(tr.buf.len()) {
                 // SAFETY: `at + len` is within the transfer's buffer (Cutting::pieces).
                 let ptr = unsafe { tr.buf.ptr().add(at) };
-                list.push(post(role, tr.dir == Direction::Send, ptr, len, tr.id.tag()));
+                list.push(post(role, tr.dir == Direction::Send, ptr, len, self.tags.payload(&tr.id)));
             }
         }
         let mut posts = Posts::new(list);

@@ -1,13 +1,10 @@
-//! The header message: before each payload a sender sends, on the pair's header tag, what the
-//! payload is ([`MessageId`] and its length), so that the receiver checks it in full, as TCP's
-//! frame header lets it; the payload itself travels on the message's own tag
-//! ([`MessageId::tag`]). Headers between a pair match in send order (FI_ORDER_SAS), so the
+//! The header message: before each payload a sender sends, on the header tag, what the payload
+//! is ([`MessageId`] and its length), so that the receiver checks it in full, as TCP's frame
+//! header lets it; the payload itself travels on the message's own tag (tags.rs). Headers between a pair match in send order (FI_ORDER_SAS), so the
 //! k-th header a rank receives from a peer describes the k-th payload that peer sent it.
 
 use crate::transport::MessageId;
 
-/// The tag of every header message: bit 63, which [`MessageId::tag`] leaves clear.
-pub const HEADER_TAG: u64 = 1 << 63;
 /// Bytes of an encoded header.
 pub const HEADER_LEN: usize = 40;
 
@@ -62,11 +59,5 @@ mod tests {
         let mut bad = b;
         bad[5] = 1;
         assert!(Header::decode(&bad, HEADER_LEN).is_err());
-    }
-
-    #[test]
-    fn header_and_payload_tags_never_meet() {
-        let id = MessageId { op: 0xff, seq: u64::MAX, ..MessageId::default() };
-        assert_eq!(id.tag() & HEADER_TAG, 0);
     }
 }

@@ -5,12 +5,13 @@
 //! header it accepts; the others stay posted rather than being cancelled (a cancel that never
 //! comes back would cost the endpoint: libfabric's `tcp;ofi_rxm` leaves some unanswered). A
 //! header that a look-ahead received waits in the peer's stash for the receive it describes;
-//! while a peer's look-ahead is posted, a receive from that peer takes its header from there
-//! instead of posting its own (it would otherwise match the header after).
+//! while a peer's look-ahead is posted, the next receive from that peer takes its header from
+//! there instead of posting its own (it would otherwise match the header after); the receives
+//! after it, in the same phase or later, post their own, each matching the header after.
 
 use super::OfiTransport;
 use super::exchange::{Context, Waiting};
-use super::header::{HEADER_LEN, HEADER_TAG, Header};
+use super::header::{HEADER_LEN, Header};
 use super::shim::{Completion, FI_ECANCELED, Posted};
 use crate::error::{CommError, Result};
 use crate::transport::{MessageId, OpCtx};
@@ -50,7 +51,7 @@ impl OfiTransport {
         }
     }
 
-    /// Whether a receive from `peer` must take its header from the look-ahead.
+    /// Whether the next receive from `peer` must take its header from the look-ahead.
     pub(super) fn awaits_lookahead(&self, peer: usize) -> bool {
         self.lookahead[peer].is_some()
     }
@@ -59,11 +60,11 @@ impl OfiTransport {
     /// reading completions).
     fn post_lookahead(&mut self, peer: usize, ctx: &OpCtx) -> Result<bool> {
         let mut l = LookAhead { buf: Box::new([0u8; HEADER_LEN]), context: Box::new([0u64; 8]) };
-        let dest = self.addrs[peer];
+        let (dest, tag) = (self.addrs[peer], self.tags.header());
         let ep = self.endpoint(ctx)?;
         // SAFETY: the buffer and context are boxed and kept in `self.lookahead` (which drops
         // after the endpoint closes) until this receive completes.
-        let r = unsafe { ep.trecv(l.buf.as_mut_ptr(), HEADER_LEN, dest, HEADER_TAG, l.context.as_mut_ptr().cast()) };
+        let r = unsafe { ep.trecv(l.buf.as_mut_ptr(), HEADER_LEN, dest, tag, l.context.as_mut_ptr().cast()) };
         match r.map_err(|e| CommError::io(format!("{}: {e} (rank {peer})", ctx.describe())))? {
             Posted::Busy => Ok(false),
             Posted::Yes => {

@@ -11,10 +11,10 @@
 //!   progress: nothing moves unless we read it). Peers' addresses come through the Store
 //!   (setup.rs) into the endpoint's address vector, one entry per rank, so any subset of the
 //!   group can talk;
-//! - *header* and *payload*: each transfer is a 40-byte header on the pair's header tag, which
-//!   the receiver checks like TCP's frame header, then the payload on the message's tag
-//!   ([`MessageId::tag`](crate::transport::MessageId::tag)) straight from and into the
-//!   algorithm's buffers (header.rs), as one message or several in order: over `tcp;ofi_rxm`, a
+//! - *header* and *payload*: each transfer is a 40-byte header on the header tag, which the
+//!   receiver checks like TCP's frame header, then the payload on the message's tag, both
+//!   within the provider's tag width (tags.rs), straight from and into the algorithm's buffers
+//!   (header.rs), as one message or several in order: over `tcp;ofi_rxm`, a
 //!   payload of a few MiB goes as messages of its eager limit, so that none waits for a
 //!   rendezvous (cutting.rs);
 //! - *held send*: a point-to-point send whose bytes this transport copied, so that it completes
@@ -25,11 +25,14 @@
 
 mod cutting;
 mod exchange;
+mod gather;
 pub mod header;
 mod held;
 mod lookahead;
+pub mod nic;
 mod setup;
 pub mod shim;
+pub mod tags;
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -39,9 +42,10 @@ use header::Header;
 use held::Held;
 use lookahead::LookAhead;
 use shim::Endpoint;
+use tags::TagLayout;
 
 use crate::transport::tcp::TcpTransport;
-pub use setup::connect;
+pub use setup::{Local, connect};
 
 /// One rank's libfabric endpoint, its peers' addresses, and the TCP mesh for control.
 pub struct OfiTransport {
@@ -67,6 +71,8 @@ pub struct OfiTransport {
     addrs: Vec<u64>,
     /// How payloads are cut into messages (cutting.rs).
     cutting: Cutting,
+    /// How tags fit the provider's tag bits (tags.rs).
+    tags: TagLayout,
     /// Headers that look-aheads received, per peer, for the receives to come.
     stash: Vec<VecDeque<Header>>,
     /// How long a wait polls the completion queue before it sleeps (XCCL_RS_SPIN_US).

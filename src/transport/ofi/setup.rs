@@ -1,23 +1,24 @@
-//! Opening a rank's endpoint and learning its peers'. The provider is the one `FI_PROVIDER`
-//! names (libfabric applies it), else the best one found: a fabric's own (verbs, efa, cxi,
-//! psm3, opx, psm2) before TCP's (tcp, net, sockets). Each rank publishes its provider and
-//! address through the Store, or, when it could not open one, its error, so that its peers
-//! fail with that message at once rather than at the timeout.
+//! Opening a rank's endpoint and learning its peers'. Which provider and which of its domains
+//! (NICs) a rank opens is nic.rs's choice; a provider that fails to open passes to the next
+//! one, said in a warning on that rank, unless FI_PROVIDER named it. Each rank publishes its
+//! provider and address through the Store (gather.rs: every rank reads one combined value), or,
+//! when it could not open one, its error, so that its peers fail with that message at once
+//! rather than at the timeout.
 
 use super::OfiTransport;
 use super::cutting::Cutting;
 use super::held::Held;
+use super::nic::{self, Candidate, Wanted};
 use super::shim::{self, Endpoint, Info, Library};
+use super::tags::TagLayout;
 use crate::config::Config;
 use crate::error::{CommError, Result};
+use super::gather::all_published;
 use crate::keys::Key;
-use crate::rendezvous::{Store, rendezvous_error};
+use crate::rendezvous::Store;
 use crate::transport::Transport;
 use crate::transport::tcp::TcpTransport;
 
-/// Providers in order of preference, by their core name (before `;`). Others (shm: one host
-/// only; udp;ofi_rxd) are used only when FI_PROVIDER names them.
-const PREFERENCE: [&str; 9] = ["verbs", "efa", "cxi", "psm3", "opx", "psm2", "tcp", "net", "sockets"];
 /// The longest value a peer may publish (status, provider name, address).
 const MAX_PUBLISHED: usize = 4096;
 
@@ -25,48 +26,87 @@ fn fi_provider() -> Option<String> {
     std::env::var("FI_PROVIDER").ok().filter(|v| !v.trim().is_empty())
 }
 
-/// Where `info` ranks: by provider, then a real interface before loopback.
-fn rank_of(info: &Info<'_>, any: bool) -> Option<(usize, bool)> {
-    let core = info.provider.split(';').next().unwrap_or("");
-    let by_name = PREFERENCE.iter().position(|p| *p == core);
-    let place = if any { Some(by_name.unwrap_or(PREFERENCE.len())) } else { by_name }?;
-    Some((place, info.domain == "lo"))
+/// An endpoint opened, with what its peers must agree on.
+struct Opened {
+    ep: Endpoint,
+    provider: String,
+    domain: String,
+    cutting: Cutting,
+    tags: TagLayout,
+    addr: Vec<u8>,
 }
 
-/// The providers' list: with `source` (XCCL_RS_SOCKET_HOST, this rank's address), those that
-/// can use it as the endpoint's own address, so that each rank of a host sends from its own NIC
-/// (by default a provider takes its first interface for every rank); where none can (providers
-/// without IP addresses), every provider.
-fn providers(lib: &Library, source: Option<&str>) -> std::result::Result<shim::InfoList, i32> {
-    if let Some(addr) = source {
-        match lib.providers(Some(addr)) {
-            Err(rc) if rc == -shim::FI_ENODATA || rc == -shim::FI_EINVAL => {
-                tracing::info!(address = addr, "no libfabric provider can use this rank's address (XCCL_RS_SOCKET_HOST) as its own: using the provider's default");
-            }
-            r => return r,
-        }
-    }
-    lib.providers(None)
+/// Where this rank sits on its host: its index among the group's ranks there, and their number.
+#[derive(Clone, Copy, Debug)]
+pub struct Local {
+    pub rank: usize,
+    pub size: usize,
 }
 
-/// The endpoint of the best provider, with its provider name and how it cuts payloads.
-fn open(lib: &Library, source: Option<&str>) -> std::result::Result<(Endpoint, String, Cutting), String> {
+/// The entries of libfabric's list as the choice sees them; `source` is XCCL_RS_SOCKET_HOST,
+/// which marks the entries that can open on that address.
+fn candidates(lib: &Library, entries: &[Info<'_>], source: Option<&str>) -> Vec<Candidate> {
+    let holding: Vec<(String, String)> = source
+        .and_then(|addr| lib.providers(Some(addr)).ok())
+        .map(|l| l.entries().iter().map(|i| (i.provider.clone(), i.domain.clone())).collect())
+        .unwrap_or_default();
+    entries
+        .iter()
+        .map(|i| Candidate {
+            provider: i.provider.clone(),
+            domain: i.domain.clone(),
+            numa: nic::domain_numa(&i.domain),
+            holds_source: holding.iter().any(|(p, d)| *p == i.provider && *d == i.domain),
+        })
+        .collect()
+}
+
+/// This rank's endpoint: the best provider that opens, on the domain its local rank takes.
+fn open(lib: &Library, config: &Config, local: Local, rank: usize) -> std::result::Result<Opened, String> {
     let wanted = fi_provider();
-    let list = match providers(lib, source) {
+    let list = match lib.providers(None) {
         Ok(list) => list,
         Err(rc) if rc == -shim::FI_ENODATA => return Err(no_provider(lib, wanted.as_deref(), &[])),
         Err(rc) => return Err(format!("fi_getinfo failed: {}", lib.strerror(rc as i64))),
     };
     let entries = list.entries();
+    let list_seen = candidates(lib, &entries, config.socket_host.as_deref());
     // FI_PROVIDER already filtered the list: any of its entries will do.
-    let best = entries.iter().filter_map(|i| rank_of(i, wanted.is_some()).map(|r| (r, i))).min_by_key(|(r, _)| *r).map(|(_, i)| i);
-    let Some(info) = best else {
+    let order = nic::providers_in_order(&list_seen, wanted.is_some());
+    if order.is_empty() {
         let found: Vec<String> = entries.iter().map(|i| i.provider.clone()).collect();
         return Err(no_provider(lib, wanted.as_deref(), &found));
-    };
-    let ep = Endpoint::open(lib, info).map_err(|e| format!("libfabric provider {} (domain {}): {e}", info.provider, info.domain))?;
+    }
+    let want = Wanted { provider_named: wanted.is_some(), domains: &config.ofi_domain, local_rank: local.rank, local_size: local.size, numa: nic::own_numa() };
+    let mut why = String::new();
+    // A domain that XCCL_RS_OFI_DOMAIN names wrongly is the user's error: no fall-back.
+    let named = wanted.is_some() || !config.ofi_domain.is_empty();
+    let (opened, passed_over) = nic::first_that_opens(&order, named, |provider| {
+        let chosen = nic::choose(&list_seen, provider, &want)?;
+        why = chosen.why;
+        open_entry(lib, &entries[chosen.index], config)
+    })?;
+    if !passed_over.is_empty() {
+        let over_tcp = if nic::is_tcp(&opened.provider) { " (over TCP/IP, not the fabric)" } else { "" };
+        tracing::warn!(
+            rank,
+            "libfabric: rank {rank} uses provider {}{over_tcp}: the better ones present failed to open: {}; set FI_PROVIDER to fail instead",
+            opened.provider,
+            passed_over.join("; ")
+        );
+    }
+    tracing::info!(rank, provider = %opened.provider, domain = %opened.domain, why = %why, "libfabric domain chosen");
+    Ok(opened)
+}
+
+/// Opens the endpoint of one entry of the provider list.
+fn open_entry(lib: &Library, info: &Info<'_>, config: &Config) -> std::result::Result<Opened, String> {
+    let tags = TagLayout::for_provider(info.mem_tag_format, config.ofi_tag_bits).map_err(|e| format!("libfabric provider {}: {e}", info.provider))?;
+    let mut ep = Endpoint::open(lib, info, config.ofi_wait_fd).map_err(|e| format!("libfabric provider {} (domain {}): {e}", info.provider, info.domain))?;
+    ep.set_tag_mask(tags.mask());
     let cutting = Cutting::for_provider(&info.provider, info.max_msg_size, info.rx_size, |name| std::env::var(name).ok());
-    Ok((ep, info.provider.clone(), cutting))
+    let addr = ep.name()?;
+    Ok(Opened { ep, provider: info.provider.clone(), domain: info.domain.clone(), cutting, tags, addr })
 }
 
 fn no_provider(lib: &Library, wanted: Option<&str>, found: &[String]) -> String {
@@ -79,22 +119,24 @@ fn no_provider(lib: &Library, wanted: Option<&str>, found: &[String]) -> String 
         None => format!(
             "libfabric {major}.{minor} found no provider for messages between hosts (looked for {}; found {:?}); \
              set FI_PROVIDER, or use XCCL_RS_TRANSPORT=auto for TCP",
-            PREFERENCE.join(", "),
+            nic::PREFERENCE.join(", "),
             found
         ),
     }
 }
 
 /// What a rank publishes: `1`, the provider's name length (one byte), the name, its cutting
-/// rule ([`Cutting::encode`]) and the address; or `0` and why it has no endpoint.
-fn published(opened: &std::result::Result<(Endpoint, String, Cutting, Vec<u8>), String>) -> Vec<u8> {
+/// rule ([`Cutting::encode`]), its tag width ([`TagLayout::encode`]) and the address; or `0`
+/// and why it has no endpoint.
+fn published(opened: &std::result::Result<Opened, String>) -> Vec<u8> {
     match opened {
-        Ok((_, provider, cutting, addr)) => {
-            let name = &provider.as_bytes()[..provider.len().min(255)];
+        Ok(o) => {
+            let name = &o.provider.as_bytes()[..o.provider.len().min(255)];
             let mut v = vec![1u8, name.len() as u8];
             v.extend_from_slice(name);
-            v.extend_from_slice(&cutting.encode());
-            v.extend_from_slice(addr);
+            v.extend_from_slice(&o.cutting.encode());
+            v.push(o.tags.encode());
+            v.extend_from_slice(&o.addr);
             v
         }
         Err(why) => {
@@ -110,6 +152,7 @@ fn published(opened: &std::result::Result<(Endpoint, String, Cutting, Vec<u8>), 
 struct Published<'a> {
     provider: &'a str,
     cutting: Cutting,
+    tags: TagLayout,
     addr: &'a [u8],
 }
 
@@ -121,14 +164,16 @@ fn parse(value: &[u8]) -> std::result::Result<Published<'_>, String> {
     match value.split_first() {
         Some((1, rest)) => {
             let (&n, rest) = rest.split_first().ok_or("it published an empty address")?;
-            if rest.len() < n as usize + Cutting::ENCODED_LEN {
+            if rest.len() < n as usize + Cutting::ENCODED_LEN + 1 {
                 return Err("it published a truncated address".into());
             }
             let (name, rest) = rest.split_at(n as usize);
-            let (cutting, addr) = rest.split_at(Cutting::ENCODED_LEN);
+            let (cutting, rest) = rest.split_at(Cutting::ENCODED_LEN);
+            let (&tags, addr) = rest.split_first().expect("checked above");
             Ok(Published {
                 provider: std::str::from_utf8(name).map_err(|_| "its provider name is not UTF-8")?,
                 cutting: Cutting::decode(cutting.try_into().expect("ENCODED_LEN bytes")),
+                tags: TagLayout::decode(tags).ok_or_else(|| format!("it published a tag width of {tags} bits"))?,
                 addr,
             })
         }
@@ -139,20 +184,23 @@ fn parse(value: &[u8]) -> std::result::Result<Published<'_>, String> {
 
 /// Opens this rank's endpoint over the group's TCP mesh `tcp` and inserts every peer's
 /// address (blocks until each has published, or the timeout).
-pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<OfiTransport> {
+pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config, local: Local) -> Result<OfiTransport> {
     let (rank, size) = (tcp.rank(), tcp.size());
-    let opened = shim::load().and_then(|lib| {
-        let (mut ep, provider, cutting) = open(&lib, config.socket_host.as_deref())?;
-        let addr = ep.name()?;
-        Ok((ep, provider, cutting, addr))
-    });
-    store.set(&Key::OfiAddress(rank).text(), &published(&opened))?;
-    let (mut ep, provider, cutting, own) = opened.map_err(|why| CommError::invalid(format!("rank {rank}: {why}")))?;
+    let opened = shim::load().and_then(|lib| open(&lib, config, local, rank));
+    let mine = published(&opened);
+    let values = match (&opened, rank) {
+        // A rank that has no endpoint only says why; rank 0 still gathers, for the others.
+        (Err(_), 1..) => {
+            store.set(&Key::OfiAddress(rank).text(), &mine)?;
+            Vec::new()
+        }
+        _ => all_published(store, rank, size, &mine, MAX_PUBLISHED, config.timeout)?,
+    };
+    let Opened { mut ep, provider, domain, cutting, tags, addr: own } = opened.map_err(|why| CommError::invalid(format!("rank {rank}: {why}")))?;
     let mut addrs = vec![u64::MAX; size];
-    for peer in (0..size).filter(|&p| p != rank) {
-        let value = store.get(&Key::OfiAddress(peer).text(), config.timeout).map_err(|e| rendezvous_error(rank, peer, e))?;
+    for (peer, value) in values.iter().enumerate().filter(|(p, _)| *p != rank) {
         let failed = |why: String| CommError::peer(format!("rank {rank} cannot reach rank {peer} over libfabric: {why}"));
-        let theirs = parse(&value).map_err(failed)?;
+        let theirs = parse(value).map_err(failed)?;
         if theirs.provider != provider {
             return Err(CommError::invalid(format!(
                 "the ranks use different libfabric providers: rank {peer} {:?}, rank {rank} {provider:?} (set FI_PROVIDER alike on every rank)",
@@ -166,9 +214,15 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<
                 theirs.cutting
             )));
         }
+        if theirs.tags != tags {
+            return Err(CommError::invalid(format!(
+                "the ranks lay libfabric tags out differently: rank {peer} {}, rank {rank} {tags} (set XCCL_RS_OFI_TAG_BITS alike on every rank)",
+                theirs.tags
+            )));
+        }
         addrs[peer] = ep.insert(theirs.addr, own.len()).map_err(failed)?;
     }
-    tracing::info!(rank, size, provider = %provider, cutting = %cutting, version = ?ep.lib().version, wait_fd = ep.wait_fd().is_some(), "xccl_rs OFI endpoint ready");
+    tracing::info!(rank, size, provider = %provider, domain = %domain, cutting = %cutting, tags = %tags, version = ?ep.lib().version, wait_fd = ep.wait_fd().is_some(), "xccl_rs OFI endpoint ready");
     Ok(OfiTransport {
         rank,
         size,
@@ -181,6 +235,7 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config) -> Result<
         broken: None,
         addrs,
         cutting,
+        tags,
         stash: (0..size).map(|_| Default::default()).collect(),
         spin: config.spin,
         provider,
@@ -196,8 +251,13 @@ mod tests {
         let mut value = vec![1, 3, b't', b'c', b'p'];
         let cutting = Cutting { piece: 16384, small_up_to: 16 << 20, largest: usize::MAX };
         value.extend_from_slice(&cutting.encode());
+        value.push(48);
         value.extend_from_slice(&[9, 9]);
-        assert_eq!(parse(&value), Ok(Published { provider: "tcp", cutting, addr: &[9u8, 9][..] }));
+        let tags = TagLayout::for_provider(0, Some(48)).unwrap();
+        assert_eq!(parse(&value), Ok(Published { provider: "tcp", cutting, tags, addr: &[9u8, 9][..] }));
+        let mut narrow = value.clone();
+        narrow[5 + Cutting::ENCODED_LEN] = 8;
+        assert!(parse(&narrow).unwrap_err().contains("8 bits"), "a tag width below the minimum");
         assert!(parse(&value[..20]).is_err(), "a cut rule");
         assert!(parse(&[1, 9, b't']).is_err());
         assert!(parse(&[]).is_err());

@@ -97,6 +97,7 @@ const char *xofi_info_domain(const struct fi_info *info) {
 }
 size_t xofi_info_max_msg_size(const struct fi_info *info) { return info->ep_attr->max_msg_size; }
 size_t xofi_info_rx_size(const struct fi_info *info) { return info->rx_attr ? info->rx_attr->size : 0; }
+uint64_t xofi_info_mem_tag_format(const struct fi_info *info) { return info->ep_attr->mem_tag_format; }
 
 /* One endpoint and what it needs; Rust owns it (xofi_close). */
 struct xofi_ep {
@@ -107,7 +108,11 @@ struct xofi_ep {
     struct fid_av *av;
     struct fid_ep *ep;
     int wait_fd; /* the CQ's file descriptor to poll, or -1 */
+    uint64_t tag_mask; /* the bits a tag may have (the provider's width, or narrower) */
 };
+
+/* A tag outside the endpoint's mask: returned by a post instead of handing it to the provider. */
+#define XOFI_EBADTAG 100000
 
 void xofi_close(struct xofi_ep *e) {
     if (!e) return;
@@ -132,16 +137,18 @@ void xofi_close(struct xofi_ep *e) {
 
 /*
  * Opens an endpoint of `info` (one element of xofi_getinfo's list): fabric, domain, a tagged
- * completion queue with a file descriptor to wait on where the provider has one, a table
- * address vector, the endpoint bound to both. NULL with the reason in `err` on failure.
+ * completion queue with a file descriptor to wait on where the provider has one and `want_fd`
+ * asks for it, a table address vector, the endpoint bound to both. NULL with the reason in
+ * `err` on failure.
  */
-struct xofi_ep *xofi_open(const struct fi_info *info, char *err, size_t err_len) {
+struct xofi_ep *xofi_open(const struct fi_info *info, int want_fd, char *err, size_t err_len) {
     struct xofi_ep *e = calloc(1, sizeof *e);
     if (!e) {
         snprintf(err, err_len, "out of memory");
         return NULL;
     }
     e->wait_fd = -1;
+    e->tag_mask = UINT64_MAX;
     e->info = lib.dupinfo(info);
     if (!e->info) {
         snprintf(err, err_len, "fi_dupinfo failed");
@@ -152,10 +159,10 @@ struct xofi_ep *xofi_open(const struct fi_info *info, char *err, size_t err_len)
     CHECK(lib.fabric(e->info->fabric_attr, &e->fabric, NULL), "fi_fabric");
     CHECK(fi_domain(e->fabric, e->info, &e->domain, NULL), "fi_domain");
     struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_TAGGED, .wait_obj = FI_WAIT_FD, .size = 0};
-    if (fi_cq_open(e->domain, &cq_attr, &e->cq, NULL) == 0) {
+    if (want_fd && fi_cq_open(e->domain, &cq_attr, &e->cq, NULL) == 0) {
         if (fi_control(&e->cq->fid, FI_GETWAIT, &e->wait_fd) != 0) e->wait_fd = -1;
     } else {
-        /* No file descriptor: the transport polls the queue and sleeps in short steps. */
+        /* No file descriptor (efa refuses FI_WAIT_FD): the transport busy-polls the queue. */
         cq_attr.wait_obj = FI_WAIT_NONE;
         CHECK(fi_cq_open(e->domain, &cq_attr, &e->cq, NULL), "fi_cq_open");
     }
@@ -186,12 +193,19 @@ int xofi_av_insert(struct xofi_ep *e, const void *addr, uint64_t *out) {
     return 0;
 }
 
+/* Sets the bits a tag may have; every post checks its tag against them, so that no tag the
+ * provider would refuse (cxi: -FI_EINVAL past 48 bits) or truncate reaches it. */
+void xofi_set_tag_mask(struct xofi_ep *e, uint64_t mask) { e->tag_mask = mask; }
+
 /* Posts a tagged send/receive; `context` (FI_CONTEXT2's 64 bytes, kept by the caller until the
- * completion) comes back in it. 0, -FI_EAGAIN (progress and retry) or another error. */
+ * completion) comes back in it. 0, -FI_EAGAIN (progress and retry), -XOFI_EBADTAG (a tag or
+ * ignore mask outside the endpoint's mask: never posted) or another error. */
 long xofi_tsend(struct xofi_ep *e, const void *buf, size_t len, uint64_t dest, uint64_t tag, void *context) {
+    if (tag & ~e->tag_mask) return -XOFI_EBADTAG;
     return fi_tsend(e->ep, buf, len, NULL, dest, tag, context);
 }
 long xofi_trecv(struct xofi_ep *e, void *buf, size_t len, uint64_t src, uint64_t tag, uint64_t ignore, void *context) {
+    if ((tag | ignore) & ~e->tag_mask) return -XOFI_EBADTAG;
     return fi_trecv(e->ep, buf, len, NULL, src, tag, ignore, context);
 }
 int xofi_cancel(struct xofi_ep *e, void *context) { return (int)fi_cancel(&e->ep->fid, context); }

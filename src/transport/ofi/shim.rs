@@ -20,6 +20,8 @@ pub const FI_ECANCELED: i32 = 125;
 pub const FI_ENODATA: c_int = 61;
 /// FI_EINVAL: an invalid argument.
 pub const FI_EINVAL: c_int = 22;
+/// The shim's own code (shim.c XOFI_EBADTAG): a tag outside the endpoint's mask, not posted.
+const XOFI_EBADTAG: c_long = 100000;
 
 /// libfabric's opaque `struct fi_info`.
 #[repr(C)]
@@ -62,11 +64,13 @@ unsafe extern "C" {
     fn xofi_info_domain(info: *const FiInfo) -> *const c_char;
     fn xofi_info_max_msg_size(info: *const FiInfo) -> usize;
     fn xofi_info_rx_size(info: *const FiInfo) -> usize;
-    fn xofi_open(info: *const FiInfo, err: *mut c_char, err_len: usize) -> *mut RawEndpoint;
+    fn xofi_info_mem_tag_format(info: *const FiInfo) -> u64;
+    fn xofi_open(info: *const FiInfo, want_fd: c_int, err: *mut c_char, err_len: usize) -> *mut RawEndpoint;
     fn xofi_close(ep: *mut RawEndpoint);
     fn xofi_wait_fd(ep: *const RawEndpoint) -> c_int;
     fn xofi_manual_progress(ep: *const RawEndpoint) -> c_int;
     fn xofi_name(ep: *mut RawEndpoint, buf: *mut c_void, len: *mut usize) -> c_int;
+    fn xofi_set_tag_mask(ep: *mut RawEndpoint, mask: u64);
     fn xofi_av_insert(ep: *mut RawEndpoint, addr: *const c_void, out: *mut u64) -> c_int;
     fn xofi_tsend(ep: *mut RawEndpoint, buf: *const c_void, len: usize, dest: u64, tag: u64, context: *mut c_void) -> c_long;
     fn xofi_trecv(ep: *mut RawEndpoint, buf: *mut c_void, len: usize, src: u64, tag: u64, ignore: u64, context: *mut c_void) -> c_long;
@@ -155,6 +159,8 @@ pub struct Info<'a> {
     pub max_msg_size: usize,
     /// How many receives the endpoint holds posted at once.
     pub rx_size: usize,
+    /// The provider's tag format: its highest set bit is the highest tag bit it matches.
+    pub mem_tag_format: u64,
     _list: std::marker::PhantomData<&'a InfoList>,
 }
 
@@ -165,15 +171,16 @@ impl InfoList {
         while !p.is_null() {
             // SAFETY: `p` is an element of the list fi_getinfo returned, alive until drop; the
             // accessors return strings owned by it (copied here) or plain numbers.
-            let (provider, domain, max_msg_size, rx_size) = unsafe {
+            let (provider, domain, max_msg_size, rx_size, mem_tag_format) = unsafe {
                 (
                     CStr::from_ptr(xofi_info_provider(p)).to_string_lossy().into_owned(),
                     CStr::from_ptr(xofi_info_domain(p)).to_string_lossy().into_owned(),
                     xofi_info_max_msg_size(p),
                     xofi_info_rx_size(p),
+                    xofi_info_mem_tag_format(p),
                 )
             };
-            out.push(Info { ptr: p, provider, domain, max_msg_size, rx_size, _list: std::marker::PhantomData });
+            out.push(Info { ptr: p, provider, domain, max_msg_size, rx_size, mem_tag_format, _list: std::marker::PhantomData });
             // SAFETY: as above.
             p = unsafe { xofi_info_next(p) };
         }
@@ -194,6 +201,8 @@ impl Drop for InfoList {
 pub struct Endpoint {
     raw: *mut RawEndpoint,
     lib: Library,
+    /// The bits a tag may have ([`set_tag_mask`](Self::set_tag_mask)), for errors.
+    tag_mask: u64,
 }
 
 // SAFETY: the endpoint is opened with FI_THREAD_DOMAIN and used by one thread at a time (it
@@ -208,15 +217,17 @@ pub enum Posted {
 }
 
 impl Endpoint {
-    pub fn open(lib: &Library, info: &Info<'_>) -> std::result::Result<Endpoint, String> {
+    /// Opens an endpoint of `info`, whose completion queue has a file descriptor to sleep on
+    /// where the provider offers one and `want_fd` asks for it.
+    pub fn open(lib: &Library, info: &Info<'_>, want_fd: bool) -> std::result::Result<Endpoint, String> {
         let mut err = [0 as c_char; 512];
         // SAFETY: `info.ptr` is alive (borrowed from its list); `err` is writable of its length.
-        let raw = unsafe { xofi_open(info.ptr, err.as_mut_ptr(), err.len()) };
+        let raw = unsafe { xofi_open(info.ptr, want_fd as c_int, err.as_mut_ptr(), err.len()) };
         if raw.is_null() {
             // SAFETY: the shim wrote a NUL-terminated message into `err`.
             return Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned());
         }
-        Ok(Endpoint { raw, lib: *lib })
+        Ok(Endpoint { raw, lib: *lib, tag_mask: u64::MAX })
     }
 
     pub fn lib(&self) -> &Library {
@@ -258,10 +269,19 @@ impl Endpoint {
         Ok(out)
     }
 
-    fn posted(&self, rc: c_long, what: &str) -> std::result::Result<Posted, String> {
+    /// Limits every later post to tags within `mask` (the layout's: tags.rs); a post outside
+    /// it fails without reaching the provider.
+    pub fn set_tag_mask(&mut self, mask: u64) {
+        // SAFETY: `raw` is open until drop; the shim only stores the mask.
+        unsafe { xofi_set_tag_mask(self.raw, mask) };
+        self.tag_mask = mask;
+    }
+
+    fn posted(&self, rc: c_long, what: &str, tag: u64) -> std::result::Result<Posted, String> {
         match rc {
             0 => Ok(Posted::Yes),
             r if r == -FI_EAGAIN => Ok(Posted::Busy),
+            r if r == -XOFI_EBADTAG => Err(format!("{what}: tag {tag:#x} has bits outside the endpoint's tag mask {:#x} (not posted)", self.tag_mask)),
             r => Err(format!("{what} failed: {}", self.lib.strerror(r))),
         }
     }
@@ -274,7 +294,7 @@ impl Endpoint {
     pub unsafe fn tsend(&mut self, buf: *const u8, len: usize, dest: u64, tag: u64, context: *mut c_void) -> std::result::Result<Posted, String> {
         // SAFETY: the caller's contract.
         let rc = unsafe { xofi_tsend(self.raw, buf.cast(), len, dest, tag, context) };
-        self.posted(rc, "fi_tsend")
+        self.posted(rc, "fi_tsend", tag)
     }
 
     /// Posts a tagged receive into `len` bytes at `buf`.
@@ -285,7 +305,7 @@ impl Endpoint {
     pub unsafe fn trecv(&mut self, buf: *mut u8, len: usize, src: u64, tag: u64, context: *mut c_void) -> std::result::Result<Posted, String> {
         // SAFETY: the caller's contract.
         let rc = unsafe { xofi_trecv(self.raw, buf.cast(), len, src, tag, 0, context) };
-        self.posted(rc, "fi_trecv")
+        self.posted(rc, "fi_trecv", tag)
     }
 
     /// Asks the provider to stop the operation posted with `context` (best effort: it then

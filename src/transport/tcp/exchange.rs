@@ -427,8 +427,13 @@ impl TcpTransport {
     /// these connections: waits up to `wait_ms` (0: only looks) for one of `extra` to become
     /// readable or a peer's connection to have something, without blocking longer. Fails if a
     /// peer sent an abort (or a timeout notice), or if a peer with `involved[peer]` set has
-    /// closed its connection; an uninvolved peer's close is remembered for later.
+    /// closed its connection; an uninvolved peer's close is remembered for later. An involved
+    /// peer without a link gets one, made on first use as this transport's own links are, so
+    /// that its abort or death ends the wait; the links peers dial are taken here too.
     pub fn watch_control(&mut self, involved: &[bool], extra: &[RawFd], wait_ms: i32, ctx: &OpCtx) -> Result<ControlWatch> {
+        for (p, _) in involved.iter().enumerate().filter(|(_, i)| **i) {
+            self.want_link(p);
+        }
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.size + extra.len());
         let mut owners = Vec::with_capacity(self.size);
         for p in 0..self.size {
@@ -443,9 +448,12 @@ impl TcpTransport {
             owners.push(p);
         }
         fds.extend(extra.iter().filter(|&&fd| fd >= 0).map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }));
+        let watched = fds.len();
+        let wait_ms = self.push_link_fds(&mut fds).map_or(wait_ms, |wake| wait_ms.min(ms_until(wake)));
         socket::poll(&mut fds, wait_ms).map_err(|e| CommError::io(format!("{}: poll failed: {e}", ctx.describe())))?;
+        self.progress_links(&fds, ctx)?;
         let mut watch = ControlWatch { extra_ready: false };
-        for (i, fd) in fds.iter().enumerate() {
+        for (i, fd) in fds[..watched].iter().enumerate() {
             if fd.revents == 0 {
                 continue;
             }
