@@ -141,7 +141,11 @@ impl Fabric {
         let tcp = listening.connect(&spec, &eager)?;
         let net: Box<dyn Transport> = match config.transport {
             TransportChoice::Ofi => {
-                let local = host_map.as_ref().map_or(ofi::Local { rank: 0, size: 1 }, |m| ofi::Local { rank: m.local_index(rank), size: m.ranks(m.host_of(rank)).len() });
+                // Which of its host's ranks this one is: each local rank takes its own NIC.
+                let local = match host_map.as_ref() {
+                    Some(m) => ofi::Local { rank: m.local_index(rank), size: m.ranks(m.host_of(rank)).len() },
+                    None => ofi::Local { rank: 0, size: 1 },
+                };
                 Box::new(ofi::connect(store, tcp, config, local)?)
             }
             TransportChoice::Auto | TransportChoice::Tcp => Box::new(tcp),

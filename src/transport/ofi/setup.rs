@@ -7,13 +7,13 @@
 
 use super::OfiTransport;
 use super::cutting::Cutting;
+use super::gather::all_published;
 use super::held::Held;
 use super::nic::{self, Candidate, Wanted};
 use super::shim::{self, Endpoint, Info, Library};
 use super::tags::TagLayout;
 use crate::config::Config;
 use crate::error::{CommError, Result};
-use super::gather::all_published;
 use crate::keys::Key;
 use crate::rendezvous::Store;
 use crate::transport::Transport;
