@@ -94,6 +94,7 @@ fn child() {
         "dead_peer" => dead_peer(),
         "dead_peer_off_the_rails" => dead_peer_off_the_rails(),
         "fault_cycles" => fault_cycles(),
+        "endpoints_outlive_their_groups" => endpoints_outlive_their_groups(),
         other => panic!("no case {other}"),
     }
     println!("case passed");
@@ -439,6 +440,36 @@ fn dead_peer_off_the_rails() {
     });
 }
 
+/// Groups in a row reuse their ranks' endpoints (a generation later each time), and a message
+/// that one group sent but never received does not reach the next group on the same
+/// endpoints: rank 1 sends rank 0 a message that rank 0 never asks for, both end the group,
+/// and the next group's message with the same tag and sequence number arrives, not the old.
+fn endpoints_outlive_their_groups() {
+    use xccl_rs::transport::ofi::pool;
+    pool::release_idle();
+    for (round, expect_idle) in [(0u64, vec![0, 0]), (1, vec![1, 1]), (2, vec![2, 2])] {
+        let cfgs = (0..2).map(|r| ofi_config(Duration::from_secs(20), ["p", "q"][r])).collect();
+        spawn_ranks_with(MemoryStore::new(), cfgs, LIMIT, move |rank, comm, barrier| {
+            if rank == 1 {
+                run_ok(&comm, vec![send_to(0, 7, DType::UInt8, buf(&mut pattern(1, 100 + round, 300)))], "the message");
+            } else {
+                let mut got = vec![0u8; 300];
+                run_ok(&comm, vec![recv_from(1, 7, DType::UInt8, buf(&mut got))], "receive");
+                assert!(got == pattern(1, 100 + round, 300), "round {round}: rank 0 received another group's message");
+            }
+            // A second message that rank 0 never receives, left in its endpoint's queue.
+            if rank == 1 {
+                run_ok(&comm, vec![send_to(0, 7, DType::UInt8, buf(&mut pattern(1, 999, 300)))], "the stray message");
+            }
+            barrier.wait();
+        });
+        let mut idle = pool::idle_generations();
+        idle.sort_unstable();
+        assert_eq!(idle, expect_idle, "round {round}: the idle endpoints' generations");
+    }
+    pool::release_idle();
+}
+
 /// This process's open descriptors, threads and resident memory (bytes), after the allocator
 /// has given back what it keeps of freed memory.
 fn process_usage() -> (usize, usize, usize) {
@@ -593,6 +624,12 @@ fn a_size_mismatch_fails_every_rank() {
 #[test]
 fn a_dead_peer_fails_every_rank_naming_it() {
     in_child("dead_peer", TCP_RXM);
+}
+
+#[test]
+fn endpoints_outlive_their_groups_and_no_message_crosses_to_the_next() {
+    in_child("endpoints_outlive_their_groups", TCP_RXM);
+    in_child_with("endpoints_outlive_their_groups", TCP_RXM, &[("XCCL_RS_OFI_TAG_BITS", "20")]);
 }
 
 #[test]

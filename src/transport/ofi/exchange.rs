@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use super::OfiTransport;
 use super::header::{HEADER_LEN, Header};
+use super::pool::{self, Pooled};
 use super::shim::{Completion, Endpoint, FI_ETRUNC, Posted};
 use crate::error::{CommError, Result};
 use crate::transport::{Direction, MessageId, OpCtx, Transfer, Transport, check_message};
@@ -437,8 +438,8 @@ impl Transport for OfiTransport {
         let mut outbox = vec![[0u8; HEADER_LEN]; transfers.len()];
         let mut inbox = vec![[0u8; HEADER_LEN]; transfers.len()];
         let mut list = Vec::with_capacity(transfers.len() * 2);
-        let header_tag = self.tags.header();
         for (t, tr) in transfers.iter().enumerate() {
+            let header_tag = self.header_tag(tr.peer, tr.dir);
             let post = |role, send, ptr: *mut u8, len, tag| Post { role, peer: tr.peer, send, ptr, len, tag, state: State::Waiting };
             match tr.dir {
                 Direction::Send => {
@@ -465,7 +466,7 @@ impl Transport for OfiTransport {
             for (at, len) in self.cutting.pieces(tr.buf.len()) {
                 // SAFETY: `at + len` is within the transfer's buffer (Cutting::pieces).
                 let ptr = unsafe { tr.buf.ptr().add(at) };
-                list.push(post(role, tr.dir == Direction::Send, ptr, len, self.tags.payload(&tr.id)));
+                list.push(post(role, tr.dir == Direction::Send, ptr, len, self.payload_tag(tr.peer, tr.dir, &tr.id)));
             }
         }
         let mut posts = Posts::new(list);
@@ -473,6 +474,7 @@ impl Transport for OfiTransport {
         if posts.outstanding > 0 {
             self.reclaim(&mut posts, ctx);
         }
+        self.failed |= result.is_err();
         result
     }
 
@@ -481,7 +483,9 @@ impl Transport for OfiTransport {
         if let Some(e) = self.held.failed.take() {
             return Err(e);
         }
-        self.probe(accept, ctx)
+        let result = self.probe(accept, ctx);
+        self.failed |= result.is_err();
+        result
     }
 
     fn abort(&mut self, ctx: &OpCtx, message: &str) {
@@ -497,8 +501,14 @@ impl Transport for OfiTransport {
         if !self.aborted {
             self.deliver_held(self.linger);
         }
+        let clean = !self.aborted && !self.failed && self.held.is_empty() && self.withdraw_lookaheads();
         // Sends still in flight (a peer gone, a link down) are what closing may crash on.
         match self.ep.take() {
+            Some(ep) if clean => {
+                let generation = self.generations[self.rank];
+                let pooled = Pooled { ep, key: self.key.clone(), generation, known: std::mem::take(&mut self.known) };
+                pool::give_back(pooled, self.tags.generations());
+            }
             Some(ep) if !self.held.is_empty() => ep.abandon(),
             ep => drop(ep),
         }

@@ -133,7 +133,7 @@ impl OfiTransport {
         for tr in transfers {
             let post = |ptr: *mut u8, len, tag| Post { role: Role::Send, peer: tr.peer, send: true, ptr, len, tag, state: State::Waiting };
             let mut header = Box::new(Header { id: tr.id, payload_len: tr.buf.len() as u64 }.encode());
-            list.push(post(header.as_mut_ptr(), HEADER_LEN, self.tags.header()));
+            list.push(post(header.as_mut_ptr(), HEADER_LEN, self.header_tag(tr.peer, Direction::Send)));
             headers.push(header);
             if !tr.buf.is_empty() {
                 // SAFETY: the transfer's buffer is valid for its length for the whole phase (the
@@ -141,7 +141,7 @@ impl OfiTransport {
                 let mut copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(tr.buf.ptr(), tr.buf.len()) }.into();
                 for (at, len) in self.cutting.pieces(copy.len()) {
                     // SAFETY: `at + len` is within the copy (Cutting::pieces).
-                    list.push(post(unsafe { copy.as_mut_ptr().add(at) }, len, self.tags.payload(&tr.id)));
+                    list.push(post(unsafe { copy.as_mut_ptr().add(at) }, len, self.payload_tag(tr.peer, Direction::Send, &tr.id)));
                 }
                 payloads.push(copy);
                 bytes.push((tr.peer, tr.buf.len()));

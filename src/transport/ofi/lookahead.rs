@@ -9,12 +9,19 @@
 //! there instead of posting its own (it would otherwise match the header after); the receives
 //! after it, in the same phase or later, post their own, each matching the header after.
 
+use std::time::{Duration, Instant};
+
 use super::OfiTransport;
 use super::exchange::{Context, Waiting};
 use super::header::{HEADER_LEN, Header};
 use super::shim::{Completion, FI_ECANCELED, Posted};
 use crate::error::{CommError, Result};
-use crate::transport::{MessageId, OpCtx};
+use crate::transport::{Direction, MessageId, OpCtx};
+use crate::types::OpKind;
+
+/// How long the group's end waits for its cancelled look-aheads before it closes the endpoint
+/// rather than reuse it.
+const WITHDRAW: Duration = Duration::from_millis(200);
 
 /// One posted look-ahead: its buffer and context, boxed so that they stay where libfabric was
 /// told they are until it completes.
@@ -51,6 +58,33 @@ impl OfiTransport {
         }
     }
 
+    /// At the group's end: cancels every posted look-ahead and reads the queue until each is
+    /// back (cancelled, or completed by a header that came meanwhile), for a short while.
+    /// Whether none is left posted: only then may the endpoint serve another group (pool.rs).
+    pub(super) fn withdraw_lookaheads(&mut self) -> bool {
+        let Some(ep) = self.ep.as_mut() else { return false };
+        for l in self.lookahead.iter_mut().flatten() {
+            // SAFETY: this look-ahead is posted on this endpoint and not yet completed (a
+            // completed one leaves `self.lookahead`).
+            unsafe { ep.cancel(l.context.as_mut_ptr().cast()) };
+        }
+        let ctx = OpCtx { op: OpKind::RecvAnySource, seq: 0, rank: self.rank, deadline: Instant::now(), timeout: Duration::ZERO, abort: None };
+        let until = Instant::now() + WITHDRAW;
+        let mut done = [Completion::default(); 32];
+        while self.lookahead.iter().any(Option::is_some) && Instant::now() < until {
+            let Some(Ok(n)) = self.ep.as_mut().map(|ep| ep.poll(&mut done)) else { return false };
+            for c in &done[..n] {
+                if self.complete_outside_phase(c, &ctx).is_err() {
+                    return false;
+                }
+            }
+            if n == 0 {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        self.lookahead.iter().all(Option::is_none)
+    }
+
     /// Whether the next receive from `peer` must take its header from the look-ahead.
     pub(super) fn awaits_lookahead(&self, peer: usize) -> bool {
         self.lookahead[peer].is_some()
@@ -60,7 +94,7 @@ impl OfiTransport {
     /// reading completions).
     fn post_lookahead(&mut self, peer: usize, ctx: &OpCtx) -> Result<bool> {
         let mut l = LookAhead { buf: Box::new([0u8; HEADER_LEN]), context: Box::new([0u64; 8]) };
-        let (dest, tag) = (self.addrs[peer], self.tags.header());
+        let (dest, tag) = (self.addrs[peer], self.header_tag(peer, Direction::Recv));
         let ep = self.endpoint(ctx)?;
         // SAFETY: the buffer and context are boxed and kept in `self.lookahead` (which drops
         // after the endpoint closes) until this receive completes.

@@ -30,21 +30,24 @@ pub mod header;
 mod held;
 mod lookahead;
 pub mod nic;
+pub mod pool;
 mod setup;
 pub mod shim;
 pub mod tags;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use cutting::Cutting;
 use header::Header;
 use held::Held;
 use lookahead::LookAhead;
+use pool::PoolKey;
 use shim::Endpoint;
 use tags::TagLayout;
 
 use crate::transport::tcp::TcpTransport;
+use crate::transport::{Direction, MessageId};
 pub use setup::{Local, connect};
 
 /// One rank's libfabric endpoint, its peers' addresses, and the TCP mesh for control.
@@ -73,6 +76,15 @@ pub struct OfiTransport {
     cutting: Cutting,
     /// How tags fit the provider's tag bits (tags.rs).
     tags: TagLayout,
+    /// The generation of every rank's endpoint (this rank's own at its index): tags to a rank
+    /// carry its generation (pool.rs).
+    generations: Vec<u32>,
+    /// What the endpoint was opened for, to give it back to the process's pool (pool.rs).
+    key: PoolKey,
+    /// Peers' addresses in the endpoint's address vector, with their handles.
+    known: HashMap<Vec<u8>, u64>,
+    /// A phase or probe of the group failed: its endpoint is not reused.
+    failed: bool,
     /// Headers that look-aheads received, per peer, for the receives to come.
     stash: Vec<VecDeque<Header>>,
     /// How long a wait polls the completion queue before it sleeps (XCCL_RS_SPIN_US).
@@ -85,5 +97,24 @@ impl OfiTransport {
     /// The libfabric provider this transport uses.
     pub fn provider(&self) -> &str {
         &self.provider
+    }
+
+    /// The generation that tags between this rank and `peer` carry in direction `dir`: the
+    /// receiving endpoint's.
+    fn generation(&self, peer: usize, dir: Direction) -> u32 {
+        match dir {
+            Direction::Send => self.generations[peer],
+            Direction::Recv => self.generations[self.rank],
+        }
+    }
+
+    /// The tag of a header sent to `peer` or received from it.
+    fn header_tag(&self, peer: usize, dir: Direction) -> u64 {
+        self.tags.header(self.generation(peer, dir))
+    }
+
+    /// The tag of the payload of `id` sent to `peer` or received from it.
+    fn payload_tag(&self, peer: usize, dir: Direction, id: &MessageId) -> u64 {
+        self.tags.payload(self.generation(peer, dir), id)
     }
 }

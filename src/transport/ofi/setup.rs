@@ -5,11 +5,14 @@
 //! when it could not open one, its error, so that its peers fail with that message at once
 //! rather than at the timeout.
 
+use std::collections::HashMap;
+
 use super::OfiTransport;
 use super::cutting::Cutting;
 use super::gather::all_published;
 use super::held::Held;
 use super::nic::{self, Candidate, Wanted};
+use super::pool::{self, PoolKey};
 use super::shim::{self, Endpoint, Info, Library};
 use super::tags::TagLayout;
 use crate::config::Config;
@@ -26,7 +29,7 @@ fn fi_provider() -> Option<String> {
     std::env::var("FI_PROVIDER").ok().filter(|v| !v.trim().is_empty())
 }
 
-/// An endpoint opened, with what its peers must agree on.
+/// An endpoint opened (or taken from the process's pool), with what its peers must agree on.
 struct Opened {
     ep: Endpoint,
     provider: String,
@@ -34,6 +37,11 @@ struct Opened {
     cutting: Cutting,
     tags: TagLayout,
     addr: Vec<u8>,
+    key: PoolKey,
+    /// The endpoint's generation (pool.rs), which peers put in their tags to it.
+    generation: u32,
+    /// Peers' addresses the endpoint has in its address vector already.
+    known: HashMap<Vec<u8>, u64>,
 }
 
 /// Where this rank sits on its host: its index among the group's ranks there, and their number.
@@ -99,14 +107,26 @@ fn open(lib: &Library, config: &Config, local: Local, rank: usize) -> std::resul
     Ok(opened)
 }
 
-/// Opens the endpoint of one entry of the provider list.
+/// The endpoint of one entry of the provider list: an idle one of the process's (pool.rs),
+/// else a new one.
 fn open_entry(lib: &Library, info: &Info<'_>, config: &Config) -> std::result::Result<Opened, String> {
     let tags = TagLayout::for_provider(info.mem_tag_format, config.ofi_tag_bits).map_err(|e| format!("libfabric provider {}: {e}", info.provider))?;
-    let mut ep = Endpoint::open(lib, info, config.ofi_wait_fd).map_err(|e| format!("libfabric provider {} (domain {}): {e}", info.provider, info.domain))?;
+    let key = PoolKey { provider: info.provider.clone(), domain: info.domain.clone(), wait_fd: config.ofi_wait_fd, tag_bits: tags.bits() };
+    let (mut ep, generation, known) = match pool::take(&key) {
+        Some(p) => {
+            tracing::debug!(provider = %key.provider, domain = %key.domain, generation = p.generation, "libfabric endpoint reused");
+            (p.ep, p.generation, p.known)
+        }
+        None => {
+            let ep = Endpoint::open(lib, info, config.ofi_wait_fd).map_err(|e| format!("libfabric provider {} (domain {}): {e}", info.provider, info.domain))?;
+            tracing::debug!(provider = %key.provider, domain = %key.domain, "libfabric endpoint opened");
+            (ep, 0, HashMap::new())
+        }
+    };
     ep.set_tag_mask(tags.mask());
     let cutting = Cutting::for_provider(&info.provider, info.max_msg_size, info.rx_size, |name| std::env::var(name).ok());
     let addr = ep.name()?;
-    Ok(Opened { ep, provider: info.provider.clone(), domain: info.domain.clone(), cutting, tags, addr })
+    Ok(Opened { ep, provider: info.provider.clone(), domain: info.domain.clone(), cutting, tags, addr, key, generation, known })
 }
 
 fn no_provider(lib: &Library, wanted: Option<&str>, found: &[String]) -> String {
@@ -126,8 +146,8 @@ fn no_provider(lib: &Library, wanted: Option<&str>, found: &[String]) -> String 
 }
 
 /// What a rank publishes: `1`, the provider's name length (one byte), the name, its cutting
-/// rule ([`Cutting::encode`]), its tag width ([`TagLayout::encode`]) and the address; or `0`
-/// and why it has no endpoint.
+/// rule ([`Cutting::encode`]), its tag width ([`TagLayout::encode`]), its endpoint's generation
+/// (one byte: at most 256 of them) and the address; or `0` and why it has no endpoint.
 fn published(opened: &std::result::Result<Opened, String>) -> Vec<u8> {
     match opened {
         Ok(o) => {
@@ -136,6 +156,7 @@ fn published(opened: &std::result::Result<Opened, String>) -> Vec<u8> {
             v.extend_from_slice(name);
             v.extend_from_slice(&o.cutting.encode());
             v.push(o.tags.encode());
+            v.push(o.generation as u8);
             v.extend_from_slice(&o.addr);
             v
         }
@@ -153,6 +174,7 @@ struct Published<'a> {
     provider: &'a str,
     cutting: Cutting,
     tags: TagLayout,
+    generation: u32,
     addr: &'a [u8],
 }
 
@@ -164,16 +186,21 @@ fn parse(value: &[u8]) -> std::result::Result<Published<'_>, String> {
     match value.split_first() {
         Some((1, rest)) => {
             let (&n, rest) = rest.split_first().ok_or("it published an empty address")?;
-            if rest.len() < n as usize + Cutting::ENCODED_LEN + 1 {
+            if rest.len() < n as usize + Cutting::ENCODED_LEN + 2 {
                 return Err("it published a truncated address".into());
             }
             let (name, rest) = rest.split_at(n as usize);
             let (cutting, rest) = rest.split_at(Cutting::ENCODED_LEN);
-            let (&tags, addr) = rest.split_first().expect("checked above");
+            let (&[tags, generation], addr) = rest.split_first_chunk::<2>().expect("checked above");
+            let tags = TagLayout::decode(tags).ok_or_else(|| format!("it published a tag width of {tags} bits"))?;
+            if generation as u32 >= tags.generations() {
+                return Err(format!("it published generation {generation}, of {} its tags hold", tags.generations()));
+            }
             Ok(Published {
                 provider: std::str::from_utf8(name).map_err(|_| "its provider name is not UTF-8")?,
                 cutting: Cutting::decode(cutting.try_into().expect("ENCODED_LEN bytes")),
-                tags: TagLayout::decode(tags).ok_or_else(|| format!("it published a tag width of {tags} bits"))?,
+                tags,
+                generation: generation as u32,
                 addr,
             })
         }
@@ -196,8 +223,9 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config, local: Loc
         }
         _ => all_published(store, rank, size, &mine, MAX_PUBLISHED, config.timeout)?,
     };
-    let Opened { mut ep, provider, domain, cutting, tags, addr: own } = opened.map_err(|why| CommError::invalid(format!("rank {rank}: {why}")))?;
+    let Opened { mut ep, provider, domain, cutting, tags, addr: own, key, generation, mut known } = opened.map_err(|why| CommError::invalid(format!("rank {rank}: {why}")))?;
     let mut addrs = vec![u64::MAX; size];
+    let mut generations = vec![generation; size];
     for (peer, value) in values.iter().enumerate().filter(|(p, _)| *p != rank) {
         let failed = |why: String| CommError::peer(format!("rank {rank} cannot reach rank {peer} over libfabric: {why}"));
         let theirs = parse(value).map_err(failed)?;
@@ -220,9 +248,17 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config, local: Loc
                 theirs.tags
             )));
         }
-        addrs[peer] = ep.insert(theirs.addr, own.len()).map_err(failed)?;
+        addrs[peer] = match known.get(theirs.addr) {
+            Some(&handle) => handle,
+            None => {
+                let handle = ep.insert(theirs.addr, own.len()).map_err(failed)?;
+                known.insert(theirs.addr.to_vec(), handle);
+                handle
+            }
+        };
+        generations[peer] = theirs.generation;
     }
-    tracing::info!(rank, size, provider = %provider, domain = %domain, cutting = %cutting, tags = %tags, version = ?ep.lib().version, wait_fd = ep.wait_fd().is_some(), "xccl_rs OFI endpoint ready");
+    tracing::info!(rank, size, provider = %provider, domain = %domain, cutting = %cutting, tags = %tags, generation, version = ?ep.lib().version, wait_fd = ep.wait_fd().is_some(), "xccl_rs OFI endpoint ready");
     Ok(OfiTransport {
         rank,
         size,
@@ -236,6 +272,10 @@ pub fn connect(store: &dyn Store, tcp: TcpTransport, config: &Config, local: Loc
         addrs,
         cutting,
         tags,
+        generations,
+        key,
+        known,
+        failed: false,
         stash: (0..size).map(|_| Default::default()).collect(),
         spin: config.spin,
         provider,
@@ -252,9 +292,14 @@ mod tests {
         let cutting = Cutting { piece: 16384, small_up_to: 16 << 20, largest: usize::MAX };
         value.extend_from_slice(&cutting.encode());
         value.push(48);
+        value.push(3);
         value.extend_from_slice(&[9, 9]);
         let tags = TagLayout::for_provider(0, Some(48)).unwrap();
-        assert_eq!(parse(&value), Ok(Published { provider: "tcp", cutting, tags, addr: &[9u8, 9][..] }));
+        assert_eq!(parse(&value), Ok(Published { provider: "tcp", cutting, tags, generation: 3, addr: &[9u8, 9][..] }));
+        let mut spent = value.clone();
+        spent[5 + Cutting::ENCODED_LEN] = 20;
+        spent[6 + Cutting::ENCODED_LEN] = 16;
+        assert!(parse(&spent).unwrap_err().contains("generation 16"), "a generation past the layout's");
         let mut narrow = value.clone();
         narrow[5 + Cutting::ENCODED_LEN] = 8;
         assert!(parse(&narrow).unwrap_err().contains("8 bits"), "a tag width below the minimum");

@@ -7,14 +7,17 @@
 //! `MPIR_CVAR_CH4_OFI_TAG_BITS` does, so that tests run the narrow layouts on any provider.
 //! Of a width of `W` bits:
 //!
-//! - bit `W-1` marks a *header* message (header.rs); a header's tag has no other bit;
-//! - the next [`OP_BITS`] bits hold the op code (OpKind's, below 16), so that a payload of one
-//!   kind of op never fills a receive of another (point-to-point messages count their own
-//!   sequence, apart from the collectives');
-//! - the `W-1-OP_BITS` bits below hold the op's sequence number, wrapping around.
+//! - bit `W-1` marks a *header* message (header.rs);
+//! - the next `G` bits hold the receiving endpoint's *generation* (pool.rs: an endpoint serves
+//!   one group after another, each a generation later, so that a message sent to an earlier
+//!   group never matches a later group's receive); `G` is 8 from 28 bits up, 4 at 20;
+//! - for a payload, the next [`OP_BITS`] bits hold the op code (OpKind's, below 16), so that a
+//!   payload of one kind of op never fills a receive of another (point-to-point messages count
+//!   their own sequence, apart from the collectives'), and the bits below the op's sequence
+//!   number, wrapping around; a header has none of these.
 //!
 //! Why wrap-around cannot swap two messages: two payloads between one pair share a tag only if
-//! their sequence numbers differ by a multiple of `2^(W-1-OP_BITS)` (at 20 bits, 32768 ops
+//! their sequence numbers differ by a multiple of `2^(W-1-G-OP_BITS)` (at 20 bits, 2048 ops
 //! apart). The provider matches a pair's messages of one tag in the order they were sent
 //! (FI_ORDER_SAS, asked for at set-up), and a receiver posts its receives in sequence order, the
 //! order its peer sends them in: so the earlier op's message always meets the earlier receive,
@@ -23,10 +26,13 @@
 
 use crate::transport::MessageId;
 
-/// The narrowest layout accepted: the header bit, the op code and 11 bits of sequence number.
+/// The narrowest layout accepted: the header bit, 2 bits of generation, the op code and 9 bits
+/// of sequence number.
 pub const MIN_BITS: u32 = 16;
 /// Bits of the op code: OpKind's codes are below 16.
 pub const OP_BITS: u32 = 4;
+/// The most bits of generation a layout takes.
+const MAX_GENERATION_BITS: u32 = 8;
 
 /// How this transport's tags use the provider's tag bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,20 +68,37 @@ impl TagLayout {
         u64::MAX >> (64 - self.bits)
     }
 
-    /// The tag of every header message.
-    pub fn header(&self) -> u64 {
-        1 << (self.bits - 1)
+    fn generation_bits(&self) -> u32 {
+        ((self.bits - 12) / 2).min(MAX_GENERATION_BITS)
+    }
+
+    /// How many generations an endpoint can serve before a tag would repeat: pool.rs closes
+    /// an endpoint rather than reuse it past that.
+    pub fn generations(&self) -> u32 {
+        1 << self.generation_bits()
     }
 
     fn seq_bits(&self) -> u32 {
-        self.bits - 1 - OP_BITS
+        self.bits - 1 - self.generation_bits() - OP_BITS
     }
 
-    /// The tag of the payload of message `id`: its op code above the low bits of its sequence
-    /// number (wrapping, see the module's comment).
-    pub fn payload(&self, id: &MessageId) -> u64 {
+    /// The generation field of a tag for an endpoint of `generation` (below
+    /// [`generations`](Self::generations)).
+    fn generation_field(&self, generation: u32) -> u64 {
+        debug_assert!(generation < self.generations());
+        (generation as u64 & (self.generations() as u64 - 1)) << (self.bits - 1 - self.generation_bits())
+    }
+
+    /// The tag of a header message to an endpoint of `generation`.
+    pub fn header(&self, generation: u32) -> u64 {
+        1 << (self.bits - 1) | self.generation_field(generation)
+    }
+
+    /// The tag of the payload of message `id` to an endpoint of `generation`: its op code above
+    /// the low bits of its sequence number (wrapping, see the module's comment).
+    pub fn payload(&self, generation: u32, id: &MessageId) -> u64 {
         let seq_bits = self.seq_bits();
-        ((id.op as u64 & ((1 << OP_BITS) - 1)) << seq_bits) | (id.seq & ((1 << seq_bits) - 1))
+        self.generation_field(generation) | ((id.op as u64 & ((1 << OP_BITS) - 1)) << seq_bits) | (id.seq & ((1 << seq_bits) - 1))
     }
 
     /// What a rank publishes so that its peers check they use the same layout.
@@ -97,7 +120,7 @@ fn provider_bits(mem_tag_format: u64) -> u32 {
 
 impl std::fmt::Display for TagLayout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} tag bits (header bit, {OP_BITS} op bits, {} sequence bits)", self.bits, self.seq_bits())
+        write!(f, "{} tag bits (header bit, {} generation bits, {OP_BITS} op bits, {} sequence bits)", self.bits, self.generation_bits(), self.seq_bits())
     }
 }
 
@@ -127,21 +150,30 @@ mod tests {
     fn every_tag_fits_the_width_and_headers_never_meet_payloads() {
         let largest_op = (0..=u8::MAX).filter(|&c| OpKind::from_code(c).is_some()).max().unwrap();
         assert!((largest_op as u32) < (1 << OP_BITS), "an op code does not fit the tag's op field");
-        for bits in [16, 20, 48, 64] {
+        for (bits, generations) in [(16, 4), (20, 16), (28, 256), (48, 256), (64, 256)] {
             let l = TagLayout::for_provider(0, Some(bits)).unwrap();
-            assert_eq!(l.header() & !l.mask(), 0);
-            for op in 0..=largest_op {
-                for seq in [0, 1, (1 << 11) - 1, 1 << 40, u64::MAX] {
-                    let t = l.payload(&MessageId { op, seq, ..MessageId::default() });
-                    assert_eq!(t & !l.mask(), 0, "{bits} bits: op {op} seq {seq}");
-                    assert_eq!(t & l.header(), 0, "{bits} bits: a payload tag with the header bit");
+            assert_eq!(l.generations(), generations, "{bits} bits");
+            let last = generations - 1;
+            for g in [0, 1, last] {
+                assert_eq!(l.header(g) & !l.mask(), 0);
+                assert_ne!(l.header(g) & (1 << (bits - 1)), 0, "a header has the header bit");
+                for op in 0..=largest_op {
+                    for seq in [0, 1, (1 << 9) - 1, 1 << 40, u64::MAX] {
+                        let t = l.payload(g, &MessageId { op, seq, ..MessageId::default() });
+                        assert_eq!(t & !l.mask(), 0, "{bits} bits: op {op} seq {seq}");
+                        assert_eq!(t & (1 << (bits - 1)), 0, "{bits} bits: a payload tag with the header bit");
+                    }
                 }
             }
-            // Consecutive ops, and the same sequence number of different ops, differ.
-            let tag = |op, seq| l.payload(&MessageId { op, seq, ..MessageId::default() });
-            assert_ne!(tag(0, 5), tag(0, 6));
-            assert_ne!(tag(OpKind::Send as u8, 5), tag(OpKind::AllReduce as u8, 5));
-            assert_eq!(tag(0, 3), tag(0, 3 + (1 << l.seq_bits())), "wraps after 2^seq_bits ops");
+            // Consecutive ops, the same sequence number of different ops, and the same message
+            // to different generations differ; a header differs from every payload.
+            let tag = |g, op, seq| l.payload(g, &MessageId { op, seq, ..MessageId::default() });
+            assert_ne!(tag(0, 0, 5), tag(0, 0, 6));
+            assert_ne!(tag(0, OpKind::Send as u8, 5), tag(0, OpKind::AllReduce as u8, 5));
+            assert_ne!(tag(0, 0, 5), tag(1, 0, 5));
+            assert_ne!(tag(last, 0, 5), tag(0, 0, 5));
+            assert_ne!(l.header(0), l.header(1));
+            assert_eq!(tag(1, 0, 3), tag(1, 0, 3 + (1 << l.seq_bits())), "wraps after 2^seq_bits ops");
             assert_eq!(TagLayout::decode(l.encode()), Some(l));
         }
         assert_eq!(TagLayout::decode(8), None);
