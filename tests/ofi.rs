@@ -94,6 +94,7 @@ fn child() {
         "dead_peer" => dead_peer(),
         "dead_peer_off_the_rails" => dead_peer_off_the_rails(),
         "fault_cycles" => fault_cycles(),
+        "send_in_flight_when_its_phase_fails" => send_in_flight_when_its_phase_fails(),
         "endpoints_outlive_their_groups" => endpoints_outlive_their_groups(),
         other => panic!("no case {other}"),
     }
@@ -338,6 +339,38 @@ fn more_messages_than_receives() {
         run_ok(&comm, vec![o], "alltoall of 16 MiB per pair");
         for (s, got) in outs.iter().enumerate() {
             assert!(*got == pattern(s * 16 + rank, 7, len), "alltoall: wrong message from rank {s} on rank {rank}");
+        }
+    });
+}
+
+/// A send that the provider still holds when its phase fails: rank 0 sends 40 MiB (one
+/// message, which `ofi_rxm` moves by rendezvous: the receiver reads it from the sender's
+/// memory) to rank 1, which does not ask for it before rank 0's timeout. Before its op returns,
+/// rank 0 cancels the send and reads it back, or gives its endpoint up (never read again) if
+/// the provider keeps it (`ofi_rxm` 1.17 gives it back); rank 0 then frees the buffer and
+/// fills the memory it gets next. Rank 1's receive, posted
+/// later, must fail (rank 0's abort), never complete with whatever the freed memory holds, and
+/// rank 0's next op must fail naming why.
+fn send_in_flight_when_its_phase_fails() {
+    let cfgs = (0..2).map(|r| ofi_config(Duration::from_secs(3), ["p", "q"][r])).collect();
+    spawn_ranks_with(MemoryStore::new(), cfgs, LIMIT, move |rank, comm, _| {
+        let n = 40 << 20;
+        if rank == 0 {
+            let mut out = pattern(0, 5, n);
+            let e = run(&comm, vec![send_to(1, 5, DType::UInt8, buf(&mut out))]).expect_err("rank 1 does not receive in time");
+            assert!(e.message.contains("rank 1") || e.message.contains("timed out"), "rank 0: {}", e.message);
+            drop(out);
+            let refill = vec![0xEEu8; n];
+            let mut again = vec![0u8; 8];
+            let e = run(&comm, vec![send_to(1, 6, DType::UInt8, buf(&mut again))]).expect_err("the group failed");
+            assert!(!e.message.is_empty(), "rank 0's next op");
+            drop(refill);
+        } else {
+            std::thread::sleep(Duration::from_secs(5)); // past rank 0's timeout and its reclaim
+            let mut got = vec![0u8; n];
+            let r = run(&comm, vec![recv_from(0, 5, DType::UInt8, buf(&mut got))]);
+            assert!(r.is_err(), "rank 1 received a message whose sender had given it up");
+            assert!(!got.contains(&0xEE), "rank 1's buffer holds rank 0's freed memory");
         }
     });
 }
@@ -630,6 +663,11 @@ fn a_dead_peer_fails_every_rank_naming_it() {
 fn endpoints_outlive_their_groups_and_no_message_crosses_to_the_next() {
     in_child("endpoints_outlive_their_groups", TCP_RXM);
     in_child_with("endpoints_outlive_their_groups", TCP_RXM, &[("XCCL_RS_OFI_TAG_BITS", "20")]);
+}
+
+#[test]
+fn a_send_the_provider_still_holds_when_its_phase_fails_is_never_read_after() {
+    in_child("send_in_flight_when_its_phase_fails", TCP_RXM);
 }
 
 #[test]
