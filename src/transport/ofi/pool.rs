@@ -12,7 +12,8 @@
 //! phase, no abort. Anything else closes it, or gives it up (exchange.rs), as before.
 //!
 //! One idle endpoint is kept per provider, domain and setting (several where ranks of one
-//! process, as in tests, end groups together), at most [`MAX_IDLE`] in all.
+//! process, as in tests, end groups together), at most [`MAX_IDLE`] in all. A process forked
+//! from one that kept idle endpoints never takes them: their sockets are its parent's too.
 
 use std::collections::HashMap;
 
@@ -43,15 +44,26 @@ pub struct Pooled {
     pub known: HashMap<Vec<u8>, u64>,
 }
 
-static IDLE: Mutex<Vec<Pooled>> = Mutex::new(Vec::new());
+/// Idle endpoints, with the process that gave each back.
+static IDLE: Mutex<Vec<(u32, Pooled)>> = Mutex::new(Vec::new());
 
 /// An idle endpoint for `key`, its generation already advanced for the new group.
 pub fn take(key: &PoolKey) -> Option<Pooled> {
     let mut idle = IDLE.lock();
-    let at = idle.iter().position(|p| p.key == *key)?;
-    let mut p = idle.swap_remove(at);
+    forget_inherited(&mut idle);
+    let at = idle.iter().position(|(_, p)| p.key == *key)?;
+    let (_, mut p) = idle.swap_remove(at);
     p.generation += 1;
     Some(p)
+}
+
+/// Drops, without closing them, endpoints a parent process gave back before it forked this one:
+/// closing them here would close connections the parent still uses.
+fn forget_inherited(idle: &mut Vec<(u32, Pooled)>) {
+    let me = std::process::id();
+    for (_, p) in idle.extract_if(.., |(pid, _)| *pid != me) {
+        std::mem::forget(p);
+    }
 }
 
 /// Gives back the endpoint of a group that ended cleanly, unless its generations are spent
@@ -61,18 +73,21 @@ pub fn give_back(p: Pooled, generations: u32) {
         return;
     }
     let mut idle = IDLE.lock();
+    forget_inherited(&mut idle);
     if idle.len() >= MAX_IDLE {
         idle.remove(0);
     }
-    idle.push(p);
+    idle.push((std::process::id(), p));
 }
 
 /// The generations of the idle endpoints, oldest first (tests).
 pub fn idle_generations() -> Vec<u32> {
-    IDLE.lock().iter().map(|p| p.generation).collect()
+    IDLE.lock().iter().map(|(_, p)| p.generation).collect()
 }
 
 /// Closes every idle endpoint (tests).
 pub fn release_idle() {
-    IDLE.lock().clear();
+    let mut idle = IDLE.lock();
+    forget_inherited(&mut idle);
+    idle.clear();
 }
