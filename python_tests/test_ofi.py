@@ -314,3 +314,20 @@ def test_two_receives_from_a_peer_left_with_a_look_ahead(tmp_path):
     for rank, (rc, out) in enumerate(_run(tmp_path, ["a", "b", "c"], {"FI_PROVIDER": "tcp;ofi_rxm"}, worker=LOOKAHEAD)):
         assert rc == 0 and "DONE" in out, f"rank {rank}:\n{out}"
     assert time.monotonic() - started < 60, "the ranks waited for a timeout"
+
+
+@pytest.mark.parametrize("domain", ["lo", "no_such_nic"])
+def test_xccl_rs_ofi_domain_picks_the_nic_or_fails_every_rank(tmp_path, domain):
+    """XCCL_RS_OFI_DOMAIN names the libfabric domain (NIC) each local rank opens: `lo` is one
+    that tcp;ofi_rxm has here (and that it would pass over by itself); a name it lacks ends
+    every rank's script at set-up with an error naming the variable and the domains there are."""
+    if why := _libfabric_missing():
+        pytest.skip(why)
+    env = {"FI_PROVIDER": "tcp;ofi_rxm", "XCCL_RS_LOG": "info", "XCCL_RS_OFI_DOMAIN": domain}
+    for rank, (rc, out) in enumerate(_run(tmp_path, ["a", "b"], env)):
+        if domain == "lo":
+            assert rc == 0 and "DONE" in out, f"rank {rank}:\n{out}"
+            assert "domain=lo" in out and "XCCL_RS_OFI_DOMAIN entry 0" in out, f"rank {rank}:\n{out}"
+        else:
+            assert rc == 3, f"rank {rank} exited {rc}:\n{out}"
+            assert 'XCCL_RS_OFI_DOMAIN names "no_such_nic"' in out and '"lo"' in out, f"rank {rank}:\n{out}"

@@ -100,6 +100,7 @@ pub fn choose(list: &[Candidate], provider: &str, wanted: &Wanted<'_>) -> Result
             domains.push(&list[i].domain);
         }
     }
+    let every_domain = domains.clone();
     if domains.len() > 1 {
         domains.retain(|d| *d != "lo");
     }
@@ -108,7 +109,7 @@ pub fn choose(list: &[Candidate], provider: &str, wanted: &Wanted<'_>) -> Result
     if !wanted.domains.is_empty() {
         let name = wanted.domains[slot % wanted.domains.len()].as_str();
         if !entries.iter().any(|&i| list[i].domain == name) {
-            return Err(format!("XCCL_RS_OFI_DOMAIN names {name:?} for local rank {slot}, but provider {provider} has the domains {domains:?}"));
+            return Err(format!("XCCL_RS_OFI_DOMAIN names {name:?} for local rank {slot}, but provider {provider} has the domains {every_domain:?}"));
         }
         return Ok(Chosen { index: first_of(name), why: format!("XCCL_RS_OFI_DOMAIN entry {} for local rank {slot}", slot % wanted.domains.len()) });
     }
@@ -274,5 +275,7 @@ mod tests {
         let bad = ["mlx5_9".to_string()];
         let e = choose(&list, "efa", &Wanted { domains: &bad, ..wanted(0, 1) }).unwrap_err();
         assert!(e.contains("XCCL_RS_OFI_DOMAIN") && e.contains("mlx5_9") && e.contains("rdmap0-rdm"), "{e}");
+        let e = choose(&list, "tcp;ofi_rxm", &Wanted { domains: &bad, ..wanted(0, 1) }).unwrap_err();
+        assert!(e.contains("\"ens5\", \"lo\""), "loopback is listed too: {e}");
     }
 }
