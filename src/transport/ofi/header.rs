@@ -1,7 +1,8 @@
 //! The header message: before each payload a sender sends, on the header tag, what the payload
 //! is ([`MessageId`] and its length), so that the receiver checks it in full, as TCP's frame
-//! header lets it; the payload itself travels on the message's own tag (tags.rs). Headers between a pair match in send order (FI_ORDER_SAS), so the
-//! k-th header a rank receives from a peer describes the k-th payload that peer sent it.
+//! header lets it; the payload itself travels on the message's own tag (tags.rs). Headers
+//! between a pair match in send order (FI_ORDER_SAS), so the k-th header a rank receives from a
+//! peer describes the k-th payload that peer sent it.
 
 use crate::transport::MessageId;
 
