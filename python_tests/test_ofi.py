@@ -254,7 +254,7 @@ def test_a_message_sent_just_before_its_sender_exits_is_received(tmp_path):
 
 LOOKAHEAD = textwrap.dedent(
     """
-    import sys
+    import sys, time
     from datetime import timedelta
     import torch, torch.distributed as dist
     import xccl_rs
@@ -267,14 +267,15 @@ LOOKAHEAD = textwrap.dedent(
 
     try:
         # The issue's pattern: rank 0 receives tag 8 from any source (rank 1 sends it), which
-        # leaves a look-ahead posted to rank 2; rank 2 then sends two tensors in one batch.
+        # leaves a look-ahead posted to rank 2; rank 2 then sends two tensors in one batch. (No
+        # collective between: its message from rank 2 would take the look-ahead.)
         if rank == 1:
             dist.send(msg(1, 8, 16), dst=0, tag=8)
         elif rank == 0:
             got = torch.empty(16)
             assert dist.recv(got, src=None, tag=8) == 1 and torch.equal(got, msg(1, 8, 16))
-        dist.barrier()
         if rank == 2:
+            time.sleep(1)  # rank 0's look-ahead is posted by then
             ops = [dist.P2POp(dist.isend, msg(2, t, 5000 * (t - 29)), 0, tag=t) for t in (30, 31)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
