@@ -1,16 +1,18 @@
 //! The OFI transport: messages between ranks over libfabric, for the fabrics TCP cannot use
 //! well (verbs, EFA, CXI, PSM3) and, through libfabric's `tcp` provider, anywhere.
 //!
-//! It carries data only. A group that asks for it (`XCCL_RS_TRANSPORT=ofi`) still builds the
-//! TCP mesh first, with its authenticated handshake (tcp/handshake.rs): set-up, abort frames and
-//! the detection of a dead peer stay there, and this transport owns that [`TcpTransport`] and
-//! watches its connections while it waits. Terms:
+//! It carries data only. A group that asks for it (`XCCL_RS_TRANSPORT=ofi`) still links over
+//! TCP first, to the same eager peers as without it, with its authenticated handshake
+//! (tcp/handshake.rs): abort frames and the detection of a dead peer stay there, and this
+//! transport owns that [`TcpTransport`] and watches its connections while it waits, linking any
+//! other peer it waits for on first use. Terms:
 //!
 //! - *endpoint*: one reliable unconnected libfabric endpoint (FI_EP_RDM) per rank, with tagged
 //!   messages and a completion queue that our progress thread reads (libfabric's manual
-//!   progress: nothing moves unless we read it). Peers' addresses come through the Store
-//!   (setup.rs) into the endpoint's address vector, one entry per rank, so any subset of the
-//!   group can talk;
+//!   progress: nothing moves unless we read it), on the provider and domain nic.rs chooses.
+//!   Peers' addresses come through the Store (setup.rs, gather.rs) into the endpoint's address
+//!   vector, one entry per rank, so any subset of the group can talk. A group that ends cleanly
+//!   leaves its endpoint to its process's next group, a *generation* later (pool.rs);
 //! - *header* and *payload*: each transfer is a 40-byte header on the header tag, which the
 //!   receiver checks like TCP's frame header, then the payload on the message's tag, both
 //!   within the provider's tag width (tags.rs), straight from and into the algorithm's buffers
