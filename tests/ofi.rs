@@ -549,9 +549,10 @@ fn fault_cycles() {
         }
     }
     // Allocators and libfabric's caches settle in the first cycles: the last third against the
-    // second. Descriptors and threads by their most; memory by its median, since the allocator
-    // sometimes keeps a freed endpoint's buffers (about 33 MiB each) past the trim, for a cycle
-    // or two: a leak raises the median, such a spike does not.
+    // second. Descriptors and threads by their most (an endpoint leaked per cycle adds its
+    // sockets every cycle); memory by its median, with a margin of one endpoint's buffers
+    // (about 33 MiB): the process keeps up to 4 idle endpoints and the allocator sometimes keeps
+    // a freed one's buffers past the trim, while a leak per cycle adds that much every cycle.
     let third = cycles / 3;
     let most = |w: &[(usize, usize, usize)]| w.iter().fold((0, 0), |m, u| (m.0.max(u.0), m.1.max(u.1)));
     let median_rss = |w: &[(usize, usize, usize)]| {
@@ -563,7 +564,7 @@ fn fault_cycles() {
     assert!(most(after).0 <= most(before).0, "descriptors grew from {} to {}", most(before).0, most(after).0);
     assert!(most(after).1 <= most(before).1, "threads grew from {} to {}", most(before).1, most(after).1);
     let (rss_before, rss_after) = (median_rss(before), median_rss(after));
-    assert!(rss_after <= rss_before + (8 << 20), "resident memory grew from {rss_before} to {rss_after} bytes (medians)");
+    assert!(rss_after <= rss_before + (40 << 20), "resident memory grew from {rss_before} to {rss_after} bytes (medians)");
 }
 
 const TCP_RXM: &str = "tcp;ofi_rxm";
