@@ -366,7 +366,7 @@ fn send_in_flight_when_its_phase_fails() {
             assert!(!e.message.is_empty(), "rank 0's next op");
             drop(refill);
         } else {
-            std::thread::sleep(Duration::from_secs(5)); // past rank 0's timeout and its reclaim
+            std::thread::sleep(Duration::from_secs(7)); // well past rank 0's timeout and its reclaim
             let mut got = vec![0u8; n];
             let r = run(&comm, vec![recv_from(0, 5, DType::UInt8, buf(&mut got))]);
             assert!(r.is_err(), "rank 1 received a message whose sender had given it up");
