@@ -422,6 +422,54 @@ impl Transport for OfiTransport {
     }
 
     fn exchange(&mut self, transfers: &[Transfer], ctx: &OpCtx) -> Result<()> {
+        let result = self.exchange_phase(transfers, ctx);
+        self.failed |= result.is_err();
+        result
+    }
+
+    fn probe_any(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, ctx: &OpCtx) -> Result<usize> {
+        self.endpoint(ctx)?;
+        let result = match self.held.failed.take() {
+            Some(e) => Err(e),
+            None => self.probe(accept, ctx),
+        };
+        self.failed |= result.is_err();
+        result
+    }
+
+    fn abort(&mut self, ctx: &OpCtx, message: &str) {
+        self.aborted = true;
+        self.tcp.abort(ctx, message);
+    }
+
+    fn progress(&mut self) -> Option<Duration> {
+        self.progress_held()
+    }
+
+    fn close(&mut self) {
+        if !self.aborted {
+            self.deliver_held(self.linger);
+        }
+        let clean = !self.aborted && !self.failed && self.held.is_empty() && self.withdraw_lookaheads();
+        // Sends still in flight (a peer gone, a link down) are what closing may crash on.
+        match self.ep.take() {
+            Some(ep) if clean => {
+                let generation = self.generations[self.rank];
+                let pooled = Pooled { ep, key: self.key.clone(), generation, known: std::mem::take(&mut self.known) };
+                pool::give_back(pooled, self.tags.generations());
+            }
+            Some(ep) if !self.held.is_empty() => ep.abandon(),
+            ep => drop(ep),
+        }
+        self.held.clear();
+        self.lookahead.iter_mut().for_each(|l| *l = None);
+        self.tcp.close();
+    }
+}
+
+impl OfiTransport {
+    /// One phase of `exchange`: held, or posted and run to its end.
+    fn exchange_phase(&mut self, transfers: &[Transfer], ctx: &OpCtx) -> Result<()> {
         self.endpoint(ctx)?;
         if let Some(e) = self.held.failed.take() {
             return Err(e);
@@ -474,51 +522,9 @@ impl Transport for OfiTransport {
         if posts.outstanding > 0 {
             self.reclaim(&mut posts, ctx);
         }
-        self.failed |= result.is_err();
         result
     }
 
-    fn probe_any(&mut self, accept: &dyn Fn(usize, &MessageId) -> bool, ctx: &OpCtx) -> Result<usize> {
-        self.endpoint(ctx)?;
-        if let Some(e) = self.held.failed.take() {
-            return Err(e);
-        }
-        let result = self.probe(accept, ctx);
-        self.failed |= result.is_err();
-        result
-    }
-
-    fn abort(&mut self, ctx: &OpCtx, message: &str) {
-        self.aborted = true;
-        self.tcp.abort(ctx, message);
-    }
-
-    fn progress(&mut self) -> Option<Duration> {
-        self.progress_held()
-    }
-
-    fn close(&mut self) {
-        if !self.aborted {
-            self.deliver_held(self.linger);
-        }
-        let clean = !self.aborted && !self.failed && self.held.is_empty() && self.withdraw_lookaheads();
-        // Sends still in flight (a peer gone, a link down) are what closing may crash on.
-        match self.ep.take() {
-            Some(ep) if clean => {
-                let generation = self.generations[self.rank];
-                let pooled = Pooled { ep, key: self.key.clone(), generation, known: std::mem::take(&mut self.known) };
-                pool::give_back(pooled, self.tags.generations());
-            }
-            Some(ep) if !self.held.is_empty() => ep.abandon(),
-            ep => drop(ep),
-        }
-        self.held.clear();
-        self.lookahead.iter_mut().for_each(|l| *l = None);
-        self.tcp.close();
-    }
-}
-
-impl OfiTransport {
     /// A transfer this transport can carry: to another rank of the group.
     fn check_transfer(&self, tr: &Transfer, ctx: &OpCtx) -> Result<()> {
         if tr.peer >= self.size || tr.peer == self.rank {
