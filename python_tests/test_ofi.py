@@ -317,18 +317,35 @@ def test_two_receives_from_a_peer_left_with_a_look_ahead(tmp_path):
     assert time.monotonic() - started < 60, "the ranks waited for a timeout"
 
 
-@pytest.mark.parametrize("domain", ["lo", "no_such_nic"])
-def test_xccl_rs_ofi_domain_picks_the_nic_or_fails_every_rank(tmp_path, domain):
+def test_xccl_rs_ofi_domain_opens_the_nic_it_names(tmp_path):
     """XCCL_RS_OFI_DOMAIN names the libfabric domain (NIC) each local rank opens: `lo` is one
-    that tcp;ofi_rxm has here (and that it would pass over by itself); a name it lacks ends
-    every rank's script at set-up with an error naming the variable and the domains there are."""
+    that tcp;ofi_rxm has here, and that it would pass over by itself."""
     if why := _libfabric_missing():
         pytest.skip(why)
-    env = {"FI_PROVIDER": "tcp;ofi_rxm", "XCCL_RS_LOG": "info", "XCCL_RS_OFI_DOMAIN": domain}
+    env = {"FI_PROVIDER": "tcp;ofi_rxm", "XCCL_RS_LOG": "info", "XCCL_RS_OFI_DOMAIN": "lo"}
     for rank, (rc, out) in enumerate(_run(tmp_path, ["a", "b"], env)):
-        if domain == "lo":
-            assert rc == 0 and "DONE" in out, f"rank {rank}:\n{out}"
-            assert "domain=lo" in out and "XCCL_RS_OFI_DOMAIN entry 0" in out, f"rank {rank}:\n{out}"
-        else:
-            assert rc == 3, f"rank {rank} exited {rc}:\n{out}"
-            assert 'XCCL_RS_OFI_DOMAIN names "no_such_nic"' in out and '"lo"' in out, f"rank {rank}:\n{out}"
+        assert rc == 0 and "DONE" in out, f"rank {rank}:\n{out}"
+        assert "domain=lo" in out and "XCCL_RS_OFI_DOMAIN entry 0" in out, f"rank {rank}:\n{out}"
+
+
+NO_SUCH_DOMAIN = """
+import os
+rank = int(os.environ["RANK"])
+os.environ.update(XCCL_RS_TRANSPORT="ofi", FI_PROVIDER="tcp;ofi_rxm", XCCL_RS_HOST_ID="ab"[rank], XCCL_RS_OFI_DOMAIN="no_such_nic")
+import torch, torch.distributed as dist, xccl_rs
+dist.init_process_group("xccl_rs")
+dist.all_reduce(torch.ones(10))  # the exception ends the script
+"""
+
+
+def test_a_domain_the_provider_lacks_ends_every_rank_at_set_up(tmp_path):
+    """Run by torchrun with the exception uncaught, every rank exits 1, naming the variable and
+    the domains the provider has (loopback among them)."""
+    if why := _libfabric_missing():
+        pytest.skip(why)
+    from test_script_exit import assert_clean_exit, torchrun_each_rank
+
+    results, _ = torchrun_each_rank(tmp_path, NO_SUCH_DOMAIN, 2, wait_for=[0, 1])
+    assert_clean_exit(results, "a domain the provider lacks")
+    for rank, (_, out) in results.items():
+        assert 'XCCL_RS_OFI_DOMAIN names "no_such_nic"' in out and '"lo"' in out, f"rank {rank}:\n{out[-4000:]}"
